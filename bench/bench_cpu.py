@@ -1,0 +1,171 @@
+"""CPU benchmark: sitsd vs Hugging Face transformers on the embedded SmolLM2-135M-Instruct.
+
+Measured in one run, on this machine, same weights (the GGUF, dequantized to float32), same
+prompts (chat template applied), greedy, every request generating exactly NEW_TOKENS tokens:
+
+1. batch 1: decode tokens/s (after the first token) and end-to-end tokens/s;
+2. 16 concurrent requests: aggregate output tokens/s over the wall time;
+
+beside transformers' `generate` (batch 1, and the 16 requests one after another, and the 16
+as one left-padded batch). sitsd runs its real engine (scheduler, paged KV cache, sampler,
+detokenizer, the asyncio bridge), in process, without gRPC. Medians of REPEATS runs.
+
+    make bench-cpu        # or: .venv/bin/python bench/bench_cpu.py [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sitsd.config import CacheConfig, SitsdConfig
+from sitsd.engine.builder import launch_engine
+from sitsd.types import SamplingParams
+from sitsd.weights import load_checkpoint, resolve_model_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 17 times 23?",
+    "Name three prime numbers.",
+    "How do airplanes fly?",
+    "Give me a tip for learning Python.",
+    "What causes rain?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "What is a black hole?",
+    "Suggest a name for a bakery.",
+    "How do vaccines work?",
+    "What is the tallest mountain?",
+    "Translate 'good morning' into Spanish.",
+    "What is machine learning?",
+]
+
+
+def prompts_ids(tokenizer) -> list[list[int]]:
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
+
+
+async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    cfg = SitsdConfig(cache=CacheConfig(kv_cache_memory=512 * 2**20))
+    engine = await launch_engine(cfg)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(ids: list[int]) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        first = None
+        async for _ in engine.add_request(ids, params):
+            first = first or time.perf_counter()
+        return t0, first, time.perf_counter()
+
+    await one(prompts[0])  # warm-up
+    decode, e2e, agg = [], [], []
+    for _ in range(repeats):
+        t0, first, end = await one(prompts[0])
+        decode.append((new_tokens - 1) / (end - first))
+        e2e.append(new_tokens / (end - t0))
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        agg.append(len(prompts) * new_tokens / (time.perf_counter() - t0))
+    await engine.shutdown(1.0)
+    return {
+        "decode": statistics.median(decode),
+        "e2e": statistics.median(e2e),
+        "concurrent": statistics.median(agg),
+    }
+
+
+def hf_runs(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+    def generate(batch: list[list[int]], n: int) -> float:
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == width + n
+        return time.perf_counter() - t0
+
+    generate([prompts[0]], 8)  # warm-up
+    decode, e2e = [], []
+    for _ in range(repeats):
+        t_first = generate([prompts[0]], 1)
+        t_all = generate([prompts[0]], new_tokens)
+        decode.append((new_tokens - 1) / (t_all - t_first))
+        e2e.append(new_tokens / t_all)
+    sequential = len(prompts) * new_tokens / sum(generate([p], new_tokens) for p in prompts)
+    batched = statistics.median(
+        len(prompts) * new_tokens / generate(prompts, new_tokens) for _ in range(repeats)
+    )
+    return {
+        "decode": statistics.median(decode),
+        "e2e": statistics.median(e2e),
+        "sequential": sequential,
+        "batched": batched,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    path = resolve_model_path("default")
+    prompts = prompts_ids(load_checkpoint(path, load_tensors=False).tokenizer)
+    print(
+        f"model {path.name}, {len(prompts)} prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, {args.new_tokens} new tokens each, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    s = asyncio.run(sitsd_runs(prompts, args.new_tokens, args.repeats))
+    h = hf_runs(path, prompts, args.new_tokens, args.repeats)
+    rows = [
+        ("batch 1, decode tok/s", s["decode"], h["decode"], "transformers generate, batch 1"),
+        ("batch 1, end-to-end tok/s", s["e2e"], h["e2e"], "transformers generate, batch 1"),
+        (
+            "16 concurrent, aggregate tok/s",
+            s["concurrent"],
+            h["sequential"],
+            "transformers generate, the 16 one by one",
+        ),
+        (
+            "16 concurrent, aggregate tok/s",
+            s["concurrent"],
+            h["batched"],
+            "transformers generate, one padded batch of 16",
+        ),
+    ]
+    print(f"\n{'measure':<32}{'sitsd':>9}{'peer':>9}{'ratio':>8}  peer")
+    for name, ours, peer, what in rows:
+        print(f"{name:<32}{ours:>9.1f}{peer:>9.1f}{ours / peer:>7.2f}x  {what}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""The daemon's gRPC front end.
+
+`server` assembles a `grpc.aio` server: the `Inference` servicer (`inference`), the `Admin`
+servicer (`admin`), health and reflection, and the interceptors (`interceptors`: admin auth and
+the one mapping from engine exceptions to gRPC statuses). `convert` turns proto messages into
+`sitsd.types` and back. The engine itself is `sitsd.engine`'s business; these modules only
+translate, validate what the proto cannot express, and stream.
+"""

@@ -1,0 +1,252 @@
+"""The `sitsd.api.v1.Inference` servicer: Generate, Tokenize, ListModels.
+
+Generate turns a request into prompt token ids (text, token ids, or chat messages rendered with
+the model's chat template) and `SamplingParams`, hands them to the engine, and streams one
+response per engine delta. Whatever ends the call early (client cancellation, a passed deadline,
+a failure) aborts the request in the engine, so its KV blocks are freed at once.
+
+`EngineRef` holds the engine the servicers talk to: the server starts before the model is loaded
+and the daemon attaches the engine once it is warm. Scheduling, sampling and range checks of the
+sampling parameters are the engine's; exception -> status mapping is `interceptors`'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import grpc.aio
+
+from sitsd.api import convert
+from sitsd.api.interceptors import status_for_finish
+from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
+from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
+from sitsd.engine.outputs import EngineStatus, ModelInfo
+from sitsd.types import RequestDelta, SamplingParams, Tier
+
+
+class TokenizerLike(Protocol):
+    """What the API needs of a tokenizer (`sitsd.weights.Tokenizer`)."""
+
+    has_chat_template: bool
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class RequestStreamLike(Protocol):
+    """An engine request's stream of deltas (`sitsd.engine.async_engine.RequestStream`)."""
+
+    req_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
+
+    def abort(self, reason: str = ...) -> None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class EngineLike(Protocol):
+    """What the API needs of the engine (`sitsd.engine.async_engine.AsyncEngine`)."""
+
+    model_info: ModelInfo
+    tokenizer: Any  # a TokenizerLike; Any so tokenizers with richer signatures fit
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        req_id: str | None = None,
+        tier: Tier | None = None,
+        deadline: float | None = None,
+        trace_context: object | None = None,
+    ) -> RequestStreamLike: ...
+
+    def status(self) -> EngineStatus: ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+
+class EngineRef:
+    """The engine the servicers use, attached once warm, and where the daemon is in its life."""
+
+    def __init__(self) -> None:
+        self.started_at = time.monotonic()
+        self._engine: EngineLike | None = None
+        self._draining = False
+
+    def attach(self, engine: EngineLike) -> None:
+        """Serve requests with `engine` from now on."""
+        self._engine = engine
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (UNAVAILABLE); in-flight ones continue."""
+        self._draining = True
+
+    @property
+    def engine(self) -> EngineLike | None:
+        return self._engine
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def state(self) -> str:
+        """ "loading", "serving" or "draining"."""
+        if self._draining:
+            return "draining"
+        return "loading" if self._engine is None else "serving"
+
+    def get(self) -> EngineLike:
+        """The engine, for a new request.
+
+        Raises:
+            EngineStoppedError: still loading, or shutting down.
+        """
+        if self._draining:
+            raise EngineStoppedError("the daemon is shutting down; retry on another replica")
+        if self._engine is None:
+            raise EngineStoppedError("the model is still loading; retry when health is SERVING")
+        return self._engine
+
+
+def check_model(requested: str, info: ModelInfo) -> None:
+    """Raise `ModelNotFoundError` unless `requested` is empty or the served model's name."""
+    if requested and requested != info.name:
+        raise ModelNotFoundError(
+            f"model: {requested!r} is not served here; this daemon serves {info.name!r}"
+        )
+
+
+def encode_chat(tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages) -> list[int]:
+    """Render `chat` with the model's template (plus the assistant prompt) and tokenize it."""
+    if not chat.messages:
+        raise InvalidRequestError("chat", "at least one message is needed")
+    if not tokenizer.has_chat_template:
+        raise InvalidRequestError("chat", "the model has no chat template; send a text prompt")
+    try:
+        text = tokenizer.apply_chat_template(
+            convert.chat_messages_from_proto(chat), add_generation_prompt=True
+        )
+    except ValueError as exc:  # sitsd.weights.ChatTemplateError: the template refused them
+        raise InvalidRequestError("chat", str(exc)) from exc
+    # The template writes the special tokens (BOS, role markers) itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(
+    tokenizer: TokenizerLike,
+    kind: str | None,
+    message: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
+    vocab_size: int,
+) -> list[int]:
+    """Token ids of the prompt oneof `kind` ("text", "token_ids" or "chat") of `message`.
+
+    Raises:
+        InvalidRequestError: the prompt is missing or empty, or a token id is out of range.
+    """
+    if kind == "text":
+        if not message.text:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return tokenizer.encode(message.text, add_special_tokens=True)
+    if kind == "token_ids" and isinstance(message, inference_pb2.GenerateRequest):
+        ids = list(message.token_ids.ids)
+        check_token_ids("token_ids", ids, vocab_size)
+        return ids
+    if kind == "chat":
+        return encode_chat(tokenizer, message.chat)
+    raise InvalidRequestError("prompt", "the request has no prompt")
+
+
+def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise `InvalidRequestError` naming `field_name` if a token id is not in the vocabulary."""
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            field_name, f"token ids must be in [0, {vocab_size}), got {bad[0]}"
+        )
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Serves `sitsd.api.v1.Inference` with the engine in an `EngineRef`."""
+
+    def __init__(self, engines: EngineRef, *, max_tokens_default: int) -> None:
+        """Args:
+        engines: where the engine is (or will be).
+        max_tokens_default: the completion length when a request sets no max_tokens.
+        """
+        self._engines = engines
+        self._max_tokens_default = max_tokens_default
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        engine = self._engines.get()
+        info = engine.model_info
+        check_model(request.model, info)
+        prompt_ids = encode_prompt(
+            engine.tokenizer, request.WhichOneof("prompt"), request, info.vocab_size
+        )
+        check_token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size)
+        params = convert.sampling_params_from_proto(
+            request,
+            num_prompt_tokens=len(prompt_ids),
+            max_model_len=info.max_model_len,
+            max_tokens_default=self._max_tokens_default,
+        )
+        remaining = context.time_remaining()
+        stream = engine.add_request(
+            prompt_ids,
+            params,
+            req_id=request.request_id or None,
+            tier=convert.tier_from_proto(request.tier),
+            deadline=None if remaining is None else time.monotonic() + remaining,
+        )
+        try:
+            async for delta in stream:
+                failure = status_for_finish(
+                    delta, draining=self._engines.draining, deadline_passed=_expired(context)
+                )
+                if failure is not None:
+                    await context.abort(*failure)
+                yield convert.delta_to_response(delta, model=info.name)
+        finally:
+            # Reached on cancellation, a passed deadline or any failure too: the engine must
+            # stop the request and free its blocks. A no-op for a finished stream.
+            if not stream.finished:
+                reason = "deadline exceeded" if _expired(context) else "cancelled by the client"
+                stream.abort(reason)
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        engine = self._engines.get()
+        info = engine.model_info
+        check_model(request.model, info)
+        token_ids = encode_prompt(
+            engine.tokenizer, request.WhichOneof("input"), request, info.vocab_size
+        )
+        return inference_pb2.TokenizeResponse(
+            token_ids=token_ids, num_tokens=len(token_ids), model=info.name
+        )
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        engine = self._engines.engine
+        if engine is None:
+            raise EngineStoppedError("the model is still loading; retry when health is SERVING")
+        return inference_pb2.ListModelsResponse(models=[convert.model_card(engine.model_info)])
+
+
+def _expired(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0

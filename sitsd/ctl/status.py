@@ -1,0 +1,72 @@
+"""`sitsctl status`: the daemon's state, requests, KV cache and weights version (Admin.Status).
+
+Human-readable by default, `--json` for scripts. Needs the admin token (`sitsd.ctl.client`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sitsd.api.v1 import admin_pb2
+from sitsd.ctl.client import Client, to_json
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "status",
+        help="show the daemon's state (needs the admin token)",
+        description="Show the daemon's state (Admin.Status).",
+    )
+    parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.set_defaults(run=run_status)
+
+
+def run_status(args: argparse.Namespace, client: Client) -> int:
+    response = client.admin.Status(
+        admin_pb2.StatusRequest(), metadata=client.admin_metadata(), timeout=client.unary_timeout
+    )
+    if args.json:
+        print(to_json(response))
+    else:
+        print(format_status(response))
+    return 0
+
+
+def format_status(status: admin_pb2.StatusResponse) -> str:
+    """The status as aligned `name  value` lines."""
+    state = admin_pb2.DaemonState.Name(status.state).removeprefix("DAEMON_STATE_").lower()
+    used, total = status.num_blocks_used, status.num_blocks_total
+    queries, hits = status.prefix_cache_queries, status.prefix_cache_hits
+    rows = [
+        ("state", state),
+        ("model", status.model or "-"),
+        ("weights version", status.weights_version or "-"),
+        ("requests", f"{status.num_running} running, {status.num_waiting} waiting"),
+        (
+            "kv cache",
+            f"{used}/{total} blocks used ({_percent(used, total)}), "
+            f"{status.block_size} tokens per block",
+        ),
+        ("prefix cache", f"{hits}/{queries} prompt tokens hit ({_percent(hits, queries)})"),
+        ("preemptions", str(status.num_preemptions)),
+        ("engine steps", str(status.num_steps)),
+        ("uptime", _duration(status.uptime_s)),
+        ("sitsd version", status.version),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m {secs}s"
+    return f"{minutes}m {secs}s" if minutes else f"{seconds:.1f}s"

@@ -1,0 +1,198 @@
+"""The daemon's life: build the parts in order, serve, shut down in reverse.
+
+Start-up:  admin token -> gRPC server up (health NOT_SERVING, Admin answers "loading")
+           -> engine built on a thread (load, allocate, warm up) -> engine started -> SERVING.
+Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE -> in-flight
+           requests finish (up to the grace period, then aborted) -> engine stopped -> server
+           stopped -> exit 0. A second signal exits at once.
+A model that fails to load is logged and the process exits 1, never hangs.
+
+What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (the engine).
+`setup_logging` is the one place logging is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sitsd.api.server import ApiServer
+from sitsd.cli import ADMIN_TOKEN_FILE_NAME
+from sitsd.config import ServerConfig, SitsdConfig
+
+if TYPE_CHECKING:
+    from sitsd.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("sitsd.daemon")
+
+
+# After the engine has ended every request, handlers only need to send their last message.
+_SERVER_STOP_GRACE_S = 2.0
+_EXIT_LOAD_FAILED = 1
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr, one readable line per record (replaced by structured logging later)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def load_or_create_admin_token(config: ServerConfig) -> tuple[str, Path]:
+    """The admin bearer token and the file it is in.
+
+    An explicit `admin_token_file` must exist. Otherwise the token lives in
+    `<state_dir>/admin-token`, created (random, mode 0600) when missing and reused after.
+
+    Raises:
+        ValueError: no state dir, or the token file is empty.
+        OSError: the token file cannot be read or created.
+    """
+    if config.admin_token_file:
+        path = Path(config.admin_token_file).expanduser()
+    elif config.state_dir:
+        path = Path(config.state_dir).expanduser() / ADMIN_TOKEN_FILE_NAME
+        if not path.exists():
+            _create_token_file(path)
+    else:
+        raise ValueError("set --state-dir or --admin-token-file")
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"the admin token file {path} is empty")
+    if path.stat().st_mode & 0o077:
+        log.warning("the admin token file %s is readable by other users; chmod 600 it", path)
+    return token, path
+
+
+def _create_token_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    try:
+        # link() fails if the file appeared meanwhile (another daemon): then that token wins.
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def run(config: SitsdConfig, *, log_level: str = "info") -> int:
+    """Run the daemon until a signal stops it; returns the process exit code."""
+    setup_logging(log_level)
+    return asyncio.run(serve(config))
+
+
+async def serve(config: SitsdConfig) -> int:
+    """Start everything, serve until SIGTERM/SIGINT, shut down gracefully; the exit code."""
+    try:
+        token, token_path = load_or_create_admin_token(config.server)
+    except (OSError, ValueError) as exc:
+        log.error("cannot set up the admin token: %s", exc)
+        return _EXIT_LOAD_FAILED
+    log.info("admin token in %s", token_path)
+    server = ApiServer(
+        config.server, admin_token=token, max_tokens_default=config.scheduler.max_tokens_default
+    )
+    try:
+        await server.start()
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return _EXIT_LOAD_FAILED
+    stop = _install_signal_handlers()
+    engine = await _load_engine(config, stop)
+    if engine is None:
+        await server.stop(0)
+        return 0 if stop.is_set() else _EXIT_LOAD_FAILED
+    await server.attach_engine(engine)
+    log.info("serving %s on port %d", engine.model_info.name, server.port)
+    await stop.wait()
+    await _shutdown(server, engine, config.server.shutdown_grace_s)
+    return 0
+
+
+async def _load_engine(config: SitsdConfig, stop: asyncio.Event) -> AsyncEngine | None:
+    """The built engine; None if loading failed (logged) or a signal came first."""
+    started = time.monotonic()
+    log.info("loading model %s", config.model.model)
+    build = asyncio.ensure_future(_launch_engine(config))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((build, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not build.done():
+        log.info("stopped while loading the model")
+        return None
+    try:
+        engine = build.result()
+    except Exception as exc:
+        log.error(
+            "failed to load model %s: %s: %s",
+            config.model.model,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        return None
+    log.info("model loaded in %.1fs", time.monotonic() - started)
+    return engine
+
+
+async def _launch_engine(config: SitsdConfig) -> AsyncEngine:
+    """Build the engine on its own daemon thread, which then runs the step loop.
+
+    Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
+    during a minutes-long model load would wait for the load to finish.
+    """
+    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
+    from sitsd.engine.builder import launch_engine
+
+    return await launch_engine(config)
+
+
+def _install_signal_handlers() -> asyncio.Event:
+    """An event set by the first SIGTERM/SIGINT; a second one exits the process at once."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("%s again: exiting without waiting for requests", name)
+            os._exit(128 + signum)
+        log.info("%s: shutting down (send it again to exit at once)", name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stop
+
+
+async def _shutdown(server: ApiServer, engine: AsyncEngine, grace_s: float) -> None:
+    """Reverse of start-up: stop admitting, let requests finish, stop the engine and server."""
+    started = time.monotonic()
+    status = engine.status()
+    log.info(
+        "draining: %d requests in flight, waiting up to %.1fs",
+        status.num_running + status.num_waiting,
+        grace_s,
+    )
+    await server.drain()
+    try:
+        await engine.shutdown(grace_s)
+    except Exception:  # still stop the server: clients must not hang on a half-dead daemon
+        log.exception("stopping the engine failed")
+    await server.stop(_SERVER_STOP_GRACE_S)
+    log.info("stopped in %.1fs", time.monotonic() - started)

@@ -1,0 +1,211 @@
+"""The asyncio face of the engine: requests in, streams of `RequestDelta`s out.
+
+`AsyncEngine` lives on the asyncio event loop of the API layer. It validates a request, puts an
+`AddRequest` on the engine core's inbox and hands back a `RequestStream`; the engine thread
+posts each step's deltas back with `loop.call_soon_threadsafe`. Model execution and scheduling
+are `EngineCore`'s business (`sitsd.engine.core`); this module only crosses threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+from sitsd.engine.core import EngineCore
+from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.outputs import EngineStatus, ModelInfo
+from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
+
+
+class RequestStream:
+    """An async iterator over one request's deltas; `abort()` cancels the request."""
+
+    def __init__(self, engine: AsyncEngine, req_id: str, num_prompt_tokens: int) -> None:
+        self.req_id = req_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._finished = False
+
+    def _put(self, delta: RequestDelta) -> None:
+        self._queue.put_nowait(delta)
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        while not self._finished:
+            delta = await self._queue.get()
+            if delta.finished:
+                self._finished = True
+            yield delta
+
+    def abort(self, reason: str = "cancelled by the client") -> None:
+        """Cancel the request; its blocks are freed by the engine. Idempotent."""
+        if not self._finished:
+            self._engine._abort(self.req_id, reason)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+
+class AsyncEngine:
+    """Thread-safe bridge between the API's event loop and the engine core's thread."""
+
+    def __init__(self, core: EngineCore, model_info: ModelInfo) -> None:
+        self.core = core
+        self.model_info = model_info
+        self.tokenizer = core.tokenizer
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+        self._accepting = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the engine thread; deltas are delivered on the calling event loop."""
+        self.bind(asyncio.get_running_loop())
+        self.core.start(on_deltas=self._on_deltas_threadsafe)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver deltas on `loop` and accept requests (the loop runs elsewhere: `run_core`)."""
+        self._loop = loop
+        self._accepting = True
+
+    def run_core(self) -> None:
+        """Run the engine loop on the calling thread (see `sitsd.engine.builder.launch_engine`)."""
+        self.core.run(self._on_deltas_threadsafe)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to `grace_s`, then stop."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for stream in list(self._streams.values()):
+            stream.abort("the daemon is shutting down")
+        await asyncio.to_thread(self.core.stop)
+        # The engine thread has gone: finish any stream it could not answer.
+        for req_id in list(self._streams):
+            self._deliver(
+                [
+                    RequestDelta(
+                        req_id,
+                        finish_reason=FinishReason.ABORT,
+                        error="the daemon is shutting down",
+                    )
+                ]
+            )
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        req_id: str | None = None,
+        tier: Tier | None = None,
+        deadline: float | None = None,
+        trace_context: object | None = None,
+    ) -> RequestStream:
+        """Queue a request and return the stream of its deltas.
+
+        Args:
+            prompt_token_ids: the tokenized prompt (chat template already applied).
+            params: sampling parameters; validated here.
+            req_id: the caller's id; must be unique among live requests. Generated if None.
+            tier: SLA tier; None = the configured default.
+            deadline: `time.monotonic()` after which the request is aborted.
+            trace_context: an OpenTelemetry context the engine's spans continue.
+
+        Raises:
+            InvalidRequestError: a field is out of range (its name is in `.field`).
+            QueueFullError: too many requests are waiting.
+            EngineStoppedError: the engine is not accepting requests.
+        """
+        if not self._accepting or self._loop is None:
+            raise EngineStoppedError("the engine is not accepting requests")
+        self._validate(prompt_token_ids, params)
+        if len(self._streams) >= self.core.max_num_live_requests:
+            raise QueueFullError(
+                f"{len(self._streams)} requests are in flight, the limit is "
+                f"{self.core.max_num_live_requests}; retry later"
+            )
+        if req_id is None:
+            req_id = f"{self._id_prefix}-{next(self._ids)}"
+        elif req_id in self._streams:
+            raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
+        stream = RequestStream(self, req_id, len(prompt_token_ids))
+        self._streams[req_id] = stream
+        self.core.submit(
+            AddRequest(
+                req_id=req_id,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                tier=tier,
+                deadline=deadline,
+                arrival_time=time.monotonic(),
+                trace_context=trace_context,
+            )
+        )
+        return stream
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.model_info.max_model_len
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if len(prompt_token_ids) >= max_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{max_len}, which must leave room for at least one new token",
+            )
+        vocab = self.model_info.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        try:
+            params.validate(max_tokens_limit=max_len - len(prompt_token_ids))
+        except SamplingError as exc:
+            raise InvalidRequestError(exc.field, str(exc).split(": ", 1)[1]) from None
+
+    def _abort(self, req_id: str, reason: str) -> None:
+        self.core.submit(AbortRequest(req_id=req_id, reason=reason))
+
+    # ------------------------------------------------------------------------------- outputs
+
+    def _on_deltas_threadsafe(self, deltas: list[RequestDelta]) -> None:
+        """Called on the engine thread; hops to the event loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._deliver, deltas)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.req_id)
+            if stream is None:
+                continue
+            if delta.finished:
+                del self._streams[delta.req_id]
+            stream._put(delta)
+
+    # -------------------------------------------------------------------------------- status
+
+    def status(self) -> EngineStatus:
+        """A consistent snapshot of the engine state (read under the core's lock)."""
+        return self.core.status()
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)

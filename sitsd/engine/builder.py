@@ -1,0 +1,219 @@
+"""Build a ready-to-start engine from the configuration: load, size, allocate, warm up.
+
+Order: resolve the model path -> load the checkpoint -> weights on the device -> KV pool from
+the memory budget -> model runner -> one warm-up step -> scheduler and engine core. Blocking
+(seconds to minutes): the daemon calls it off the event loop while health says NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
+from sitsd.engine.async_engine import AsyncEngine
+from sitsd.engine.core import EngineCore
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
+from sitsd.engine.scheduler import Scheduler
+from sitsd.model.arch import LlamaArch
+from sitsd.model.llama import LlamaModel, build_weights
+from sitsd.model.ops import KernelSet, reference_kernels
+from sitsd.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+from sitsd.runtime.model_runner import ModelRunner
+from sitsd.types import SamplingParams
+from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(cfg: ModelConfig) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.float32 if cfg.device == "cpu" else torch.bfloat16
+    if cfg.dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {cfg.dtype!r}")
+    return _DTYPES[cfg.dtype]
+
+
+def served_max_model_len(cfg: ModelConfig, arch: LlamaArch) -> int:
+    """The context length served: the flag, capped by the model's own (and Mistral's window)."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)  # no sliding-window attention: stay inside it
+    if cfg.max_model_len > limit:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's {limit}")
+    return cfg.max_model_len or limit
+
+
+def weights_version_of(ckpt: Checkpoint) -> str:
+    """A short id of the checkpoint's files (names, sizes, mtimes): stable across restarts."""
+    h = hashlib.blake2b(digest_size=4)
+    for f in sorted(ckpt.files):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{ckpt.name}@{h.hexdigest()}"
+
+
+def kernels_for(device: torch.device) -> KernelSet:
+    if device.type == "cpu":
+        return reference_kernels()
+    raise ValueError(f"device {device.type!r} is not supported yet; use --device cpu")
+
+
+def build_engine(config: SitsdConfig) -> AsyncEngine:
+    """Load the model and assemble the engine; `await engine.start()` to serve."""
+    t0 = time.monotonic()
+    mcfg = config.model
+    device = torch.device(mcfg.device)
+    dtype = resolve_dtype(mcfg)
+    if device.type == "cpu" and mcfg.num_threads:
+        torch.set_num_threads(mcfg.num_threads)
+    path = resolve_model_path(mcfg.model)
+    log.info("loading %s", path)
+    ckpt = load_checkpoint(path)
+    arch = ckpt.arch
+    max_model_len = served_max_model_len(mcfg, arch)
+    weights = build_weights(arch, ckpt.tensors, device, dtype)
+    num_blocks, max_model_len = _size_pool(config.cache, mcfg, arch, dtype, max_model_len)
+    model = LlamaModel(arch, kernels_for(device), max_model_len, device)
+    kv_caches = allocate_kv_caches(arch, num_blocks, config.cache.block_size, dtype, device)
+    version = weights_version_of(ckpt)
+    runner = ModelRunner(model, weights, kv_caches, config.cache.block_size, device, version)
+    _warm_up(runner, min(16, max_model_len - 1))
+    name = mcfg.served_model_name or ckpt.name
+    kv_cache = KVCacheManager(
+        num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+    )
+    scheduler = Scheduler(config.scheduler, kv_cache, max_model_len)
+    core = EngineCore(scheduler, runner, ckpt.tokenizer, name)
+    log.info(
+        "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB, "
+        "KV pool %d blocks x %d tokens (%.0f MiB), context %d",
+        name,
+        time.monotonic() - t0,
+        arch.num_layers,
+        arch.num_parameters / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        weights.nbytes / 2**20,
+        num_blocks,
+        config.cache.block_size,
+        num_blocks * bytes_per_block(arch, config.cache.block_size, dtype) / 2**20,
+        max_model_len,
+    )
+    info = ModelInfo(
+        name=name,
+        max_model_len=max_model_len,
+        vocab_size=arch.vocab_size,
+        architecture=arch.architecture,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        path=str(Path(path).resolve()),
+    )
+    return AsyncEngine(core, info)
+
+
+async def launch_engine(config: SitsdConfig) -> AsyncEngine:
+    """Build the engine on a new thread that then runs its step loop; returns once it serves.
+
+    Every torch operation of the daemon thus happens on one thread: on the CPU, a model built
+    on one thread and run on another ran each step ~1.5x slower (OpenMP thread teams are per
+    calling thread and compete for the cores).
+
+    Raises:
+        Whatever `build_engine` raises (bad model path, too little memory, ...).
+    """
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[AsyncEngine] = loop.create_future()
+
+    def settle(engine: AsyncEngine | None, exc: BaseException | None) -> None:
+        if ready.done():  # cancelled: the daemon stopped while the model was loading
+            return
+        if exc is None:
+            ready.set_result(engine)  # type: ignore[arg-type]
+        else:
+            ready.set_exception(exc)
+
+    def build_and_run() -> None:
+        try:
+            engine = build_engine(config)
+        except BaseException as exc:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(settle, None, exc)
+            return
+        engine.bind(loop)
+        try:
+            loop.call_soon_threadsafe(settle, engine, None)
+        except RuntimeError:
+            return
+        engine.run_core()
+
+    threading.Thread(target=build_and_run, name="sitsd-engine", daemon=True).start()
+    return await ready
+
+
+def _size_pool(
+    cfg: CacheConfig, mcfg: ModelConfig, arch: LlamaArch, dtype: torch.dtype, max_model_len: int
+) -> tuple[int, int]:
+    """(num_blocks, max_model_len): a pool too small for one full-length request shortens the
+    served context when the user did not ask for a length, and is an error when they did."""
+    num_blocks = cfg.num_blocks or num_blocks_for_budget(
+        arch, cfg.block_size, dtype, cfg.kv_cache_memory
+    )
+    capacity = num_blocks * cfg.block_size
+    if capacity >= max_model_len:
+        return num_blocks, max_model_len
+    if mcfg.max_model_len or capacity < 2 * cfg.block_size:
+        per_block = bytes_per_block(arch, cfg.block_size, dtype)
+        needed = -(-max_model_len // cfg.block_size)
+        raise ValueError(
+            f"the KV pool holds {num_blocks} blocks ({capacity} tokens) but one "
+            f"{max_model_len}-token request needs {needed}; raise --kv-cache-memory to at least "
+            f"{needed * per_block / 2**20:.0f}MiB or lower --max-model-len"
+        )
+    log.warning(
+        "the KV pool holds %d tokens: serving a context of %d instead of the model's %d "
+        "(raise --kv-cache-memory for more)",
+        capacity,
+        capacity,
+        max_model_len,
+    )
+    return num_blocks, capacity
+
+
+def _warm_up(runner: ModelRunner, num_tokens: int) -> None:
+    """One prefill and one decode through the real path (first-touch memory, lazy inits)."""
+    num_blocks = -(-(num_tokens + 1) // runner.block_size)
+    warm = NewRequestData(
+        req_id="warm-up",
+        token_ids=list(range(1, num_tokens + 1)),
+        num_prompt_tokens=num_tokens,
+        params=SamplingParams(max_tokens=2, temperature=0.0),
+        seed=0,
+        block_ids=list(range(num_blocks)),
+        num_computed_tokens=0,
+    )
+    runner.execute(
+        SchedulerOutput(
+            new_reqs=[warm],
+            num_scheduled_tokens={"warm-up": num_tokens},
+            total_num_scheduled_tokens=num_tokens,
+        )
+    )
+    runner.execute(
+        SchedulerOutput(
+            cached_reqs=[CachedRequestData("warm-up", [], num_tokens)],
+            num_scheduled_tokens={"warm-up": 1},
+            total_num_scheduled_tokens=1,
+        )
+    )
+    runner.execute(SchedulerOutput(finished_req_ids={"warm-up"}))

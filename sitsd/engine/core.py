@@ -1,0 +1,266 @@
+"""The engine core: one loop on its own thread that owns the scheduler and the model runner.
+
+Each turn of the loop drains the inbox (new requests, aborts), aborts requests whose deadline
+has passed, then runs one step:
+
+    scheduler.schedule() -> SchedulerOutput
+    runner.execute()     -> ModelRunnerOutput
+    scheduler.update_from_output() -> token updates -> detokenizer -> RequestDeltas
+
+and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). Nothing else
+touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
+a snapshot replaced after every turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from sitsd.engine.detokenizer import IncrementalDetokenizer
+from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
+from sitsd.engine.request import Request
+from sitsd.engine.scheduler import Scheduler, TokenUpdate
+from sitsd.types import FinishReason, RequestDelta, Tier, Usage
+
+log = logging.getLogger(__name__)
+
+DeltaSink = Callable[[list[RequestDelta]], None]
+
+
+class ModelRunnerLike(Protocol):
+    """What the core needs of a model runner (see `sitsd.runtime.model_runner.ModelRunner`)."""
+
+    weights_version: str
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    """Runs the step loop; see the module docstring."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunnerLike,
+        tokenizer: object,
+        model_name: str,
+        default_tier: Tier = Tier.SILVER,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_tier = default_tier
+        self._eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seeds = random.Random()  # seeds for requests that bring none; per engine
+        self._on_deltas: DeltaSink = lambda deltas: None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.num_steps = 0
+        self._status = self._snapshot()
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def start(self, on_deltas: DeltaSink) -> None:
+        """Run the loop on a new thread."""
+        thread = threading.Thread(
+            target=self.run, args=(on_deltas,), name="sitsd-engine", daemon=True
+        )
+        thread.start()
+
+    def run(self, on_deltas: DeltaSink) -> None:
+        """Run the loop on the calling thread until `stop()`.
+
+        On the CPU, run it on the thread that built the model: OpenMP keeps a thread team per
+        calling thread, and torch work split across two threads made each step ~1.5x slower.
+        """
+        self._on_deltas = on_deltas
+        self._thread = threading.current_thread()
+        self._run()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop after its current step and wait for the thread."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def submit(self, message: AddRequest | AbortRequest) -> None:
+        """Post a message from any thread; handled before the next step."""
+        self._inbox.put(message)
+
+    @property
+    def max_num_live_requests(self) -> int:
+        cfg = self.scheduler.config
+        return cfg.max_num_seqs + cfg.max_num_waiting
+
+    def status(self) -> EngineStatus:
+        return self._status
+
+    # ---------------------------------------------------------------------------------- loop
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            deltas: list[RequestDelta] = []
+            try:
+                deltas += self._drain_inbox(block=not self.scheduler.has_work())
+                deltas += self._abort_expired()
+                if self.scheduler.has_work():
+                    deltas += self.step()
+            except Exception as exc:  # a bug must cost requests, never the engine thread
+                log.exception("engine loop failed; failing every live request")
+                deltas += self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
+            # Snapshot before delivering, so a client that sees its last delta also sees the
+            # blocks it held returned.
+            self._status = self._snapshot()
+            self._on_deltas_safe(deltas)
+        # Leaving: whatever is still live is aborted so no client waits forever.
+        deltas = self._drain_inbox(block=False)
+        deltas += self._fail_all("the engine stopped", FinishReason.ABORT)
+        self._status = self._snapshot()
+        self._on_deltas_safe(deltas)
+
+    def _fail_all(
+        self, message: str, reason: FinishReason = FinishReason.ERROR
+    ) -> list[RequestDelta]:
+        deltas = [self._finish(req_id, reason, message) for req_id in list(self.scheduler.requests)]
+        return [d for d in deltas if d is not None]
+
+    def _drain_inbox(self, block: bool) -> list[RequestDelta]:
+        deltas = []
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if isinstance(message, AddRequest):
+                    self._add(message)
+                elif isinstance(message, AbortRequest):
+                    delta = self._finish(message.req_id, FinishReason.ABORT, message.reason)
+                    if delta is not None:
+                        deltas.append(delta)
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return deltas
+
+    def _add(self, msg: AddRequest) -> None:
+        seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(
+            req_id=msg.req_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            params=msg.params,
+            seed=seed,
+            tier=msg.tier or self.default_tier,
+            arrival_time=msg.arrival_time,
+            deadline=msg.deadline,
+            trace_context=msg.trace_context,
+            eos_token_ids=self._eos_token_ids,
+            weights_version=self.runner.weights_version,
+        )
+        self.scheduler.add_request(request)
+        self._detok[msg.req_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            msg.prompt_token_ids,
+            msg.params.stop,  # type: ignore[arg-type]
+        )
+
+    def _abort_expired(self) -> list[RequestDelta]:
+        expired = self.scheduler.expired_req_ids(time.monotonic())
+        deltas = [self._finish(r, FinishReason.ABORT, "deadline exceeded") for r in expired]
+        return [d for d in deltas if d is not None]
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule, execute and turn the sampled tokens into deltas."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # the batch fails, the engine keeps serving
+            log.exception(
+                "model step failed; failing its %d requests", len(sched_out.num_scheduled_tokens)
+            )
+            message = f"internal error in the model step: {type(exc).__name__}: {exc}"
+            deltas = [
+                self._finish(r, FinishReason.ERROR, message) for r in sched_out.num_scheduled_tokens
+            ]
+            return [d for d in deltas if d is not None]
+        self.num_steps += 1
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        return [self._to_delta(u) for u in updates]
+
+    def _to_delta(self, update: TokenUpdate) -> RequestDelta:
+        request = update.request
+        detok = self._detok[request.req_id]
+        text = detok.step(update.new_token_ids)
+        reason = update.finish_reason
+        if reason is None and detok.stopped:
+            reason = FinishReason.STOP
+            self.scheduler.finish_request(request.req_id, reason)
+        if reason is not None:
+            text += detok.flush()
+            del self._detok[request.req_id]
+        return RequestDelta(
+            req_id=request.req_id,
+            new_token_ids=update.new_token_ids,
+            text=text,
+            finish_reason=reason,
+            usage=self._usage(request) if reason is not None else None,
+            weights_version=request.weights_version,
+        )
+
+    def _finish(self, req_id: str, reason: FinishReason, message: str) -> RequestDelta | None:
+        request = self.scheduler.finish_request(req_id, reason)
+        detok = self._detok.pop(req_id, None)
+        if request is None:
+            return None
+        return RequestDelta(
+            req_id=req_id,
+            text=detok.flush() if detok is not None and reason is not FinishReason.ERROR else "",
+            finish_reason=reason,
+            usage=self._usage(request),
+            weights_version=request.weights_version,
+            error=message,
+        )
+
+    @staticmethod
+    def _usage(request: Request) -> Usage:
+        return Usage(
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _on_deltas_safe(self, deltas: list[RequestDelta]) -> None:
+        if not deltas:
+            return
+        try:
+            self._on_deltas(deltas)
+        except Exception:  # a broken sink must not kill the engine thread
+            log.exception("delivering %d deltas failed", len(deltas))
+
+    def _snapshot(self) -> EngineStatus:
+        kv = self.scheduler.kv_cache
+        return EngineStatus(
+            model=self.model_name,
+            weights_version=self.runner.weights_version,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks_used=kv.num_used_blocks,
+            num_blocks_total=kv.num_blocks,
+            block_size=kv.block_size,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )

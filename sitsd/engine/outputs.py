@@ -1,0 +1,99 @@
+"""Plain-data objects that travel between the scheduler, the model runner and the API.
+
+Batch stages, and who owns what:
+    Request (engine/request.py)      mutable, scheduler-owned, lists and ints only
+      -> SchedulerOutput              what to compute this step; only what changed since the last
+                                      step is sent for requests the runner already knows
+      -> ModelRunner (runtime/)       owns every tensor: weights, KV pool, per-request token rows;
+                                      builds AttentionMetadata on the host and copies it once
+      -> ModelRunnerOutput            sampled token ids as Python lists
+      -> Scheduler.update_from_output appends tokens, checks stop conditions, frees blocks
+      -> RequestDelta (sitsd.types)   handed to the API's event loop
+
+No object here holds a tensor: crossing the scheduler/runner boundary costs list copies only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sitsd.types import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (new, or resumed after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs are non-empty after preemption)
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int  # resolved seed: the client's, or one drawn at admission
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
+    weights_version: str = ""  # the weights slot this request runs on
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # blocks appended to its table this step
+    num_computed_tokens: int  # tokens whose KV is in the cache before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the runner computes in one step."""
+
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state too
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The tokens one step sampled, in plain lists."""
+
+    req_ids: list[str]
+    # One list per req_id: the sampled token, or empty when the request was mid-prefill.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[float]] | None = None  # log-probability of each sampled token
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may know about the served model."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    architecture: str
+    dtype: str
+    device: str
+    path: str
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A snapshot of the engine, for `Admin.Status` and `sitsctl status`."""
+
+    model: str
+    weights_version: str
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_steps: int

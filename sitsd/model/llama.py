@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) over a paged KV cache.
+
+The model is a function of its weights: `LlamaModel` holds the architecture, the kernels and the
+rotary tables; `LlamaWeights` holds the tensors. Keeping them apart is what lets the daemon keep
+two weight slots and flip between them between two steps (hot-swap) with the same model object,
+and capture CUDA graphs per slot. `build_weights` turns a checkpoint's Hugging Face-named
+tensors into `LlamaWeights` (fusing q/k/v and gate/up), checking names, shapes and finiteness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sitsd.kernels.reference import compute_cos_sin_cache
+from sitsd.model.arch import LlamaArch
+from sitsd.model.attention import AttentionMetadata, paged_attention
+from sitsd.model.ops import KernelSet
+
+
+class WeightsError(ValueError):
+    """Checkpoint tensors that do not fit the architecture (names, shapes, values)."""
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_attn_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class LlamaWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding tensor itself when tied
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "embed_tokens", self.embed_tokens
+        for i, layer in enumerate(self.layers):
+            for name, t in vars(layer).items():
+                if t is not None:
+                    yield f"layers.{i}.{name}", t
+        yield "norm", self.norm
+        if self.lm_head is not self.embed_tokens:
+            yield "lm_head", self.lm_head
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
+
+
+def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names of the architecture and their shapes."""
+    h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for n in range(arch.num_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if arch.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+def check_tensors(arch: LlamaArch, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise `WeightsError` unless every expected tensor is present with its shape."""
+    expected = expected_shapes(arch)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise WeightsError(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise WeightsError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.dtype.is_floating_point:
+            raise WeightsError(f"{name} has dtype {t.dtype}, expected a floating-point type")
+
+
+def build_weights(
+    arch: LlamaArch,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> LlamaWeights:
+    """Convert Hugging Face-named tensors to `LlamaWeights` on `device` in `dtype`.
+
+    Raises:
+        WeightsError: a tensor is missing, misshapen, or holds NaN/Inf after the cast.
+    """
+    check_tensors(arch, tensors)
+
+    def get(name: str) -> torch.Tensor:
+        t = tensors[name].to(device=device, dtype=dtype)
+        if not torch.isfinite(t).all():
+            raise WeightsError(f"{name} holds NaN or Inf values (in {dtype})")
+        return t
+
+    def cat(*names: str) -> torch.Tensor:
+        return torch.cat([get(n) for n in names], dim=0).contiguous()
+
+    layers = []
+    for n in range(arch.num_layers):
+        p = f"model.layers.{n}."
+        attn = p + "self_attn."
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv_proj=cat(*(attn + f"{x}_proj.weight" for x in "qkv")),
+                qkv_bias=(
+                    cat(*(attn + f"{x}_proj.bias" for x in "qkv")) if arch.attention_bias else None
+                ),
+                o_proj=get(attn + "o_proj.weight"),
+                post_attn_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_proj=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_proj=get(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
+    return LlamaWeights(embed, layers, get("model.norm.weight"), lm_head)
+
+
+class LlamaModel:
+    """The forward pass; weights are an argument, not state."""
+
+    def __init__(
+        self, arch: LlamaArch, kernels: KernelSet, max_position: int, device: torch.device | str
+    ) -> None:
+        self.arch = arch
+        self.kernels = kernels
+        self.scale = arch.head_dim**-0.5
+        self.cos_sin_cache = compute_cos_sin_cache(
+            arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling
+        ).to(device)  # [max_position, head_dim], float32
+
+    def forward(
+        self,
+        weights: LlamaWeights,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        arch, k = self.arch, self.kernels
+        hidden = F.embedding(input_ids, weights.embed_tokens)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(weights.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                x = k.rms_norm(hidden, layer.input_norm, arch.rms_norm_eps)
+            else:
+                x, residual = k.fused_add_rms_norm(
+                    hidden, residual, layer.input_norm, arch.rms_norm_eps
+                )
+            hidden = self._attention(layer, x, positions, meta, kv_cache)
+            x, residual = k.fused_add_rms_norm(
+                hidden, residual, layer.post_attn_norm, arch.rms_norm_eps
+            )
+            gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate]
+            hidden = F.linear(k.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = k.fused_add_rms_norm(hidden, residual, weights.norm, arch.rms_norm_eps)
+        return hidden
+
+    def _attention(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:  # [T, hidden]
+        arch = self.arch
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
+        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
+        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        out = paged_attention(self.kernels, q, k, v, kv_cache, meta, self.scale)
+        return F.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj)
+
+    def compute_logits(
+        self,
+        weights: LlamaWeights,
+        hidden: torch.Tensor,  # [num_seqs, hidden]
+    ) -> torch.Tensor:  # [num_seqs, vocab] float32
+        return F.linear(hidden, weights.lm_head).float()

@@ -1,0 +1,43 @@
+"""KV pool sizing and allocation: one tensor for every layer's K and V blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from sitsd.model.arch import LlamaArch
+
+
+def bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers, K and V."""
+    return block_size * arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_for_budget(
+    arch: LlamaArch, block_size: int, dtype: torch.dtype, budget_bytes: int
+) -> int:
+    """How many blocks fit in `budget_bytes`."""
+    return budget_bytes // bytes_per_block(arch, block_size, dtype)
+
+
+def allocate_kv_caches(
+    arch: LlamaArch,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    One allocation backs all of them, so the pool is contiguous and its size is exact.
+    """
+    pool = torch.zeros(
+        arch.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        dtype=dtype,
+        device=device,
+    )  # zeros, not empty: a kernel reading an unwritten slot sees 0, never NaN from old memory
+    return [(pool[i, 0], pool[i, 1]) for i in range(arch.num_layers)]

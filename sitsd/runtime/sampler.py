@@ -1,0 +1,87 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Random draws use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to sampling
+from p) with noise from a generator seeded by (request seed, output index). A request's tokens
+therefore depend only on its own seed and logits: the same seed gives the same output whatever
+else shares the batch, and a request recomputed after preemption draws the same tokens again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sitsd.types import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A well-spread 64-bit seed for draw number `index` of a request (splitmix64)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample(
+    logits: torch.Tensor,  # [num_seqs, vocab] float32
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    draw_indices: Sequence[int],  # per row: how many tokens the request has sampled before
+) -> list[int]:
+    """One token id per row."""
+    # The one host sync of the step: the runner and scheduler need the ids as Python ints.
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        picked = _sample_random(
+            logits[rows],
+            [params[i] for i in random_rows],
+            [mix_seed(seeds[i], draw_indices[i]) for i in random_rows],
+        )
+        tokens[rows] = picked
+    return tokens.tolist()
+
+
+def _sample_random(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+) -> torch.Tensor:  # [num_rows] int64
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+    x = logits / temps[:, None]
+    top_ks = [min(p.top_k, x.shape[-1]) for p in params]
+    if any(top_ks):
+        x = _apply_top_k(x, top_ks)
+    if any(p.top_p < 1.0 for p in params):
+        top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        x = _apply_top_p(x, top_ps)
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.empty_like(probs)
+    for row, seed in enumerate(seeds):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    values = torch.topk(x, max(top_ks), dim=-1).values  # [rows, max_k], descending
+    k_index = torch.tensor([max(k, 1) - 1 for k in top_ks], device=x.device)
+    threshold = values.gather(1, k_index[:, None])  # [rows, 1]
+    off = torch.tensor([k == 0 for k in top_ks], device=x.device)
+    threshold = threshold.masked_fill(off[:, None], float("-inf"))
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    before = probs.cumsum(dim=-1) - probs
+    drop_sorted = before >= top_ps[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

@@ -1,0 +1,112 @@
+"""Types that cross the boundary between the API layer and the engine.
+
+Everything here is plain Python data (ints, strings, lists): no tensors, no proto messages.
+The API layer (`sitsd.api`) turns proto messages into these; the engine (`sitsd.engine`) turns
+its results back into `RequestDelta`s.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.StrEnum):
+    """SLA tier of a request: sets its latency targets and its scheduling priority."""
+
+    GOLD = "gold"
+    SILVER = "silver"
+    BRONZE = "bronze"
+
+    @property
+    def rank(self) -> int:
+        """Lower rank is served first."""
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {Tier.GOLD: 0, Tier.SILVER: 1, Tier.BRONZE: 2}
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request stopped producing tokens."""
+
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length reached
+    ABORT = "abort"  # cancelled by the client, a passed deadline or shutdown
+    ERROR = "error"  # the engine failed while serving it
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; `field` names it for the client."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    `temperature == 0` is greedy decoding; `top_k == 0` and `top_p == 1` switch those filters off.
+    `seed is None` means a seed drawn at admission: still reproducible from the engine's side,
+    not from the client's.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_tokens_limit: int) -> None:
+        """Raise `SamplingError` naming the first field that is out of range."""
+        if self.max_tokens < 1:
+            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens > max_tokens_limit:
+            raise SamplingError(
+                "max_tokens", f"must be at most {max_tokens_limit}, got {self.max_tokens}"
+            )
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop", "stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SamplingError("seed", f"must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one engine step produced for one request; the last one has `finish_reason` set."""
+
+    req_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # detokenized text of new_token_ids (held back across UTF-8 and stop strings)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # set on the last delta
+    weights_version: str = ""  # the weights version that produced these tokens
+    error: str = ""  # set when finish_reason is ERROR or ABORT, for the client
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,202 @@
+"""The server around the servicers: health, reflection, admin auth, loading and draining."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from sitsd import __version__
+from sitsd.api.server import ApiServer
+from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from sitsd.config import ServerConfig
+from tests.api.fake_engine import FakeEngine
+from tests.api.harness import ADMIN_TOKEN, ServerThread
+from tests.api.test_inference import rpc_error, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def fresh_server():
+    """A server of its own: these tests change its life stage."""
+    thread = ServerThread()
+    yield thread
+    thread.stop()
+
+
+def health_of(channel: grpc.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def test_health_is_not_serving_until_the_engine_is_attached_then_serving(fresh_server):
+    with grpc.insecure_channel(fresh_server.address) as channel:
+        assert health_of(channel, "") == NOT_SERVING
+        assert health_of(channel, "sitsd.api.v1.Inference") == NOT_SERVING
+
+        fresh_server.attach(FakeEngine())
+
+        assert health_of(channel, "") == SERVING
+        assert health_of(channel, "sitsd.api.v1.Inference") == SERVING
+
+
+def test_requests_while_loading_are_unavailable_and_status_says_loading(fresh_server):
+    with grpc.insecure_channel(fresh_server.address) as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        error = rpc_error(lambda: inference.Generate(inference_pb2.GenerateRequest(text="q")))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "loading" in error.details()
+        error = rpc_error(lambda: inference.ListModels(inference_pb2.ListModelsRequest()))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+        status = admin_pb2_grpc.AdminStub(channel).Status(
+            admin_pb2.StatusRequest(), metadata=bearer(ADMIN_TOKEN)
+        )
+        assert status.state == admin_pb2.DAEMON_STATE_LOADING
+        assert status.version == __version__
+        assert status.num_blocks_total == 0
+
+
+def test_draining_refuses_new_requests_and_lets_in_flight_ones_finish(fresh_server):
+    engine = fresh_server.attach(FakeEngine())
+    engine.stall_after = 1
+    with grpc.insecure_channel(fresh_server.address) as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        in_flight = inference.Generate(inference_pb2.GenerateRequest(text="q", request_id="busy"))
+        assert next(in_flight).text == "H"
+
+        fresh_server.call(fresh_server.server.drain())
+
+        assert health_of(channel, "") == NOT_SERVING
+        assert health_of(channel, "sitsd.api.v1.Inference") == NOT_SERVING
+        error = rpc_error(lambda: inference.Generate(inference_pb2.GenerateRequest(text="q")))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in error.details()
+        status = admin_pb2_grpc.AdminStub(channel).Status(
+            admin_pb2.StatusRequest(), metadata=bearer(ADMIN_TOKEN)
+        )
+        assert status.state == admin_pb2.DAEMON_STATE_DRAINING
+
+        engine.release()  # the in-flight request may now run to its end
+        fresh_server.call(engine.shutdown(grace_s=5))
+        rest = list(in_flight)
+        assert rest[-1].finish_reason == inference_pb2.FINISH_REASON_STOP
+        assert "".join(r.text for r in rest) == engine.completion[1:]
+
+
+def test_request_aborted_by_shutdown_is_unavailable(fresh_server):
+    engine = fresh_server.attach(FakeEngine())
+    engine.stall_after = 1
+    with grpc.insecure_channel(fresh_server.address) as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        in_flight = inference.Generate(inference_pb2.GenerateRequest(text="q"))
+        next(in_flight)
+
+        fresh_server.call(fresh_server.server.drain())
+        fresh_server.call(engine.shutdown(grace_s=0))
+
+        error = rpc_error(lambda: in_flight)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in error.details()
+
+
+def test_reflection_lists_the_sitsd_and_health_services(server, channel):
+    services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert {"sitsd.api.v1.Inference", "sitsd.api.v1.Admin", "grpc.health.v1.Health"} <= set(
+        services
+    )
+
+
+def test_reflection_serves_the_api_descriptors(server, channel):
+    database = ProtoReflectionDescriptorDatabase(channel)
+    proto = database.FindFileContainingSymbol("sitsd.api.v1.Inference")
+    assert proto.name == "sitsd/api/v1/inference.proto"
+    assert "Generate" in [m.name for m in proto.service[0].method]
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [None, bearer("wrong-token"), bearer(ADMIN_TOKEN + "x"), [("authorization", ADMIN_TOKEN)]],
+    ids=["missing", "wrong", "longer", "no scheme"],
+)
+def test_admin_without_the_right_token_is_unauthenticated_and_does_nothing(engine, admin, metadata):
+    calls = []
+    engine.status = lambda: calls.append(1)  # type: ignore[method-assign]
+
+    error = rpc_error(lambda: admin.Status(admin_pb2.StatusRequest(), metadata=metadata))
+
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert calls == []
+
+
+def test_admin_status_with_the_token_reports_the_engine(engine, admin, inference):
+    engine.stall_after = 3
+    call = inference.Generate(inference_pb2.GenerateRequest(text="abcdef", request_id="live"))
+    next(call)
+
+    status = admin.Status(admin_pb2.StatusRequest(), metadata=bearer(ADMIN_TOKEN))
+
+    assert status.state == admin_pb2.DAEMON_STATE_SERVING
+    assert (status.model, status.weights_version) == ("fake-model", "fake-v1")
+    assert status.num_running == 1
+    assert status.num_blocks_used > 0
+    assert (status.num_blocks_total, status.block_size) == (128, 4)
+    assert (status.prefix_cache_queries, status.prefix_cache_hits) == (10, 4)
+    assert status.num_steps == 7
+    assert status.uptime_s > 0
+    assert status.version == __version__
+    call.cancel()
+    wait_for(lambda: engine.status().num_blocks_used == 0)
+
+
+def test_bearer_scheme_is_case_insensitive(engine, admin):
+    metadata = [("authorization", f"bearer {ADMIN_TOKEN}")]
+    assert admin.Status(admin_pb2.StatusRequest(), metadata=metadata).model == "fake-model"
+
+
+def test_inference_and_health_need_no_token(engine, channel):
+    inference = inference_pb2_grpc.InferenceStub(channel)
+    assert inference.ListModels(inference_pb2.ListModelsRequest()).models
+    assert health_of(channel, "") == SERVING
+
+
+def test_start_logs_the_bound_port(caplog):
+    caplog.set_level(logging.INFO, logger="sitsd.api.server")
+    thread = ServerThread()
+    try:
+        assert thread.port > 0
+        assert f"listening on 127.0.0.1:{thread.port}" in caplog.messages
+    finally:
+        thread.stop()
+
+
+def test_start_on_a_port_in_use_fails_clearly():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        thread = ServerThread()
+        try:
+
+            async def start_second() -> None:
+                other = ApiServer(
+                    ServerConfig(host="127.0.0.1", port=port), admin_token="t", max_tokens_default=8
+                )
+                await other.start()
+
+            with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+                thread.call(start_second())
+        finally:
+            thread.stop()

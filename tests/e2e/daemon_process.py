@@ -1,0 +1,116 @@
+"""Start the real `sitsd serve` as a subprocess and wait until it serves; stop it with a signal."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def process_env(state_dir: Path) -> dict[str, str]:
+    """Environment for sitsd/sitsctl processes: this checkout importable, state in `state_dir`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITSD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["SITSD_STATE_DIR"] = str(state_dir)
+    return env
+
+
+class DaemonProcess:
+    """`python -m sitsd serve --port 0 ...`; its stderr is collected in `log_lines`."""
+
+    def __init__(self, state_dir: Path, *flags: str) -> None:
+        self.state_dir = state_dir
+        self.env = process_env(state_dir)
+        self.log_lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sitsd",
+                "serve",
+                "--port",
+                "0",
+                "--state-dir",
+                str(state_dir),
+                *flags,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
+        # A reader thread: an unread pipe would fill up and block the daemon's logging.
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        self.port = 0
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log_lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.log_lines)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_for_port(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            match = LISTENING.search(self.log)
+            if match:
+                self.port = int(match.group(2))
+                return self.port
+            self._check_alive(deadline, "a 'listening on' line")
+            time.sleep(0.05)
+
+    def wait_until_serving(self, timeout: float = 180.0) -> None:
+        """Wait for the port, then for health SERVING."""
+        deadline = time.monotonic() + timeout
+        self.wait_for_port(timeout)
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                self._check_alive(deadline, "health SERVING")
+                time.sleep(0.1)
+
+    def _check_alive(self, deadline: float, waiting_for: str) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"sitsd exited ({self.proc.returncode}) before {waiting_for}:\n{self.log}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {waiting_for} from sitsd in time:\n{self.log}")
+
+    def admin_token(self) -> str:
+        return (self.state_dir / "admin-token").read_text().strip()
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait for the exit status (killed if it does not exit in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._reader.join(5)

@@ -1,0 +1,101 @@
+"""Incremental detokenization: UTF-8 safety and stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from sitsd.engine.detokenizer import IncrementalDetokenizer
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what ByteLevel tokens are made of)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class ByteTokenizer:
+    """Token id == byte value (byte-level BPE without merges): splits multi-byte characters."""
+
+    def __init__(self) -> None:
+        vocab = {c: b for b, c in byte_to_unicode().items()}
+        assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        self._tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+TEXTS = ["plain ascii text", "naïve café — 東京 🚀🎉 done", "emoji at end 👩‍👩‍👧", "a\n\tb  c"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_concatenate_to_the_full_text_and_never_split_a_character(text):
+    tok = ByteTokenizer()
+    prompt = tok.encode("prompt: ")
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = []
+    i = 0
+    while i < len(ids):
+        n = random.randint(1, 3)
+        pieces.append(detok.step(ids[i : i + n]))
+        i += n
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_cuts_the_text_and_reports_stopped():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    out = ""
+    for t in tok.encode("hello wSTOPorld"):
+        out += detok.step([t])
+        if detok.stopped:
+            break
+    out += detok.flush()
+    assert detok.stopped
+    assert out == "hello w"
+
+
+def test_text_that_may_become_a_stop_string_is_held_back_then_released():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=["</end>"])
+    assert detok.step(tok.encode("ab</e")) == "ab"
+    assert detok.step(tok.encode("x")) == "</ex"
+    assert not detok.stopped
+
+
+def test_earliest_of_several_stop_strings_wins():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=["world", "lo w"])
+    out = detok.step(tok.encode("hello world"))
+    assert detok.stopped
+    assert out == "hel"
+
+
+def test_flush_releases_held_back_text_at_the_end():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=["###"])
+    assert detok.step(tok.encode("x ##")) == "x "
+    assert detok.flush() == "##"

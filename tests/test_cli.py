@@ -1,0 +1,188 @@
+"""`sitsd` flags -> `SitsdConfig`: defaults, sizes, the state dir, and refused values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sitsd import __version__
+from sitsd.cli import build_parser, config_from_args, default_state_dir, main
+from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SitsdConfig
+
+ENV = {"SITSD_STATE_DIR": "/state"}
+
+
+def config_of(*flags: str, environ: dict[str, str] | None = None) -> SitsdConfig:
+    args = build_parser().parse_args(["serve", *flags])
+    return config_from_args(args, ENV if environ is None else environ)
+
+
+def test_no_flags_give_the_config_defaults():
+    assert config_of() == SitsdConfig(server=ServerConfig(state_dir="/state"))
+
+
+def test_every_flag_reaches_its_config_field():
+    config = config_of(
+        "--model",
+        "/models/llama",
+        "--served-model-name",
+        "llama",
+        "--device",
+        "cuda:1",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "4096",
+        "--num-threads",
+        "2",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "2GiB",
+        "--num-kv-blocks",
+        "100",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--no-prefix-caching",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-waiting",
+        "16",
+        "--max-tokens-default",
+        "64",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--admin-token-file",
+        "/etc/sitsd/token",
+        "--state-dir",
+        "/var/lib/sitsd",
+        "--shutdown-grace",
+        "2.5",
+    )
+    assert config == SitsdConfig(
+        model=ModelConfig(
+            model="/models/llama",
+            served_model_name="llama",
+            dtype="bfloat16",
+            device="cuda:1",
+            max_model_len=4096,
+            num_threads=2,
+        ),
+        cache=CacheConfig(
+            block_size=32,
+            kv_cache_memory=2 * 2**30,
+            gpu_memory_utilization=0.5,
+            num_blocks=100,
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=512, max_num_waiting=16, max_tokens_default=64
+        ),
+        server=ServerConfig(
+            host="0.0.0.0",
+            port=0,
+            shutdown_grace_s=2.5,
+            admin_token_file="/etc/sitsd/token",
+            state_dir="/var/lib/sitsd",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("256MiB", 256 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("1048576", 2**20),
+        ("1G", 2**30),
+        ("500MB", 500 * 10**6),
+    ],
+)
+def test_kv_cache_memory_takes_sizes(text, size):
+    assert config_of("--kv-cache-memory", text).cache.kv_cache_memory == size
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "complaint"),
+    [
+        ("--kv-cache-memory", "lots", "not a size"),
+        ("--kv-cache-memory", "12 parsecs", "not a size"),
+        ("--port", "70000", "must be in [0, 65535]"),
+        ("--port", "http", "not an integer"),
+        ("--max-num-seqs", "0", "must be >= 1"),
+        ("--block-size", "-16", "must be >= 1"),
+        ("--max-model-len", "-1", "must be >= 0"),
+        ("--gpu-memory-utilization", "0", "must be in (0, 1]"),
+        ("--gpu-memory-utilization", "1.5", "must be in (0, 1]"),
+        ("--shutdown-grace", "-1", "must be >= 0"),
+        ("--shutdown-grace", "nan", "must be >= 0"),
+        ("--dtype", "float64", "invalid choice"),
+        ("--log-level", "verbose", "invalid choice"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag(flag, value, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config_of(flag, value)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert flag in error
+    assert complaint in error
+
+
+def test_state_dir_flag_wins_over_the_environment():
+    assert config_of("--state-dir", "/flag").server.state_dir == "/flag"
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"SITSD_STATE_DIR": "/env", "XDG_STATE_HOME": "/xdg"}, "/env"),
+        ({"XDG_STATE_HOME": "/xdg"}, "/xdg/sitsd"),
+        ({}, str(Path.home() / ".local" / "state" / "sitsd")),
+    ],
+)
+def test_default_state_dir(environ, expected):
+    assert default_state_dir(environ) == expected
+    assert config_of(environ=environ).server.state_dir == expected
+
+
+def test_every_serve_flag_documents_its_default():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = [a for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert {"--model", "--kv-cache-memory", "--shutdown-grace"} <= {
+        a.option_strings[0] for a in flags
+    }
+    for action in flags:
+        assert "default" in (action.help or ""), f"{action.option_strings[0]} says no default"
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"sitsd {__version__}\n"
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().err
+
+
+def test_parsing_flags_does_not_load_the_model_stack():
+    code = "import sys, sitsd.cli; print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
+    assert out.strip() == "[]"
