@@ -113,14 +113,9 @@ def test_chat_template_renders_like_transformers(smollm2, smollm2_hf_tokenizer, 
 
 
 @pytest.mark.slow  # transformers' GGUF conversion
-def test_dequantized_tensors_equal_transformers_gguf_load(smollm2, smollm2_path):
+def test_dequantized_tensors_equal_transformers_gguf_load(smollm2, smollm2_hf_model):
     """The Q/K un-permutation check: transformers reverses llama.cpp's permutation too."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    )
-    want = hf.state_dict()
+    want = smollm2_hf_model.state_dict()
 
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{layer}.{part}.weight"

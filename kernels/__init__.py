@@ -1,0 +1,78 @@
+"""sitsd's Triton kernels, one per module, each checked against `sitsd.kernels.reference`.
+
+The public wrappers are exposed lazily: `sitsd.kernels.decode_attention` imports
+`sitsd.kernels.decode_attention` (and triton) on first access, so `import sitsd.kernels` and
+`import sitsd.kernels.reference` work where triton is not installed (the CPU runtime runs the
+references). Accessing a wrapper without triton raises ImportError naming the missing package.
+
+    reshape_and_cache      write new K/V into the paged cache by slot_mapping
+    decode_attention       one query token per sequence over its paged context (GQA, split-K)
+    prefill_attention      causal ragged prompt chunks over the paged cache (GQA)
+    rms_norm               RMSNorm
+    fused_add_rms_norm     residual add + RMSNorm in one pass
+    rotary_embedding       rotate-half RoPE, in place
+    silu_and_mul           SwiGLU activation on a fused gate/up output
+
+When to use a kernel rather than its reference (device, dtype) is the model runner's decision.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+# public name -> submodule that defines it
+_WRAPPERS = {
+    "reshape_and_cache": "reshape_and_cache",
+    "decode_attention": "decode_attention",
+    "prefill_attention": "prefill_attention",
+    "rms_norm": "rmsnorm",
+    "fused_add_rms_norm": "rmsnorm",
+    "rotary_embedding": "rotary",
+    "silu_and_mul": "activation",
+}
+
+__all__ = sorted(_WRAPPERS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _WRAPPERS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{__name__}.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton" and not (exc.name or "").startswith("triton."):
+            raise
+        raise ImportError(
+            f"sitsd.kernels.{name} needs triton (pip install 'sitsd[triton]'); "
+            "on CPU use sitsd.kernels.reference"
+        ) from exc
+    wrapper = getattr(module, name)
+    globals()[name] = wrapper  # later lookups skip __getattr__
+    return wrapper
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WRAPPERS])
+
+
+class _KernelsPackage(types.ModuleType):
+    """The package's module type: keeps wrapper names bound to the wrappers.
+
+    Importing a submodule binds it as an attribute of its package, and three submodules share
+    their wrapper's name (`decode_attention.py` defines `decode_attention`). Without this,
+    `from sitsd.kernels import decode_attention` would give the module or the function depending
+    on what was imported before. Reach a module's other names with `from sitsd.kernels.<module>
+    import <name>`.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WRAPPERS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _KernelsPackage

@@ -1,0 +1,51 @@
+"""Session fixtures shared across test folders: the embedded SmolLM2, ours and transformers'.
+
+Each is loaded once per session (transformers' GGUF load alone takes ~17 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA: without it they are deselected, and the summary says so."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if "gpu" not in item.keywords]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path) -> Checkpoint:
+    return load_checkpoint(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path: Path):
+    """transformers' own tokenizer for the GGUF (its GGUF conversion, ~6 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path: Path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()

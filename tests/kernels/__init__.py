@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels in `sitsd.kernels` against `sitsd.kernels.reference`."""
