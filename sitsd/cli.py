@@ -143,6 +143,11 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="torch threads on CPU; 0 = torch's default (default: %(default)s)",
     )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: graphs on)",
+    )
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -159,7 +164,8 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         type=_size,
         default=d.kv_cache_memory,
         metavar="SIZE",
-        help="memory for the KV cache on CPU, e.g. 512MiB or 2GiB (default: 512MiB)",
+        help="memory for the KV cache on CPU, e.g. 512MiB or 2GiB; on CUDA the pool is "
+        "sized from the free memory instead (default: 512MiB)",
     )
     group.add_argument(
         "--num-kv-blocks",
@@ -174,6 +180,14 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         default=d.gpu_memory_utilization,
         metavar="FRACTION",
         help="fraction of the GPU's memory sitsd may use (default: %(default)s)",
+    )
+    group.add_argument(
+        "--gpu-memory-limit",
+        type=_size,
+        default=d.gpu_memory_limit,
+        metavar="SIZE",
+        help="treat the GPU as this large, e.g. 20GiB, to share it; the KV pool and "
+        "--gpu-memory-utilization size from it (default: the whole visible device)",
     )
     group.add_argument(
         "--no-prefix-caching",
@@ -262,11 +276,13 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Si
             device=args.device,
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_limit=args.gpu_memory_limit,
             num_blocks=args.num_kv_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
         ),

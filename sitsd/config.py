@@ -22,6 +22,7 @@ class ModelConfig:
     device: str = "cpu"  # cpu or cuda
     max_model_len: int = 0  # context length served; 0 = the model's own
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int = 512 * 2**20  # bytes for the KV pool on CPU (and with --gpu-memory-limit)
     gpu_memory_utilization: float = 0.9  # fraction of the visible GPU memory sitsd may use
+    gpu_memory_limit: int = 0  # bytes: treat the GPU as this large (shared GPUs); 0 = all of it
     num_blocks: int = 0  # force the pool size (tests); 0 = from the memory budget
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
 

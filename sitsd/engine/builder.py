@@ -13,7 +13,8 @@ import hashlib
 import logging
 import threading
 import time
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,9 +25,16 @@ from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaModel, build_weights
-from sitsd.model.ops import KernelSet, reference_kernels
-from sitsd.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+from sitsd.model.llama import LlamaModel, LlamaWeights, build_weights
+from sitsd.model.ops import KernelSet, reference_kernels, triton_kernels
+from sitsd.runtime.cuda_graphs import decode_buckets
+from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, build_step_inputs
+from sitsd.runtime.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    gpu_kv_budget,
+    num_blocks_for_budget,
+)
 from sitsd.runtime.model_runner import ModelRunner
 from sitsd.types import SamplingParams
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
@@ -64,62 +72,124 @@ def weights_version_of(ckpt: Checkpoint) -> str:
 
 
 def kernels_for(device: torch.device) -> KernelSet:
-    if device.type == "cpu":
-        return reference_kernels()
-    raise ValueError(f"device {device.type!r} is not supported yet; use --device cpu")
+    return reference_kernels() if device.type == "cpu" else triton_kernels()
 
 
-def build_engine(config: SitsdConfig) -> AsyncEngine:
-    """Load the model and assemble the engine; `await engine.start()` to serve."""
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What `build_runner` decided, for the start-up log and `ModelInfo`."""
+
+    num_blocks: int
+    max_model_len: int
+    graph_buckets: tuple[int, ...]  # empty: eager (CPU, or --enforce-eager)
+    graph_capture_s: float
+
+
+def build_engine(config: SitsdConfig, checkpoint: Checkpoint | None = None) -> AsyncEngine:
+    """Load the model (or take `checkpoint`) and assemble the engine; then `start()` it."""
     t0 = time.monotonic()
     mcfg = config.model
+    if checkpoint is None:
+        path = resolve_model_path(mcfg.model)
+        log.info("loading %s", path)
+        checkpoint = load_checkpoint(path)
+    arch = checkpoint.arch
+    version = weights_version_of(checkpoint)
+    runner, info = build_runner(config, arch, checkpoint.tensors, version)
+    name = mcfg.served_model_name or checkpoint.name
+    block_size = config.cache.block_size
+    kv_cache = KVCacheManager(info.num_blocks, block_size, config.cache.enable_prefix_caching)
+    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
+    core = EngineCore(scheduler, runner, checkpoint.tokenizer, name)
+    dtype = runner.weights.embed_tokens.dtype
+    log.info(
+        "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
+        "KV capacity %d blocks x %d = %d tokens (%.0f MiB), context %d; CUDA graphs: %s",
+        name, time.monotonic() - t0, arch.num_layers, arch.num_parameters / 1e6,
+        str(dtype).removeprefix("torch."), runner.device, runner.weights.nbytes / 2**20,
+        info.num_blocks, block_size, info.num_blocks * block_size,
+        info.num_blocks * bytes_per_block(arch, block_size, dtype) / 2**20, info.max_model_len,
+        f"buckets {list(info.graph_buckets)} captured in {info.graph_capture_s:.1f}s"
+        if info.graph_buckets else "off (eager)",
+    )  # fmt: skip
+    model_info = ModelInfo(
+        name=name, max_model_len=info.max_model_len, vocab_size=arch.vocab_size,
+        architecture=arch.architecture, dtype=str(dtype).removeprefix("torch."),
+        device=str(runner.device), path=str(checkpoint.path.resolve()),
+    )  # fmt: skip
+    return AsyncEngine(core, model_info)
+
+
+def build_runner(
+    config: SitsdConfig, arch: LlamaArch, tensors: Mapping[str, torch.Tensor], weights_version: str
+) -> tuple[ModelRunner, RuntimeInfo]:
+    """Weights on the device, the KV pool sized and allocated, warmed up, graphs captured."""
+    mcfg, ccfg, scfg = config.model, config.cache, config.scheduler
     device = torch.device(mcfg.device)
     dtype = resolve_dtype(mcfg)
-    if device.type == "cpu" and mcfg.num_threads:
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif mcfg.num_threads:
         torch.set_num_threads(mcfg.num_threads)
-    path = resolve_model_path(mcfg.model)
-    log.info("loading %s", path)
-    ckpt = load_checkpoint(path)
-    arch = ckpt.arch
     max_model_len = served_max_model_len(mcfg, arch)
-    weights = build_weights(arch, ckpt.tensors, device, dtype)
-    num_blocks, max_model_len = _size_pool(config.cache, mcfg, arch, dtype, max_model_len)
+    weights = build_weights(arch, tensors, device, dtype)
     model = LlamaModel(arch, kernels_for(device), max_model_len, device)
-    kv_caches = allocate_kv_caches(arch, num_blocks, config.cache.block_size, dtype, device)
-    version = weights_version_of(ckpt)
-    runner = ModelRunner(model, weights, kv_caches, config.cache.block_size, device, version)
+    max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
+    if device.type == "cuda":
+        peak = _profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
+        vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
+        reserve = 256 * 2**20 + 3 * vocab_bytes  # graph logits, sampler sort buffers, slack
+        budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
+                               peak, reserve)  # fmt: skip
+        ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))
+    num_blocks, max_model_len = _size_pool(ccfg, mcfg, arch, dtype, max_model_len)
+    kv_caches = allocate_kv_caches(arch, num_blocks, ccfg.block_size, dtype, device)
+    builder = StepInputBuilder(
+        max_num_tokens=max_num_tokens, max_num_seqs=scfg.max_num_seqs,
+        max_blocks_per_seq=-(-max_model_len // ccfg.block_size), block_size=ccfg.block_size,
+        device=device,
+    )  # fmt: skip
+    runner = ModelRunner(model, weights, kv_caches, builder, weights_version)
     _warm_up(runner, min(16, max_model_len - 1))
-    name = mcfg.served_model_name or ckpt.name
-    kv_cache = KVCacheManager(
-        num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-    )
-    scheduler = Scheduler(config.scheduler, kv_cache, max_model_len)
-    core = EngineCore(scheduler, runner, ckpt.tokenizer, name)
-    log.info(
-        "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB, "
-        "KV pool %d blocks x %d tokens (%.0f MiB), context %d",
-        name,
-        time.monotonic() - t0,
-        arch.num_layers,
-        arch.num_parameters / 1e6,
-        str(dtype).removeprefix("torch."),
-        device,
-        weights.nbytes / 2**20,
-        num_blocks,
-        config.cache.block_size,
-        num_blocks * bytes_per_block(arch, config.cache.block_size, dtype) / 2**20,
-        max_model_len,
-    )
-    info = ModelInfo(
-        name=name,
-        max_model_len=max_model_len,
-        vocab_size=arch.vocab_size,
-        architecture=arch.architecture,
-        dtype=str(dtype).removeprefix("torch."),
-        device=str(device),
-        path=str(Path(path).resolve()),
-    )
-    return AsyncEngine(core, info)
+    buckets: list[int] = []
+    seconds = 0.0
+    if device.type == "cuda" and not mcfg.enforce_eager:
+        buckets = decode_buckets(scfg.max_num_seqs)
+        seconds = runner.capture_graphs(buckets)
+    return runner, RuntimeInfo(num_blocks, max_model_len, tuple(buckets), seconds)
+
+
+def _profile_peak_memory(
+    model: LlamaModel,
+    weights: LlamaWeights,
+    arch: LlamaArch,
+    config: SitsdConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_tokens: int,
+) -> int:
+    """Peak bytes torch allocates for the largest step (one prefill of `num_tokens` tokens)."""
+    block_size = config.cache.block_size
+    num_blocks = -(-num_tokens // block_size) + 1
+    kv = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    state = CachedRequestState(
+        "profile", [i % arch.vocab_size for i in range(num_tokens)], num_tokens,
+        SamplingParams(), 0, list(range(num_blocks)), 0,
+    )  # fmt: skip
+    inputs = build_step_inputs([state], {"profile": num_tokens}, block_size, device)
+    with torch.inference_mode():
+        hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, kv)
+        rows = min(num_tokens, config.scheduler.max_num_seqs)
+        model.compute_logits(weights, hidden[:rows])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del kv, hidden, inputs
+    torch.cuda.empty_cache()
+    return peak
 
 
 async def launch_engine(config: SitsdConfig) -> AsyncEngine:

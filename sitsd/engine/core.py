@@ -4,10 +4,14 @@ Each turn of the loop drains the inbox (new requests, aborts), aborts requests w
 has passed, then runs one step:
 
     scheduler.schedule() -> SchedulerOutput
-    runner.execute()     -> ModelRunnerOutput
+    runner.launch()      -> (GPU busy)  ... .result() -> ModelRunnerOutput
     scheduler.update_from_output() -> token updates -> detokenizer -> RequestDeltas
 
-and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). Nothing else
+and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). When the runner
+works asynchronously (CUDA), the detokenization and delivery of step N's tokens happen after
+step N+1 is launched, while the GPU computes: they leave the step's critical path. (A stop
+string is then found one step late; the extra token is discarded.) On the CPU the runner
+computes inside `launch`, so nothing would overlap and deltas go out at once. Nothing else
 touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
 a snapshot replaced after every turn.
 """
@@ -34,12 +38,21 @@ log = logging.getLogger(__name__)
 DeltaSink = Callable[[list[RequestDelta]], None]
 
 
+class PendingStepLike(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
 class ModelRunnerLike(Protocol):
     """What the core needs of a model runner (see `sitsd.runtime.model_runner.ModelRunner`)."""
 
     weights_version: str
 
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+    @property
+    def overlaps_host_work(self) -> bool:
+        """True when `launch` returns before the device has finished the step."""
+        ...
+
+    def launch(self, sched_out: SchedulerOutput) -> PendingStepLike: ...
 
 
 class EngineCore:
@@ -61,6 +74,7 @@ class EngineCore:
         self._eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._deferred: list[TokenUpdate] = []  # last step's updates, not yet detokenized
         self._seeds = random.Random()  # seeds for requests that bring none; per engine
         self._on_deltas: DeltaSink = lambda deltas: None
         self._thread: threading.Thread | None = None
@@ -112,6 +126,7 @@ class EngineCore:
         while not self._stopping.is_set():
             deltas: list[RequestDelta] = []
             try:
+                deltas += self._flush_deferred()
                 deltas += self._drain_inbox(block=not self.scheduler.has_work())
                 deltas += self._abort_expired()
                 if self.scheduler.has_work():
@@ -124,7 +139,7 @@ class EngineCore:
             self._status = self._snapshot()
             self._on_deltas_safe(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
-        deltas = self._drain_inbox(block=False)
+        deltas = self._flush_deferred() + self._drain_inbox(block=False)
         deltas += self._fail_all("the engine stopped", FinishReason.ABORT)
         self._status = self._snapshot()
         self._on_deltas_safe(deltas)
@@ -180,24 +195,34 @@ class EngineCore:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestDelta]:
-        """Schedule, execute and turn the sampled tokens into deltas."""
+        """Schedule, launch, collect; returns the deltas ready now (see the module docstring)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return []
+            return self._flush_deferred()
         try:
-            runner_out = self.runner.execute(sched_out)
+            pending = self.runner.launch(sched_out)
+            deltas = self._flush_deferred()  # overlaps the GPU's work on this step
+            runner_out = pending.result()
         except Exception as exc:  # the batch fails, the engine keeps serving
             log.exception(
                 "model step failed; failing its %d requests", len(sched_out.num_scheduled_tokens)
             )
             message = f"internal error in the model step: {type(exc).__name__}: {exc}"
-            deltas = [
-                self._finish(r, FinishReason.ERROR, message) for r in sched_out.num_scheduled_tokens
-            ]
-            return [d for d in deltas if d is not None]
+            deltas = self._flush_deferred()
+            failed = [self._finish(r, FinishReason.ERROR, message)
+                      for r in sched_out.num_scheduled_tokens]  # fmt: skip
+            return deltas + [d for d in failed if d is not None]
         self.num_steps += 1
         updates = self.scheduler.update_from_output(sched_out, runner_out)
-        return [self._to_delta(u) for u in updates]
+        if self.runner.overlaps_host_work and self.scheduler.has_work():
+            self._deferred = updates
+            return deltas
+        return deltas + [self._to_delta(u) for u in updates]
+
+    def _flush_deferred(self) -> list[RequestDelta]:
+        updates, self._deferred = self._deferred, []
+        # A request may have finished since (abort): its detokenizer is gone, skip it.
+        return [self._to_delta(u) for u in updates if u.request.req_id in self._detok]
 
     def _to_delta(self, update: TokenUpdate) -> RequestDelta:
         request = update.request

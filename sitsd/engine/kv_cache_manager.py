@@ -97,6 +97,13 @@ class KVCacheManager:
         Returns:
             The block ids appended to the request's table (hits first), possibly empty.
         """
+        if not computed_blocks:
+            # The common decode case: the request's blocks already have room.
+            entry = self._reqs.get(request.req_id)
+            if entry is not None and entry.hash_key == request.weights_version and (
+                request.num_computed_tokens + num_new_tokens <= len(entry.blocks) * self.block_size
+            ):
+                return []
         computed_blocks = computed_blocks or []
         entry = self._entry(request)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

@@ -39,3 +39,24 @@ def reference_kernels() -> KernelSet:
         rotary_embedding=reference.rotary_embedding_ref,
         silu_and_mul=reference.silu_and_mul_ref,
     )
+
+
+def triton_kernels() -> KernelSet:
+    """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests)."""
+    from sitsd.kernels.activation import silu_and_mul
+    from sitsd.kernels.decode_attention import decode_attention
+    from sitsd.kernels.prefill_attention import prefill_attention
+    from sitsd.kernels.reshape_and_cache import reshape_and_cache
+    from sitsd.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from sitsd.kernels.rotary import rotary_embedding
+
+    return KernelSet(
+        name="triton",
+        reshape_and_cache=reshape_and_cache,
+        decode_attention=decode_attention,
+        prefill_attention=prefill_attention,
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        rotary_embedding=rotary_embedding,
+        silu_and_mul=silu_and_mul,
+    )

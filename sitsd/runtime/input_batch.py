@@ -1,14 +1,18 @@
 """Per-request state the runner keeps, and the step's input tensors built from it.
 
 The scheduler sends only what changed (`SchedulerOutput`); the runner keeps each request's
-tokens and block table here. `build_step_inputs` lays out one step's ragged batch, decodes
-first, and builds `AttentionMetadata` on the host, then moves it to the device in one go.
+tokens and block table here. `StepInputBuilder` lays out one step's ragged batch (decodes
+first, then prompt chunks) into persistent host buffers (pinned on CUDA), copies them to
+persistent device buffers once per step, and returns views of those as `StepInputs`. The device
+buffers are also the static inputs of the CUDA graphs (`cuda_graphs.py`): a decode batch padded
+to a graph's bucket has seq_len 0 and slot -1 in its padding rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sitsd.model.attention import AttentionMetadata
@@ -36,66 +40,207 @@ class CachedRequestState:
 class StepInputs:
     """One step's model inputs plus the host-side bookkeeping to read its outputs."""
 
-    input_ids: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64 (num_tokens includes graph padding)
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     req_ids: list[str]  # batch order (decodes first)
     logits_indices: torch.Tensor  # [num_sampled] int64: the token whose logits are sampled
     sampled_req_ids: list[str]  # the requests those rows belong to
+    num_tokens: int  # real tokens, without padding
+    is_decode_only: bool
+
+
+class _Buffers:
+    """One set of input buffers (host or device), sized for the largest step."""
+
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, pin: bool
+    ) -> None:
+        def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device, pin_memory=pin)
+
+        self.input_ids = make(max_tokens, dtype=torch.int64)
+        self.positions = make(max_tokens, dtype=torch.int64)
+        self.slot_mapping = make(max_tokens, dtype=torch.int64)
+        self.logits_indices = make(max_seqs, dtype=torch.int64)
+        self.seq_lens = make(max_seqs, dtype=torch.int32)
+        self.query_start_loc = make(max_seqs + 1, dtype=torch.int32)
+        self.prefill_query_start_loc = make(max_seqs + 1, dtype=torch.int32)
+        self.block_tables = make(max_seqs, max_blocks, dtype=torch.int32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.positions, self.slot_mapping, self.logits_indices,
+                self.seq_lens, self.query_start_loc, self.prefill_query_start_loc,
+                self.block_tables]  # fmt: skip
+
+
+class StepInputBuilder:
+    """Builds `StepInputs` into persistent buffers; one host-to-device copy per buffer a step."""
+
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        on_cuda = device.type == "cuda"
+        cpu = torch.device("cpu")
+        self.host = _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, cpu, on_cuda)
+        # On the CPU the host buffers are the inputs: no copy.
+        self.dev = (
+            _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device, False)
+            if on_cuda else self.host
+        )  # fmt: skip
+        self._np = {name: t.numpy() for name, t in vars(self.host).items()}
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def build(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: dict[str, int],
+        pad_decodes_to: int | None = None,
+    ) -> StepInputs:
+        """Lay out the batch: decodes (one token) first, then prompt chunks, in given order.
+
+        Args:
+            states: the scheduled requests.
+            num_scheduled: tokens to compute per request this step.
+            pad_decodes_to: for a decode-only batch replayed by a CUDA graph, the graph's batch
+                size; rows past the real batch become padding (seq_len 0, slot -1).
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the host buffers
+        # A decode computes the one token it then samples from; a one-token chunk that does not
+        # reach the end of its prompt goes with the prefills.
+        decodes = [
+            s
+            for s in states
+            if num_scheduled[s.req_id] == 1 and s.num_computed_tokens + 1 == len(s.token_ids)
+        ]
+        decode_ids = {s.req_id for s in decodes}
+        prefills = [s for s in states if s.req_id not in decode_ids]
+        ordered = decodes + prefills
+        h = self._np
+        bs = self.block_size
+        # Decodes: one token each, laid out with list comprehensions (the hot path at large
+        # batch), then one numpy assignment per buffer.
+        nd = len(decodes)
+        pos = [s.num_computed_tokens for s in decodes]
+        h["input_ids"][:nd] = [s.token_ids[p] for s, p in zip(decodes, pos)]
+        h["positions"][:nd] = pos
+        h["slot_mapping"][:nd] = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, pos)]
+        h["seq_lens"][:nd] = [p + 1 for p in pos]
+        h["query_start_loc"][: nd + 1] = np.arange(nd + 1)
+        sampled_req_ids = [s.req_id for s in decodes]
+        h["logits_indices"][:nd] = np.arange(nd)
+        num_tokens, num_sampled = nd, nd
+        for i, state in enumerate(prefills, start=nd):
+            start = state.num_computed_tokens
+            n = num_scheduled[state.req_id]
+            end = start + n
+            span = slice(num_tokens, num_tokens + n)
+            h["input_ids"][span] = state.token_ids[start:end]
+            positions = np.arange(start, end)
+            h["positions"][span] = positions
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            h["slot_mapping"][span] = blocks[positions // bs] * bs + positions % bs
+            h["seq_lens"][i] = end
+            num_tokens += n
+            h["query_start_loc"][i + 1] = num_tokens
+            if end == len(state.token_ids):  # the chunk reaches the last known token: sample
+                h["logits_indices"][num_sampled] = num_tokens - 1
+                num_sampled += 1
+                sampled_req_ids.append(state.req_id)
+        max_blocks = max((len(s.block_ids) for s in ordered), default=1)
+        for i, state in enumerate(ordered):
+            h["block_tables"][i, : len(state.block_ids)] = state.block_ids
+        num_seqs = len(ordered)
+        num_decodes = len(decodes)
+        padded_seqs, padded_tokens = num_seqs, num_tokens
+        if pad_decodes_to is not None:
+            assert not prefills, "only decode-only batches are padded for graphs"
+            assert pad_decodes_to >= num_seqs
+            padded_seqs = padded_tokens = pad_decodes_to
+            pad = slice(num_seqs, pad_decodes_to)
+            h["input_ids"][pad] = 0
+            h["positions"][pad] = 0
+            h["slot_mapping"][pad] = -1
+            h["seq_lens"][pad] = 0
+            h["query_start_loc"][num_seqs + 1 : pad_decodes_to + 1] = num_tokens
+            # Graph replays read the whole static table: stale rows must not hold ids past the
+            # pool, and padding rows are never read (seq_len 0).
+            max_blocks = self.max_blocks_per_seq
+        q0 = h["query_start_loc"][num_decodes]
+        num_prefills = num_seqs - num_decodes
+        h["prefill_query_start_loc"][: num_prefills + 1] = (
+            h["query_start_loc"][num_decodes : num_seqs + 1] - q0
+        )
+        self._copy(padded_tokens, padded_seqs, num_sampled, num_prefills + 1, max_blocks)
+        d = self.dev
+        meta = AttentionMetadata(
+            slot_mapping=d.slot_mapping[:padded_tokens],
+            block_tables=d.block_tables[:padded_seqs, :max_blocks],
+            seq_lens=d.seq_lens[:padded_seqs],
+            query_start_loc=d.query_start_loc[: padded_seqs + 1],
+            prefill_query_start_loc=d.prefill_query_start_loc[: num_prefills + 1],
+            num_decodes=padded_seqs if pad_decodes_to is not None else num_decodes,
+            num_decode_tokens=padded_seqs if pad_decodes_to is not None else num_decodes,
+            max_seq_len=int(h["seq_lens"][:num_seqs].max()) if num_seqs else 0,
+        )
+        return StepInputs(
+            input_ids=d.input_ids[:padded_tokens],
+            positions=d.positions[:padded_tokens],
+            meta=meta,
+            req_ids=[s.req_id for s in ordered],
+            logits_indices=d.logits_indices[:num_sampled],
+            sampled_req_ids=sampled_req_ids,
+            num_tokens=num_tokens,
+            is_decode_only=not prefills,
+        )
+
+    def _copy(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_sampled: int,
+        num_prefill_qsl: int,
+        max_blocks: int,
+    ) -> None:
+        if self.dev is self.host:
+            return
+        h, d = self.host, self.dev
+        # Pinned source + non_blocking: queued on the stream, no host sync.
+        for name, n in (("input_ids", num_tokens), ("positions", num_tokens),
+                        ("slot_mapping", num_tokens), ("logits_indices", num_sampled),
+                        ("seq_lens", num_seqs), ("query_start_loc", num_seqs + 1),
+                        ("prefill_query_start_loc", num_prefill_qsl)):  # fmt: skip
+            getattr(d, name)[:n].copy_(getattr(h, name)[:n], non_blocking=True)
+        d.block_tables[:num_seqs, :max_blocks].copy_(
+            h.block_tables[:num_seqs, :max_blocks], non_blocking=True
+        )
+        assert self._copied is not None
+        self._copied.record()
 
 
 def build_step_inputs(
     states: list[CachedRequestState],
     num_scheduled: dict[str, int],
     block_size: int,
-    device: torch.device | str,
+    device: torch.device | str = "cpu",
 ) -> StepInputs:
-    """Lay out the batch: decodes (one token) first, then prompt chunks, in scheduler order."""
-    decodes = [s for s in states if num_scheduled[s.req_id] == 1]
-    prefills = [s for s in states if num_scheduled[s.req_id] > 1]
-    ordered = decodes + prefills
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
-    logits_indices: list[int] = []
-    sampled_req_ids: list[str] = []
-    for state in ordered:
-        start = state.num_computed_tokens
-        end = start + num_scheduled[state.req_id]
-        input_ids += state.token_ids[start:end]
-        for pos in range(start, end):
-            positions.append(pos)
-            slot_mapping.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + end - start)
-        if end == len(state.token_ids):  # the chunk reaches the last known token: sample
-            logits_indices.append(query_start_loc[-1] - 1)
-            sampled_req_ids.append(state.req_id)
-    max_blocks = max(len(s.block_ids) for s in ordered)
-    block_tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in ordered]
-    num_decodes = len(decodes)
-    prefill_qsl = [q - query_start_loc[num_decodes] for q in query_start_loc[num_decodes:]]
-
-    def ints(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    meta = AttentionMetadata(
-        slot_mapping=ints(slot_mapping, torch.int64),
-        block_tables=ints(block_tables, torch.int32).view(len(ordered), max_blocks),
-        seq_lens=ints(seq_lens, torch.int32),
-        query_start_loc=ints(query_start_loc, torch.int32),
-        prefill_query_start_loc=ints(prefill_qsl, torch.int32),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        max_seq_len=max(seq_lens),
+    """One-off `StepInputs` with buffers sized for this batch (tests and tools)."""
+    builder = StepInputBuilder(
+        max_num_tokens=sum(num_scheduled[s.req_id] for s in states),
+        max_num_seqs=len(states),
+        max_blocks_per_seq=max(len(s.block_ids) for s in states),
+        block_size=block_size,
+        device=torch.device(device),
     )
-    return StepInputs(
-        input_ids=ints(input_ids, torch.int64),
-        positions=ints(positions, torch.int64),
-        meta=meta,
-        req_ids=[s.req_id for s in ordered],
-        logits_indices=ints(logits_indices, torch.int64),
-        sampled_req_ids=sampled_req_ids,
-    )
+    return builder.build(states, num_scheduled)

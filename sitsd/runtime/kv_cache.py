@@ -41,3 +41,25 @@ def allocate_kv_caches(
         device=device,
     )  # zeros, not empty: a kernel reading an unwritten slot sees 0, never NaN from old memory
     return [(pool[i, 0], pool[i, 1]) for i in range(arch.num_layers)]
+
+
+def gpu_kv_budget(
+    device: torch.device,
+    gpu_memory_utilization: float,
+    gpu_memory_limit: int,
+    peak_torch_bytes: int,
+    reserve_bytes: int,
+) -> int:
+    """Bytes the KV pool may take on the GPU, after the profiling pass measured the peak.
+
+    The budget is `utilization x visible memory` (the whole device, a MIG slice as the driver
+    reports it, or `--gpu-memory-limit`) minus what the process holds anyway: the peak of torch's
+    allocations in the profiling forward pass (weights + activations), memory outside torch's
+    allocator (CUDA context, cuBLAS workspaces), and `reserve_bytes` for the CUDA graphs.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    visible = min(gpu_memory_limit, total) if gpu_memory_limit else total
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
+    budget = int(visible * gpu_memory_utilization) - peak_torch_bytes - non_torch - reserve_bytes
+    # Never plan on memory another process holds right now.
+    return min(budget, free - reserve_bytes)

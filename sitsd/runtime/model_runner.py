@@ -1,9 +1,12 @@
 """The model runner: owns the weights, the KV pool and per-request token rows; runs a step.
 
-`execute(SchedulerOutput) -> ModelRunnerOutput` updates the per-request state from what the
-scheduler changed, lays out the ragged batch (`input_batch.py`), runs the model, samples the
-requests whose chunk reached their last token and returns plain lists. Which tokens to compute
-is the scheduler's decision; this module never decides, it only computes.
+`launch(SchedulerOutput) -> PendingStep` updates the per-request state from what the scheduler
+changed, lays out the ragged batch (`input_batch.py`), runs the model (a CUDA-graph replay for
+decode-only batches on the GPU, eagerly otherwise) and samples the requests whose chunk reached
+their last token; on the GPU all of that is queued and `launch` returns at once, and
+`PendingStep.result()` waits for the sampled ids (the step's one host sync) and returns them as
+plain lists. `execute` is the two in one. Which tokens to compute is the scheduler's decision;
+this module never decides, it only computes.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import torch
 
 from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.model.llama import LlamaModel, LlamaWeights
-from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
-from sitsd.runtime.sampler import sample
+from sitsd.runtime.cuda_graphs import DecodeGraphs
+from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, StepInputs
+from sitsd.runtime.sampler import sample_on_device
 
 
 class ModelRunner:
@@ -24,45 +28,86 @@ class ModelRunner:
         model: LlamaModel,
         weights: LlamaWeights,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int,
-        device: torch.device,
+        builder: StepInputBuilder,
         weights_version: str,
     ) -> None:
         self.model = model
         self.weights = weights
         self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.device = device
+        self.builder = builder
+        self.block_size = builder.block_size
+        self.device = builder.device
         self.weights_version = weights_version
+        self.graphs: DecodeGraphs | None = None
         self.requests: dict[str, CachedRequestState] = {}
+        on_cuda = self.device.type == "cuda"
+        self._tokens_host = (
+            torch.empty(builder.max_num_seqs, dtype=torch.int64, pin_memory=True)
+            if on_cuda else None
+        )  # fmt: skip
+        self._tokens_ready = torch.cuda.Event() if on_cuda else None
+
+    def capture_graphs(self, buckets: list[int]) -> float:
+        """Capture decode CUDA graphs for the current weights; returns the seconds it took."""
+        graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
+        seconds = graphs.capture(self.weights)
+        self.graphs = graphs
+        return seconds
+
+    @property
+    def overlaps_host_work(self) -> bool:
+        """True when `launch` returns before the GPU is done (the engine overlaps host work)."""
+        return self.device.type == "cuda"
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched_out).result()
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched_out: SchedulerOutput) -> PendingStep:
+        """Queue the step's work; `result()` on the returned object waits for its tokens."""
         self._update_states(sched_out)
+        req_ids = list(sched_out.num_scheduled_tokens)
         if sched_out.is_empty:
-            return ModelRunnerOutput([], [])
-        states = [self.requests[r] for r in sched_out.num_scheduled_tokens]
-        inputs = build_step_inputs(
-            states, sched_out.num_scheduled_tokens, self.block_size, self.device
+            return PendingStep(self, req_ids, [], None)
+        states = [self.requests[r] for r in req_ids]
+        logits, inputs = self._forward(states, sched_out.num_scheduled_tokens)
+        rows = [self.requests[r] for r in inputs.sampled_req_ids]
+        if not rows:
+            return PendingStep(self, req_ids, [], None)
+        tokens = sample_on_device(
+            logits,
+            [s.params for s in rows],
+            [s.seed for s in rows],
+            [s.num_output_tokens for s in rows],
         )
+        if self._tokens_host is not None:  # CUDA: copy into pinned memory, sync later
+            host = self._tokens_host[: len(rows)]
+            host.copy_(tokens, non_blocking=True)
+            assert self._tokens_ready is not None
+            self._tokens_ready.record()
+            tokens = host
+        return PendingStep(self, req_ids, rows, tokens)
+
+    def _forward(
+        self, states: list[CachedRequestState], num_sched: dict[str, int]
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """Logits of the rows to sample ([num_sampled, vocab] float32) and the step's inputs."""
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(states) <= graphs.max_batch
+            and all(num_sched[s.req_id] == 1 and s.num_computed_tokens + 1 == len(s.token_ids)
+                    for s in states)
+        ):  # fmt: skip
+            bucket = graphs.bucket_for(len(states))
+            inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
+            # Decode rows are laid out in order and each samples: row i is request i.
+            return graphs.replay(bucket)[: len(states)], inputs
+        inputs = self.builder.build(states, num_sched)
         hidden = self.model.forward(
             self.weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
         )
-        sampled: dict[str, list[int]] = {}
-        if inputs.sampled_req_ids:
-            logits = self.model.compute_logits(self.weights, hidden[inputs.logits_indices])
-            rows = [self.requests[r] for r in inputs.sampled_req_ids]
-            token_ids = sample(
-                logits,
-                [s.params for s in rows],
-                [s.seed for s in rows],
-                [s.num_output_tokens for s in rows],
-            )
-            for state, token_id in zip(rows, token_ids):
-                state.token_ids.append(token_id)
-                sampled[state.req_id] = [token_id]
-        req_ids = list(sched_out.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids])
+        return self.model.compute_logits(self.weights, hidden[inputs.logits_indices]), inputs
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
@@ -81,3 +126,31 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+
+class PendingStep:
+    """A launched step whose sampled token ids may still be on their way to the host."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        req_ids: list[str],
+        rows: list[CachedRequestState],
+        tokens: torch.Tensor | None,  # [len(rows)] int64: pinned host buffer on CUDA
+    ) -> None:
+        self._runner = runner
+        self._req_ids = req_ids
+        self._rows = rows
+        self._tokens = tokens
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the sampled ids (the step's one host sync) and record them."""
+        sampled: dict[str, list[int]] = {}
+        if self._tokens is not None:
+            ready = self._runner._tokens_ready
+            if ready is not None:
+                ready.synchronize()  # releases the GIL while the GPU finishes
+            for state, token_id in zip(self._rows, self._tokens.tolist()):
+                state.token_ids.append(token_id)
+                sampled[state.req_id] = [token_id]
+        return ModelRunnerOutput(self._req_ids, [sampled.get(r, []) for r in self._req_ids])

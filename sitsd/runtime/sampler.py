@@ -31,19 +31,28 @@ def sample(
     seeds: Sequence[int],
     draw_indices: Sequence[int],  # per row: how many tokens the request has sampled before
 ) -> list[int]:
-    """One token id per row."""
-    # The one host sync of the step: the runner and scheduler need the ids as Python ints.
+    """One token id per row, as Python ints (a host sync)."""
+    return sample_on_device(logits, params, seeds, draw_indices).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [num_seqs, vocab] float32
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    draw_indices: Sequence[int],
+) -> torch.Tensor:  # [num_seqs] int64, on the logits' device; no host sync
+    """One token id per row, left on the device."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = _to_device(random_rows, torch.int64, logits.device)
         picked = _sample_random(
             logits[rows],
             [params[i] for i in random_rows],
             [mix_seed(seeds[i], draw_indices[i]) for i in random_rows],
         )
         tokens[rows] = picked
-    return tokens.tolist()
+    return tokens
 
 
 def _sample_random(
@@ -52,13 +61,13 @@ def _sample_random(
     seeds: Sequence[int],
 ) -> torch.Tensor:  # [num_rows] int64
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+    temps = _to_device([p.temperature for p in params], torch.float32, device)
     x = logits / temps[:, None]
     top_ks = [min(p.top_k, x.shape[-1]) for p in params]
     if any(top_ks):
         x = _apply_top_k(x, top_ks)
     if any(p.top_p < 1.0 for p in params):
-        top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        top_ps = _to_device([p.top_p for p in params], torch.float32, device)
         x = _apply_top_p(x, top_ps)
     probs = torch.softmax(x, dim=-1)
     noise = torch.empty_like(probs)
@@ -70,9 +79,9 @@ def _sample_random(
 
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     values = torch.topk(x, max(top_ks), dim=-1).values  # [rows, max_k], descending
-    k_index = torch.tensor([max(k, 1) - 1 for k in top_ks], device=x.device)
+    k_index = _to_device([max(k, 1) - 1 for k in top_ks], torch.int64, x.device)
     threshold = values.gather(1, k_index[:, None])  # [rows, 1]
-    off = torch.tensor([k == 0 for k in top_ks], device=x.device)
+    off = _to_device([k == 0 for k in top_ks], torch.bool, x.device)
     threshold = threshold.masked_fill(off[:, None], float("-inf"))
     return x.masked_fill(x < threshold, float("-inf"))
 
@@ -85,3 +94,11 @@ def _apply_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     drop_sorted = before >= top_ps[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a host sync (pinned source, async copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

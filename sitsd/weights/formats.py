@@ -135,9 +135,9 @@ def pickle_refused(path: Path) -> CheckpointError:
     return CheckpointError(
         f"{path} is a pickle checkpoint; sitsd refuses pickles because loading one can run "
         "arbitrary code. Convert it once, in a trusted environment, to safetensors, e.g.: "
-        "python -c \"from transformers import AutoModelForCausalLM as M; "
+        'python -c "from transformers import AutoModelForCausalLM as M; '
         f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors', "
-        "safe_serialization=True)\" and copy the tokenizer files next to it"
+        'safe_serialization=True)" and copy the tokenizer files next to it'
     )
 
 
@@ -193,8 +193,7 @@ def check_tensor_shapes(
         problems.append(f"wrong shape {_some(wrong)}")
     if problems:
         raise CheckpointError(
-            f"{source}: tensors do not match the architecture in its config: "
-            + "; ".join(problems)
+            f"{source}: tensors do not match the architecture in its config: " + "; ".join(problems)
         )
 
 

@@ -36,22 +36,45 @@ from sitsd.weights.tokenizer import (
 )
 
 SUPPORTED_TYPES = (
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
 )
 _GGUF_MAGIC = b"GGUF"
 # Scalar metadata value types of the GGUF spec -> struct format.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -181,15 +204,23 @@ def load_gguf(path: Path, *, load_tensors: bool = True) -> Checkpoint:
     header = read_gguf_header(path)
     arch = arch_from_gguf(header)
     tensors: dict[str, torch.Tensor] = {}
-    shapes = {hf_name(name, path): info.shape for name, info in header.tensors.items()
-              if name != "rope_freqs.weight"}
+    shapes = {
+        hf_name(name, path): info.shape
+        for name, info in header.tensors.items()
+        if name != "rope_freqs.weight"
+    }
     check_tensor_shapes(arch, shapes, path)
     if load_tensors:
         tensors = load_gguf_tensors(header, arch)
     tokenizer = tokenizer_from_gguf(header, arch.vocab_size)
     return Checkpoint(
-        arch=arch, tensors=tensors, tokenizer=tokenizer, name=path.stem, path=path,
-        format="gguf", files=[path],
+        arch=arch,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        name=path.stem,
+        path=path,
+        format="gguf",
+        files=[path],
     )
 
 
@@ -230,8 +261,10 @@ def arch_from_gguf(header: GgufHeader) -> LlamaArch:
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
     embed = header.tensors.get("token_embd.weight")
-    vocab_size = embed.shape[0] if embed else int(
-        get("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None)
+    vocab_size = (
+        embed.shape[0]
+        if embed
+        else int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None))
     )
     rope_theta = _f32(get("rope.freq_base", 10000.0))
     rope_scaling = _rope_scaling(header, rope_theta, head_dim)
@@ -305,8 +338,13 @@ def llama3_scaling_from_freq_factors(
         if intercept < 0:
             candidates.append((round(-slope / intercept), 1.0, 1.0 - 1.0 / intercept))
     for ctx, low, high in candidates:
-        scaling = {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
-                   "high_freq_factor": high, "original_max_position_embeddings": int(ctx)}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _f32(factor),
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": int(ctx),
+        }
         if np.allclose(llama3_freq_factors(scaling, theta, head_dim), factors, rtol=1e-3):
             return scaling
     raise CheckpointError(f"{path}: rope_freqs.weight does not match Llama-3 rope scaling")
@@ -387,8 +425,11 @@ def tokenizer_from_gguf(header: GgufHeader, vocab_size: int) -> Tokenizer:
     try:
         backend = backend_from_gguf_vocab(vocab)
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        declared = [eos_id, meta.get("tokenizer.ggml.eot_token_id"),
-                    meta.get("tokenizer.ggml.eom_token_id")]
+        declared = [
+            eos_id,
+            meta.get("tokenizer.ggml.eot_token_id"),
+            meta.get("tokenizer.ggml.eom_token_id"),
+        ]
         return Tokenizer(
             backend,
             vocab_size=vocab_size,

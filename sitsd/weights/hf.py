@@ -61,8 +61,13 @@ def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
             tensors.pop("lm_head.weight", None)  # a saved copy of the tied embedding
         check_tensor_shapes(arch, {k: tuple(v.shape) for k, v in tensors.items()}, path)
     return Checkpoint(
-        arch=arch, tensors=tensors, tokenizer=tokenizer, name=path.name, path=path,
-        format="hf", files=files,
+        arch=arch,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        name=path.name,
+        path=path,
+        format="hf",
+        files=files,
     )
 
 
@@ -132,8 +137,10 @@ def _load_tokenizer(
     if not tokenizer_file.is_file():
         hint = ""
         if (path / "tokenizer.model").exists():
-            hint = " (only tokenizer.model found: re-save the tokenizer with transformers' " \
+            hint = (
+                " (only tokenizer.model found: re-save the tokenizer with transformers' "
                 "AutoTokenizer.save_pretrained to get one)"
+            )
         raise CheckpointError(f"tokenizer.json is missing from {path}{hint}")
     try:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
@@ -159,8 +166,11 @@ def _load_tokenizer(
         return None
 
     bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
-    declared_eos = [eos_id, *_id_list(gen_config.get("eos_token_id")),
-                    *_id_list(config.get("eos_token_id"))]
+    declared_eos = [
+        eos_id,
+        *_id_list(gen_config.get("eos_token_id")),
+        *_id_list(config.get("eos_token_id")),
+    ]
     add_bos, add_eos = _adds_bos_eos(backend, tok_config, bos_id, eos_id)
     try:
         return Tokenizer(
@@ -192,7 +202,9 @@ def _id_list(value: Any) -> list[int]:
 
 
 def _adds_bos_eos(
-    backend: tokenizers.Tokenizer, tok_config: dict[str, Any], bos_id: int | None,
+    backend: tokenizers.Tokenizer,
+    tok_config: dict[str, Any],
+    bos_id: int | None,
     eos_id: int | None,
 ) -> tuple[bool, bool]:
     """Whether a sequence starts with BOS / ends with EOS: the config's flags, else what the

@@ -27,10 +27,19 @@ logger = logging.getLogger(__name__)
 
 # Special tokens that end a turn in common chat formats. llama.cpp treats every one of these that
 # the vocabulary marks as special as end-of-generation, even when the file names another EOS.
-END_OF_TURN_TOKENS = frozenset({
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|end_of_text|>", "<EOT>", "<|return|>",
-})
+END_OF_TURN_TOKENS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "<|return|>",
+    }
+)
 
 
 class Tokenizer:
@@ -86,12 +95,15 @@ class Tokenizer:
         eos_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self._chat_template = None
         if chat_template:
-            self._chat_template = ChatTemplate(chat_template, {
-                "bos_token": self.id_to_token(bos_token_id),
-                "eos_token": self.id_to_token(eos_id),
-                "unk_token": self.id_to_token(unk_token_id),
-                "pad_token": self.id_to_token(pad_token_id),
-            })
+            self._chat_template = ChatTemplate(
+                chat_template,
+                {
+                    "bos_token": self.id_to_token(bos_token_id),
+                    "eos_token": self.id_to_token(eos_id),
+                    "unk_token": self.id_to_token(unk_token_id),
+                    "pad_token": self.id_to_token(pad_token_id),
+                },
+            )
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -167,8 +179,8 @@ def end_of_generation_ids(
 # --- GGUF vocabularies ---------------------------------------------------------------------------
 
 # Token types as llama.cpp writes them in `tokenizer.ggml.token_type`.
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
-    range(1, 7)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(
+    1, 7
 )
 
 _LLAMA3_SPLIT = (
@@ -180,9 +192,18 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # `tokenizer.ggml.pre` values llama.cpp maps to the Llama-3 split (and to ignore_merges).
-_LLAMA3_PRE = frozenset({
-    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-})
+_LLAMA3_PRE = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+    }
+)
 _QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen"})
 _GPT2_PRE = frozenset({"gpt2", "gpt-2", "default", ""})
 
@@ -219,12 +240,14 @@ def backend_from_gguf_vocab(vocab: GgufVocab) -> tokenizers.Tokenizer:
     types = vocab.token_types or [TOKEN_NORMAL] * len(vocab.tokens)
     special = [
         AddedToken(tok, special=True, normalized=False)
-        for tok, kind in zip(vocab.tokens, types) if kind == TOKEN_CONTROL
+        for tok, kind in zip(vocab.tokens, types)
+        if kind == TOKEN_CONTROL
     ]
     # User-defined tokens (e.g. `<think>`) are matched whole, but are not special.
     user = [
         AddedToken(tok, special=False, normalized=False)
-        for tok, kind in zip(vocab.tokens, types) if kind == TOKEN_USER_DEFINED
+        for tok, kind in zip(vocab.tokens, types)
+        if kind == TOKEN_USER_DEFINED
     ]
     backend.add_special_tokens(special)
     backend.add_tokens(user)
@@ -234,9 +257,13 @@ def backend_from_gguf_vocab(vocab: GgufVocab) -> tokenizers.Tokenizer:
 def _byte_level_bpe(vocab: GgufVocab) -> tokenizers.Tokenizer:
     token_ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
-    backend = tokenizers.Tokenizer(models.BPE(
-        token_ids, merges, ignore_merges=vocab.pre in _LLAMA3_PRE,  # type: ignore[arg-type]
-    ))
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            token_ids,
+            merges,
+            ignore_merges=vocab.pre in _LLAMA3_PRE,  # type: ignore[arg-type]
+        )
+    )
     backend.pre_tokenizer = _byte_level_pre_tokenizer(vocab.pre)
     backend.decoder = decoders.ByteLevel()
     return backend
@@ -245,16 +272,20 @@ def _byte_level_bpe(vocab: GgufVocab) -> tokenizers.Tokenizer:
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":
         # llama.cpp's SMOLLM type: every digit on its own, then the GPT-2 split.
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT if pre in _QWEN2_PRE else None
     if split is not None:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre not in _GPT2_PRE:
         logger.warning("unknown GGUF pre-tokenizer %r; splitting text like GPT-2", pre)
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -263,9 +294,15 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 def _sentencepiece_bpe(vocab: GgufVocab) -> tokenizers.Tokenizer:
     token_ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     unk = vocab.tokens[vocab.unk_token_id] if vocab.unk_token_id is not None else None
-    backend = tokenizers.Tokenizer(models.BPE(
-        token_ids, _merges_from_scores(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True,
-    ))
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            token_ids,
+            _merges_from_scores(vocab),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prepend = "first" if vocab.add_space_prefix else "never"
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme=prepend, split=False
@@ -291,7 +328,8 @@ def _merges_from_scores(vocab: GgufVocab) -> list[tuple[str, str]]:
     scored: list[tuple[str, str, float]] = []
     for piece, piece_id in piece_ids.items():
         splits = [
-            (piece[:k], piece[k:]) for k in range(1, len(piece))
+            (piece[:k], piece[k:])
+            for k in range(1, len(piece))
             if piece[:k] in piece_ids and piece[k:] in piece_ids
         ]
         splits.sort(key=lambda lr: (piece_ids[lr[0]], piece_ids[lr[1]]))

@@ -15,7 +15,8 @@ class FakeRunner:
 
     weights_version = "fake@0"
 
-    def __init__(self, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(self, block_size: int, vocab_size: int = 1000, overlaps: bool = False) -> None:
+        self.overlaps_host_work = overlaps  # like the CUDA runner: the engine defers detok
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.tokens: dict[str, list[int]] = {}
@@ -23,6 +24,9 @@ class FakeRunner:
         self.computed: dict[str, int] = {}
         self.num_steps = 0
         self.fail_next = False
+
+    def launch(self, so: SchedulerOutput) -> _Done:
+        return _Done(self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -55,3 +59,11 @@ class FakeRunner:
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids, sampled)
+
+
+class _Done:
+    def __init__(self, out: ModelRunnerOutput) -> None:
+        self._out = out
+
+    def result(self) -> ModelRunnerOutput:
+        return self._out

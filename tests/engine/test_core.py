@@ -40,11 +40,12 @@ class Collector:
         return out
 
 
-@pytest.fixture
-def engine():
+@pytest.fixture(params=[False, True], ids=["sync-runner", "overlapping-runner"])
+def engine(request):
+    """The core with a runner that computes in `launch` (CPU) and one that overlaps (CUDA)."""
     tok = ByteTokenizer()
     tok.eos_token_ids = (0,)
-    runner = FakeRunner(BLOCK, vocab_size=256)
+    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=request.param)
     kv = KVCacheManager(32, BLOCK)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv, 128)
     core = EngineCore(sched, runner, tok, "fake-model")

@@ -106,8 +106,10 @@ def test_loop_controls_are_available():
         "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
         "{{ m.content }}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}"
     )
-    messages = [{"role": r, "content": c} for r, c in
-                [("system", "S"), ("user", "a"), ("assistant", "b"), ("user", "c")]]
+    messages = [
+        {"role": r, "content": c}
+        for r, c in [("system", "S"), ("user", "a"), ("assistant", "b"), ("user", "c")]
+    ]
 
     assert template.render(messages) == "ab"
 
@@ -121,13 +123,16 @@ def test_namespace_and_dict_work_like_transformers():
     assert template.render([{"role": "user", "content": "x"}] * 3) == "3 1"
 
 
-@pytest.mark.parametrize(("source", "message"), [
-    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
-    ("{{ messages[0].content.__class__.__name__ }}", "unsafe"),
-    ("{% set x = messages.append({'role': 'user'}) %}", "unsafe"),
-    ("{% set ns = namespace(_hidden=1) %}", "underscore"),
-    ("{% set ns = namespace() %}{% set ns._x = 1 %}", "underscore"),
-])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+        ("{{ messages[0].content.__class__.__name__ }}", "unsafe"),
+        ("{% set x = messages.append({'role': 'user'}) %}", "unsafe"),
+        ("{% set ns = namespace(_hidden=1) %}", "underscore"),
+        ("{% set ns = namespace() %}{% set ns._x = 1 %}", "underscore"),
+    ],
+)
 def test_sandbox_refuses_escapes_and_mutation(source, message):
     messages = [{"role": "user", "content": "hi"}]
 
@@ -142,7 +147,8 @@ def test_messages_must_be_a_list_of_dicts():
 
 
 def test_undefined_variables_render_empty_like_transformers():
-    template = ChatTemplate("[{{ bos_token }}|{{ nothing }}|{{ tools is none }}]",
-                            {"bos_token": None})
+    template = ChatTemplate(
+        "[{{ bos_token }}|{{ nothing }}|{{ tools is none }}]", {"bos_token": None}
+    )
 
     assert template.render([]) == "[||True]"

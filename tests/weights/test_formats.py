@@ -49,11 +49,14 @@ def test_safetensors_next_to_a_pickle_are_served(tiny_llama_dir):
     assert all(f.suffix != ".bin" for f in ckpt.files)
 
 
-@pytest.mark.parametrize(("missing", "message"), [
-    ("tokenizer.json", r"tokenizer\.json is missing"),
-    ("model.safetensors", r"no \*\.safetensors weights"),
-    ("config.json", r"no config\.json"),
-])
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [
+        ("tokenizer.json", r"tokenizer\.json is missing"),
+        ("model.safetensors", r"no \*\.safetensors weights"),
+        ("config.json", r"no config\.json"),
+    ],
+)
 def test_missing_file_is_named(tiny_llama_dir, missing, message):
     (tiny_llama_dir / missing).unlink()
 
@@ -79,7 +82,7 @@ def test_garbage_safetensors_header_is_a_checkpoint_error(tiny_llama_dir):
 
 
 def test_corrupt_tokenizer_json_is_a_checkpoint_error(tiny_llama_dir):
-    (tiny_llama_dir / "tokenizer.json").write_text("{\"model\": 3}")
+    (tiny_llama_dir / "tokenizer.json").write_text('{"model": 3}')
 
     with pytest.raises(CheckpointError, match=r"tokenizer\.json"):
         load_checkpoint(tiny_llama_dir, load_tensors=False)

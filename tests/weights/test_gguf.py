@@ -49,8 +49,11 @@ def test_dequantization_is_exactly_ggufs_round_trip(tmp_path, seed, tensor_type)
 
     ckpt = load_checkpoint(path)
 
-    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
-                 "model.layers.0.self_attn.v_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ):
         data, qtype = encode_gguf_tensor(source[name].numpy(), tensor_type)
         want = torch.from_numpy(gguf.quants.dequantize(data, qtype))
         assert torch.equal(ckpt.tensors[name], want), name
@@ -100,8 +103,9 @@ def test_missing_output_tensor_means_tied_embeddings(tmp_path, seed):
 
     assert ckpt.arch.tie_word_embeddings
     assert "lm_head.weight" not in ckpt.tensors
-    assert torch.equal(ckpt.tensors["model.embed_tokens.weight"],
-                       source["model.embed_tokens.weight"])
+    assert torch.equal(
+        ckpt.tensors["model.embed_tokens.weight"], source["model.embed_tokens.weight"]
+    )
 
 
 def test_untied_output_tensor_becomes_lm_head(tmp_path, seed):
@@ -136,25 +140,41 @@ def test_load_tensors_false_reads_no_tensor_data(tmp_path, seed):
     assert ckpt.tokenizer.encode("hello")
 
 
-@pytest.mark.parametrize(("metadata", "want"), [
-    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
-     {"rope_type": "linear", "factor": 4.0}),
-    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
-      "llama.rope.scaling.original_context_length": 128},
-     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}),
-])
+@pytest.mark.parametrize(
+    ("metadata", "want"),
+    [
+        (
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+            {"rope_type": "linear", "factor": 4.0},
+        ),
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 2.0,
+                "llama.rope.scaling.original_context_length": 128,
+            },
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128},
+        ),
+    ],
+)
 def test_rope_scaling_metadata_becomes_hf_rope_scaling(tmp_path, seed, metadata, want):
     path, _ = write_tiny_gguf(tmp_path / "m.gguf", seed=seed, metadata=metadata)
 
     assert load_checkpoint(path, load_tensors=False).arch.rope_scaling == want
 
 
-@pytest.mark.parametrize("params", [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192),
-                                    (4.0, 1.0, 2.0, 1024)])
+@pytest.mark.parametrize(
+    "params", [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (4.0, 1.0, 2.0, 1024)]
+)
 def test_llama3_rope_freqs_are_recovered_as_rope_scaling(tmp_path, params):
     factor, low, high, ctx = params
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-               "high_freq_factor": high, "original_max_position_embeddings": ctx}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": ctx,
+    }
     theta, head_dim = 500000.0, 128
     freqs = llama3_freq_factors(scaling, theta, head_dim).astype(np.float32)
 
@@ -166,11 +186,17 @@ def test_llama3_rope_freqs_are_recovered_as_rope_scaling(tmp_path, params):
 
 
 def test_rope_freqs_tensor_is_folded_into_the_arch(tmp_path, seed):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     freqs = llama3_freq_factors(scaling, 10000.0, 16)  # [head_dim // 2]
-    path, _ = write_tiny_gguf(tmp_path / "m.gguf", seed=seed,
-                              extra_tensors={"rope_freqs.weight": freqs})
+    path, _ = write_tiny_gguf(
+        tmp_path / "m.gguf", seed=seed, extra_tensors={"rope_freqs.weight": freqs}
+    )
 
     ckpt = load_checkpoint(path)
 

@@ -19,8 +19,13 @@ from tests.weights.tiny_models import (
     write_tiny_llama,
 )
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def test_every_tensor_loads_under_its_hf_name_with_its_values(tiny_llama_dir, seed):
@@ -50,8 +55,13 @@ def test_checkpoint_records_format_name_and_files(tiny_llama_dir):
 
     assert (ckpt.format, ckpt.name, ckpt.path) == ("hf", "tiny-llama", tiny_llama_dir)
     names = {f.name for f in ckpt.files}
-    assert {"config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     assert all(f.is_file() for f in ckpt.files)
 
 
@@ -106,8 +116,10 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path, seed):
     tensors = load_file(model_dir / "model.safetensors")
     (model_dir / "model.safetensors").unlink()
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2],
-              "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, part in shards.items():
         save_file({n: tensors[n] for n in part}, model_dir / file)
     weight_map = {n: f for f, part in shards.items() for n in part}
@@ -180,8 +192,10 @@ def test_chat_template_jinja_file_is_read(tmp_path, seed):
 def test_default_template_is_picked_from_a_list_of_named_templates(tiny_llama_dir):
     config_file = tiny_llama_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"},
-                               {"name": "default", "template": "DEFAULT"}]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "DEFAULT"},
+    ]
     config_file.write_text(json.dumps(config))
 
     tok = load_checkpoint(tiny_llama_dir, load_tensors=False).tokenizer

@@ -91,13 +91,19 @@ def test_digits_split_from_whitespace_as_the_models_own_tokenizer_does(smollm2):
 
 
 @pytest.mark.slow  # transformers' GGUF conversion
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "Capital of France?"},
-     {"role": "assistant", "content": "Paris."},
-     {"role": "user", "content": "And of Italy?"}],
-], ids=["one-user-turn", "system-multi-turn"])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+    ],
+    ids=["one-user-turn", "system-multi-turn"],
+)
 def test_chat_template_renders_like_transformers(smollm2, smollm2_hf_tokenizer, messages):
     ours = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     theirs = smollm2_hf_tokenizer.apply_chat_template(
@@ -120,9 +126,17 @@ def test_dequantized_tensors_equal_transformers_gguf_load(smollm2, smollm2_hf_mo
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{layer}.{part}.weight"
         for layer in (0, 13, 29)
-        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                     "input_layernorm", "post_attention_layernorm")
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
     ]
     for name in names:
         assert (smollm2.tensors[name] - want[name]).abs().max().item() == 0.0, name

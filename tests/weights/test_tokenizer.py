@@ -168,8 +168,30 @@ def test_llama_bpe_pre_tokenizer_groups_digits_by_three(tmp_path, seed):
     assert pieces == ["I", "'m", "Ġat", "Ġ", "123", "456", "7", "!"]
 
 
-SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "▁h", "he", "ll", "▁he", "llo",
-              "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "▁a", "lo"]
+SPM_PIECES = [
+    "▁",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "a",
+    "▁h",
+    "he",
+    "ll",
+    "▁he",
+    "llo",
+    "▁hello",
+    "▁w",
+    "or",
+    "▁wor",
+    "ld",
+    "▁world",
+    "▁a",
+    "lo",
+]
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +230,9 @@ def test_sentencepiece_gguf_merges_whole_words_and_falls_back_to_bytes(spm_pair)
 
 def test_sentencepiece_gguf_add_bos_false_is_honoured(tmp_path):
     tokens = ["<unk>", "<s>", "</s>", "▁", "a", "▁a"]
-    path = write_sentencepiece_gguf(tmp_path / "m.gguf", tokens, [0, 0, 0, -1, -2, -3],
-                                    [2, 3, 3, 1, 1, 1], add_bos_token=False)
+    path = write_sentencepiece_gguf(
+        tmp_path / "m.gguf", tokens, [0, 0, 0, -1, -2, -3], [2, 3, 3, 1, 1, 1], add_bos_token=False
+    )
 
     tok = load_checkpoint(path, load_tensors=False).tokenizer
 

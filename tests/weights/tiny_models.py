@@ -51,8 +51,10 @@ def _tokenizer_json() -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     return tok.to_str()
@@ -64,19 +66,30 @@ def tiny_tokenizer() -> tokenizers.Tokenizer:
 
 
 def tiny_llama_model(
-    *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, rope_scaling: dict | None = None,
-    seed: int = 0, vocab_size: int | None = None,
+    *,
+    tie_word_embeddings: bool = False,
+    num_kv_heads: int = 2,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Any:
     """A random float32 `LlamaForCausalLM` (2 layers, hidden 64, 4 heads); norms are random
     too, so a swapped norm name shows."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS, num_key_value_heads=num_kv_heads,
-        vocab_size=vocab_size or tiny_tokenizer().get_vocab_size(), max_position_embeddings=256,
-        tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
-        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=num_kv_heads,
+        vocab_size=vocab_size or tiny_tokenizer().get_vocab_size(),
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=rope_scaling,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
     )
     with torch.random.fork_rng(), torch.no_grad():  # seeded, without moving the caller's RNG
         torch.manual_seed(seed)
@@ -126,8 +139,11 @@ def write_tiny_llama(
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     model = tiny_llama_model(
-        tie_word_embeddings=tie_word_embeddings, num_kv_heads=num_kv_heads,
-        rope_scaling=rope_scaling, seed=seed, vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        num_kv_heads=num_kv_heads,
+        rope_scaling=rope_scaling,
+        seed=seed,
+        vocab_size=vocab_size,
     )
     model.save_pretrained(out)
     tokenizer = tiny_tokenizer()
@@ -160,9 +176,14 @@ def write_tiny_llama(
 # --- GGUF -----------------------------------------------------------------------------------------
 
 _GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
 
@@ -173,15 +194,21 @@ def gguf_name(hf_name: str) -> str:
         _, _, layer, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
         return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
 
 
 def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's `convert_hf_to_gguf.py` permutation of Q/K rows (rotate-half -> pairs)."""
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def encode_gguf_tensor(values: np.ndarray, tensor_type: str) -> tuple[np.ndarray, Any]:
@@ -256,9 +283,9 @@ def _add_byte_level_vocab(writer: gguf.GGUFWriter, tok: tokenizers.Tokenizer, pr
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
-    ])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_bos_token_id(IM_START_ID)
     writer.add_eos_token_id(IM_END_ID)
@@ -289,8 +316,13 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def write_sentencepiece_gguf(
-    path: str | Path, tokens: list[str], scores: list[float], token_types: list[int], *,
-    add_bos_token: bool | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+    path: str | Path,
+    tokens: list[str],
+    scores: list[float],
+    token_types: list[int],
+    *,
+    add_bos_token: bool | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A one-layer Llama GGUF (hidden 32, zeros) whose tokenizer is a SentencePiece vocabulary
     (`tokenizer.ggml.model == "llama"`): unk 0, bos 1, eos 2."""

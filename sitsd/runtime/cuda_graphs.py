@@ -1,0 +1,109 @@
+"""Decode steps as CUDA graphs, one per batch-size bucket.
+
+A decode step of a Llama-8B is ~300 kernel launches; at small batch their launch cost exceeds
+the GPU time. Each bucket's forward pass (embedding to logits) is captured once, reading its
+inputs from `StepInputBuilder`'s persistent device buffers and writing logits to a static
+output; a step pads its decode batch to the next bucket (padding rows have seq_len 0 and slot
+-1: they write no KV and read none) and replays the graph. All graphs share one memory pool,
+captured largest first so the smaller ones reuse its memory.
+
+Graphs are captured for one `LlamaWeights` object (a weight slot): replaying them with other
+weights means capturing again for those (hot-swap keeps one set of graphs per slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sitsd.model.attention import AttentionMetadata
+from sitsd.model.llama import LlamaModel, LlamaWeights
+from sitsd.runtime.input_batch import StepInputBuilder
+
+log = logging.getLogger(__name__)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (which is always included)."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    buckets += list(range(16, max_num_seqs, 8))
+    return sorted(set(buckets) | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one weight slot, and their replay."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        builder: StepInputBuilder,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        buckets: list[int],
+    ) -> None:
+        self.model = model
+        self.builder = builder
+        self.kv_caches = kv_caches
+        self.buckets = sorted(buckets)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab] float32
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    @torch.inference_mode()
+    def capture(self, weights: LlamaWeights) -> float:
+        """Capture every bucket for `weights`; returns the seconds it took."""
+        t0 = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        d = self.builder.dev
+        d.slot_mapping.fill_(-1)  # capture-time garbage must not write into the KV pool
+        d.seq_lens.zero_()
+        for bucket in reversed(self.buckets):
+            self._capture_one(bucket, weights, pool)
+        torch.cuda.synchronize()
+        return time.monotonic() - t0
+
+    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: object) -> None:
+        d = self.builder.dev
+        meta = self._static_meta(bucket)
+        ids, pos = d.input_ids[:bucket], d.positions[:bucket]
+
+        def forward() -> torch.Tensor:
+            hidden = self.model.forward(weights, ids, pos, meta, self.kv_caches)
+            return self.model.compute_logits(weights, hidden)
+
+        # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms), then capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._logits[bucket] = forward()
+        self._graphs[bucket] = graph
+
+    def _static_meta(self, bucket: int) -> AttentionMetadata:
+        d = self.builder.dev
+        return AttentionMetadata(
+            slot_mapping=d.slot_mapping[:bucket],
+            block_tables=d.block_tables[:bucket],  # full width: any context up to the maximum
+            seq_lens=d.seq_lens[:bucket],
+            query_start_loc=d.query_start_loc[: bucket + 1],
+            prefill_query_start_loc=d.prefill_query_start_loc[:1],
+            num_decodes=bucket,
+            num_decode_tokens=bucket,
+            max_seq_len=self.builder.max_blocks_per_seq * self.builder.block_size,
+        )
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run the bucket's graph on the inputs already in the builder's buffers."""
+        self._graphs[bucket].replay()
+        return self._logits[bucket]  # [bucket, vocab]; rows past the real batch are padding

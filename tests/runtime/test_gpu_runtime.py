@@ -1,0 +1,155 @@
+"""The CUDA runtime: Triton kernels in the model, CUDA graphs, KV sizing (marker `gpu`)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
+from sitsd.engine.builder import build_runner
+from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from sitsd.model.arch import arch_from_hf_config
+from sitsd.model.llama import LlamaModel, build_weights
+from sitsd.model.ops import triton_kernels
+from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
+from sitsd.runtime.kv_cache import allocate_kv_caches, bytes_per_block
+from sitsd.types import SamplingParams
+from sitsd.weights import load_checkpoint
+
+pytestmark = pytest.mark.gpu
+BLOCK = 16
+
+
+def tiny_hf(num_kv_heads=2):
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=num_kv_heads, vocab_size=1000,
+                      max_position_embeddings=2048)  # fmt: skip
+    torch.manual_seed(random.randrange(2**31))
+    return LlamaForCausalLM(cfg).eval().cuda(), arch_from_hf_config(cfg.to_dict())
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+def test_triton_model_logits_match_transformers(dtype, atol, num_kv_heads):
+    hf, arch = tiny_hf(num_kv_heads)
+    weights = build_weights(arch, hf.state_dict(), "cuda", dtype)
+    model = LlamaModel(arch, triton_kernels(), 2048, "cuda")
+    kv = allocate_kv_caches(arch, 64, BLOCK, dtype, "cuda")
+    ids = [random.randrange(arch.vocab_size) for _ in range(301)]
+    blocks = random.sample(range(64), 20)
+    state = CachedRequestState("a", ids, len(ids), SamplingParams(), 0, blocks, 0)
+    logits = []
+    with torch.inference_mode():
+        for n in (128, 173):  # chunked prefill over a cached prefix, then decode steps
+            inp = build_step_inputs([state], {"a": n}, BLOCK, "cuda")
+            hidden = model.forward(weights, inp.input_ids, inp.positions, inp.meta, kv)
+            logits.append(model.compute_logits(weights, hidden))
+            state.num_computed_tokens += n
+        for _ in range(5):
+            state.token_ids.append(random.randrange(arch.vocab_size))
+            inp = build_step_inputs([state], {"a": 1}, BLOCK, "cuda")
+            hidden = model.forward(weights, inp.input_ids, inp.positions, inp.meta, kv)
+            logits.append(model.compute_logits(weights, hidden))
+            state.num_computed_tokens += 1
+        want = hf.float()(torch.tensor([state.token_ids], device="cuda")).logits[0]
+    got = torch.cat(logits)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def runner_for(ckpt, *, eager, dtype="float32", max_num_seqs=16):
+    cfg = SitsdConfig(
+        model=ModelConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=1024),
+        cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=16 * 2**30),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
+    )
+    return build_runner(cfg, ckpt.arch, ckpt.tensors, "test")
+
+
+def greedy(runner, prompts, num_new):
+    """Run requests to `num_new` tokens each with the runner alone (no scheduler)."""
+    block_ids = iter(range(10_000))
+    params = SamplingParams(max_tokens=num_new, temperature=0.0)
+    reqs = {f"r{i}": p for i, p in enumerate(prompts)}
+    blocks = {r: [next(block_ids) for _ in range(-(-(len(p) + num_new) // BLOCK))]
+              for r, p in reqs.items()}  # fmt: skip
+    new = [NewRequestData(r, list(p), len(p), params, 0, blocks[r], 0) for r, p in reqs.items()]
+    out = runner.execute(SchedulerOutput(
+        new_reqs=new, num_scheduled_tokens={r: len(p) for r, p in reqs.items()},
+        total_num_scheduled_tokens=sum(map(len, reqs.values()))))  # fmt: skip
+    tokens = {r: list(t) for r, t in zip(out.req_ids, out.sampled_token_ids)}
+    for _ in range(num_new - 1):
+        cached = [CachedRequestData(r, [], len(reqs[r]) + len(tokens[r]) - 1) for r in reqs]
+        out = runner.execute(
+            SchedulerOutput(
+                cached_reqs=cached,
+                num_scheduled_tokens=dict.fromkeys(reqs, 1),
+                total_num_scheduled_tokens=len(reqs),
+            )
+        )
+        for r, t in zip(out.req_ids, out.sampled_token_ids):
+            tokens[r] += t
+    runner.execute(SchedulerOutput(finished_req_ids=set(reqs)))
+    return [tokens[r] for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def smollm2_on_gpu(smollm2_path):
+    return load_checkpoint(smollm2_path)
+
+
+def chat_ids(ckpt, question):
+    tok = ckpt.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": question}])
+    return tok.encode(text, add_special_tokens=False)
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count to ten.",
+             "Why is the sky blue?", "Write a haiku about rain.", "What is 12 times 12?",
+             "Say hello in Spanish.", "Describe a cat."]  # fmt: skip
+
+
+def test_smollm2_greedy_is_identical_with_and_without_cuda_graphs(smollm2_on_gpu):
+    prompts = [chat_ids(smollm2_on_gpu, q) for q in QUESTIONS[:4]]
+    graphs, info = runner_for(smollm2_on_gpu, eager=False)
+    assert info.graph_buckets
+    assert graphs.graphs is not None
+    with_graphs = greedy(graphs, prompts, 32)
+    del graphs
+    torch.cuda.empty_cache()
+    eager, info = runner_for(smollm2_on_gpu, eager=True)
+    assert not info.graph_buckets
+    assert eager.graphs is None
+    assert greedy(eager, prompts, 32) == with_graphs
+    text = smollm2_on_gpu.tokenizer.decode(with_graphs[0])
+    assert "Paris" in text
+
+
+def test_smollm2_greedy_is_identical_alone_and_batched(smollm2_on_gpu):
+    runner, _ = runner_for(smollm2_on_gpu, eager=False)
+    prompts = [chat_ids(smollm2_on_gpu, q) for q in QUESTIONS]
+    batched = greedy(runner, prompts, 24)
+    alone = [greedy(runner, [p], 24)[0] for p in prompts[:3]]
+    assert alone == batched[:3]
+
+
+def test_kv_pool_fits_the_memory_limit(smollm2_on_gpu):
+    limit = 6 * 2**30
+    cfg = SitsdConfig(
+        model=ModelConfig(device="cuda", dtype="bfloat16"),
+        cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=limit),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    runner, info = build_runner(cfg, smollm2_on_gpu.arch, smollm2_on_gpu.tensors, "test")
+    pool_bytes = info.num_blocks * bytes_per_block(smollm2_on_gpu.arch, 16, torch.bfloat16)
+    # Everything the runner holds (weights, KV pool, graph pool) stays within 0.5 x the limit;
+    # allocations left by earlier tests count against it, so the pool is sized below that.
+    assert torch.cuda.memory_allocated() - before <= 0.5 * limit
+    assert 0.15 * limit < pool_bytes < 0.5 * limit
+    assert runner.graphs is not None
