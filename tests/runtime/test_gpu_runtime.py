@@ -136,7 +136,10 @@ def test_smollm2_greedy_is_identical_alone_and_batched(smollm2_on_gpu):
     assert alone == batched[:3]
 
 
-def test_kv_pool_fits_the_memory_limit(smollm2_on_gpu):
+def test_kv_pool_fits_the_memory_limit():
+    hf, arch = tiny_hf()
+    tensors = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    del hf
     limit = 6 * 2**30
     cfg = SitsdConfig(
         model=ModelConfig(device="cuda", dtype="bfloat16"),
@@ -146,8 +149,8 @@ def test_kv_pool_fits_the_memory_limit(smollm2_on_gpu):
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    runner, info = build_runner(cfg, smollm2_on_gpu.arch, smollm2_on_gpu.tensors, "test")
-    pool_bytes = info.num_blocks * bytes_per_block(smollm2_on_gpu.arch, 16, torch.bfloat16)
+    runner, info = build_runner(cfg, arch, tensors, "test")
+    pool_bytes = info.num_blocks * bytes_per_block(arch, 16, torch.bfloat16)
     # Everything the runner holds (weights, KV pool, graph pool) stays within 0.5 x the limit;
     # allocations left by earlier tests count against it, so the pool is sized below that.
     assert torch.cuda.memory_allocated() - before <= 0.5 * limit
