@@ -138,8 +138,8 @@ def test_ragged_batch_of_decodes_and_chunks_matches_each_sequence_alone():
         CachedRequestState(r, p, len(p), SamplingParams(), 0, blocks[i * 10 : (i + 1) * 10], 0)
         for i, (r, p) in enumerate(prompts.items())
     ]
-    # Step 1: a and c prefill whole, b and d a first chunk; step 2: a, c decode-like single
-    # tokens are not known yet, so b and d finish their prompts alongside nothing else.
+    # Step 1: a (9 tokens) and c (1 token) prefill whole while b and d prefill a first chunk;
+    # step 2: b and d finish their prompts over the KV cached in step 1.
     logits = run_steps(
         model, weights, kv, states, [{"a": 9, "b": 11, "c": 1, "d": 5}, {"b": 19, "d": 12}]
     )
