@@ -21,6 +21,7 @@ from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
 from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.observer import EngineObserver
 from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
@@ -69,8 +70,11 @@ def kernels_for(device: torch.device) -> KernelSet:
     raise ValueError(f"device {device.type!r} is not supported yet; use --device cpu")
 
 
-def build_engine(config: SitsdConfig) -> AsyncEngine:
-    """Load the model and assemble the engine; `await engine.start()` to serve."""
+def build_engine(config: SitsdConfig, observer: EngineObserver | None = None) -> AsyncEngine:
+    """Load the model and assemble the engine; `await engine.start()` to serve.
+
+    `observer` is told of every request and step (see `sitsd.engine.observer`).
+    """
     t0 = time.monotonic()
     mcfg = config.model
     device = torch.device(mcfg.device)
@@ -94,7 +98,7 @@ def build_engine(config: SitsdConfig) -> AsyncEngine:
         num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
     scheduler = Scheduler(config.scheduler, kv_cache, max_model_len)
-    core = EngineCore(scheduler, runner, ckpt.tokenizer, name)
+    core = EngineCore(scheduler, runner, ckpt.tokenizer, name, observer=observer)
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB, "
         "KV pool %d blocks x %d tokens (%.0f MiB), context %d",
@@ -122,7 +126,7 @@ def build_engine(config: SitsdConfig) -> AsyncEngine:
     return AsyncEngine(core, info)
 
 
-async def launch_engine(config: SitsdConfig) -> AsyncEngine:
+async def launch_engine(config: SitsdConfig, observer: EngineObserver | None = None) -> AsyncEngine:
     """Build the engine on a new thread that then runs its step loop; returns once it serves.
 
     Every torch operation of the daemon thus happens on one thread: on the CPU, a model built
@@ -145,7 +149,7 @@ async def launch_engine(config: SitsdConfig) -> AsyncEngine:
 
     def build_and_run() -> None:
         try:
-            engine = build_engine(config)
+            engine = build_engine(config, observer)
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(settle, None, exc)

@@ -7,7 +7,9 @@ has passed, then runs one step:
     runner.execute()     -> ModelRunnerOutput
     scheduler.update_from_output() -> token updates -> detokenizer -> RequestDeltas
 
-and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). Nothing else
+and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). An
+`EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
+preempted and finished, of every step and of the status after each turn. Nothing else
 touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
 a snapshot replaced after every turn.
 """
@@ -24,6 +26,7 @@ from typing import Protocol
 
 from sitsd.engine.detokenizer import IncrementalDetokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
@@ -52,6 +55,7 @@ class EngineCore:
         tokenizer: object,
         model_name: str,
         default_tier: Tier = Tier.SILVER,
+        observer: EngineObserver | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -65,6 +69,8 @@ class EngineCore:
         self._on_deltas: DeltaSink = lambda deltas: None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # Told of requests and steps; a failing hook is logged, never costs a request.
+        self.observer = GuardedObserver(observer or NullObserver())
         self.num_steps = 0
         self._status = self._snapshot()
 
@@ -85,6 +91,7 @@ class EngineCore:
         """
         self._on_deltas = on_deltas
         self._thread = threading.current_thread()
+        self.observer.on_engine_started(self.model_name, self.runner.weights_version)
         self._run()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -122,6 +129,7 @@ class EngineCore:
             # Snapshot before delivering, so a client that sees its last delta also sees the
             # blocks it held returned.
             self._status = self._snapshot()
+            self.observer.on_status(self._status)
             self._on_deltas_safe(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self._drain_inbox(block=False)
@@ -166,6 +174,7 @@ class EngineCore:
             weights_version=self.runner.weights_version,
         )
         self.scheduler.add_request(request)
+        self.observer.on_request_added(request)
         self._detok[msg.req_id] = IncrementalDetokenizer(
             self.tokenizer,
             msg.prompt_token_ids,
@@ -181,7 +190,10 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Schedule, execute and turn the sampled tokens into deltas."""
+        start = time.monotonic()
         sched_out = self.scheduler.schedule()
+        for req_id in sched_out.preempted_req_ids:
+            self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
         if sched_out.is_empty:
             return []
         try:
@@ -197,6 +209,7 @@ class EngineCore:
             return [d for d in deltas if d is not None]
         self.num_steps += 1
         updates = self.scheduler.update_from_output(sched_out, runner_out)
+        self.observer.on_step(StepRecord(sched_out, updates, start, time.monotonic()))
         return [self._to_delta(u) for u in updates]
 
     def _to_delta(self, update: TokenUpdate) -> RequestDelta:
@@ -210,6 +223,7 @@ class EngineCore:
         if reason is not None:
             text += detok.flush()
             del self._detok[request.req_id]
+            self.observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=request.req_id,
             new_token_ids=update.new_token_ids,
@@ -224,6 +238,7 @@ class EngineCore:
         detok = self._detok.pop(req_id, None)
         if request is None:
             return None
+        self.observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=req_id,
             text=detok.flush() if detok is not None and reason is not FinishReason.ERROR else "",
