@@ -1,4 +1,4 @@
-"""Engine telemetry on the real engine core (fake model runner): spans, links, metrics, exemplars."""
+"""Engine telemetry on the real engine core (fake runner): spans, links, metrics, exemplars."""
 
 from __future__ import annotations
 
@@ -142,7 +142,9 @@ def test_request_span_gets_queue_prefill_chunks_and_decode_children():
 
 def test_step_spans_link_to_the_requests_they_served(rig):
     ids = [f"r{i}" for i in range(3)]
-    request_spans = {r: rig.add(r, prompt(random.randint(3, 9)), max_tokens=4, ignore_eos=True) for r in ids}
+    request_spans = {
+        r: rig.add(r, prompt(random.randint(3, 9)), max_tokens=4, ignore_eos=True) for r in ids
+    }
     rig.until_finished(set(ids))
     steps = [s for s in rig.finished_spans() if s.name == "engine.step"]
     assert steps, "no engine.step span"
@@ -158,7 +160,9 @@ def test_step_spans_link_to_the_requests_they_served(rig):
         sid = span.get_span_context().span_id
         assert sum(any(lk.context.span_id == sid for lk in s.links) for s in steps) >= 4
     assert rig.value("sitsd_batch_size_count") == len(steps)
-    assert rig.value("sitsd_step_tokens_sum") == sum(s.attributes["sitsd.num_tokens"] for s in steps)
+    assert rig.value("sitsd_step_tokens_sum") == sum(
+        s.attributes["sitsd.num_tokens"] for s in steps
+    )
 
 
 def test_preemption_gets_a_span_a_count_and_recompute_chunks():
@@ -175,9 +179,7 @@ def test_preemption_gets_a_span_a_count_and_recompute_chunks():
     finished = rig.finished_spans()
     preemption_spans = [s for s in finished if s.name == "preemption"]
     assert len(preemption_spans) == num_preemptions
-    recomputes = [
-        s for s in finished if s.name == "prefill" and s.attributes["sitsd.recompute"]
-    ]
+    recomputes = [s for s in finished if s.name == "prefill" and s.attributes["sitsd.recompute"]]
     assert recomputes
     victims = {s.parent.span_id for s in preemption_spans}
     assert victims <= {s.get_span_context().span_id for s in spans.values()}
@@ -206,7 +208,8 @@ def test_latency_histograms_count_requests_and_tokens_with_trace_id_exemplars(ri
         for line in text.splitlines()
         if line.startswith("sitsd_time_to_first_token_seconds_bucket") and "trace_id" in line
     }
-    assert ttft_exemplars and ttft_exemplars <= trace_ids
+    assert ttft_exemplars
+    assert ttft_exemplars <= trace_ids
 
 
 def test_tier_labels_follow_the_request_and_gauges_return_to_zero(rig):
