@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -27,7 +28,9 @@ from opentelemetry import trace
 LOG_FORMATS = ("json", "console")
 
 
-def add_trace_ids(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def add_trace_ids(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     """structlog processor: `trace_id` and `span_id` of the current span, when there is one."""
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:

@@ -31,95 +31,23 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 log = logging.getLogger(__name__)
 
 # Tier latency targets (the SITS table) and queue timeouts are bucket boundaries on purpose.
+# fmt: off
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.12,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 ITL_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.04,
-    0.05,
-    0.075,
-    0.08,
-    0.1,
-    0.12,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
+    0.005, 0.01, 0.025, 0.04, 0.05, 0.075, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0,
 )
 REQUEST_BUCKETS = (
-    0.05,
-    0.08,
-    0.1,
-    0.12,
-    0.2,
-    0.25,
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
+    0.05, 0.08, 0.1, 0.12, 0.2, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0, 240.0, 480.0, 960.0,
 )
 STEP_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.12,
-    0.2,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.2, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
+# fmt: on
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -134,8 +62,14 @@ class Metrics:
         """Args: model: the served model's name (the `model` label); see `bind_model`."""
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        # --------------------------------------------------------------- request latencies
+        self._init_request_latencies(self.registry)
+        self._init_request_counters(self.registry)
+        self._init_engine_state(self.registry)
+        self._init_swap(self.registry)
+        self._init_tier_scheduler(self.registry)
+
+    def _init_request_latencies(self, r: CollectorRegistry) -> None:
+        """Metrics: request latencies."""
         self.time_to_first_token = Histogram(
             "sitsd_time_to_first_token_seconds",
             "Time from arrival at the API to the first generated token (queue + prefill).",
@@ -178,7 +112,9 @@ class Metrics:
             registry=r,
             buckets=REQUEST_BUCKETS,
         )
-        # --------------------------------------------------------------- request counters
+
+    def _init_request_counters(self, r: CollectorRegistry) -> None:
+        """Metrics: request counters."""
         self.prompt_tokens = Counter(
             "sitsd_prompt_tokens", "Prompt tokens of admitted requests.", MODEL_TIER, registry=r
         )
@@ -222,7 +158,9 @@ class Metrics:
             (*MODEL_TIER, "method", "error_class"),
             registry=r,
         )
-        # ------------------------------------------------------------------ engine state
+
+    def _init_engine_state(self, r: CollectorRegistry) -> None:
+        """Metrics: engine state."""
         self.num_requests_running = Gauge(
             "sitsd_num_requests_running", "Requests in the running batch.", MODEL_TIER, registry=r
         )
@@ -259,7 +197,9 @@ class Metrics:
             registry=r,
             buckets=STEP_BUCKETS,
         )
-        # ---------------------------------------------------------- weights and hot-swap
+
+    def _init_swap(self, r: CollectorRegistry) -> None:
+        """Metrics: weights and hot-swap."""
         self.weights_version = Info(
             "sitsd_weights_version",
             "The weights version serving requests.",
@@ -279,7 +219,9 @@ class Metrics:
             ("model", "outcome"),
             registry=r,
         )
-        # ------------------------------------------------- tier scheduler (set by it later)
+
+    def _init_tier_scheduler(self, r: CollectorRegistry) -> None:
+        """Metrics: tier scheduler (set by it later)."""
         self.tier_batch_cap = Gauge(
             "sitsd_tier_batch_cap",
             "Batch cap the tier scheduler set for a tier.",

@@ -183,8 +183,10 @@ class _Call:
                 failure = exc
                 raise
             finally:
-                _detach(token)
-                self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                try:  # inside the span's context: the failure log line carries its trace id
+                    self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                finally:
+                    _detach(token)
 
         return observed
 
@@ -202,8 +204,10 @@ class _Call:
                 failure = exc
                 raise
             finally:
-                _detach(token)
-                self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                try:  # inside the span's context: the failure log line carries its trace id
+                    self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                finally:
+                    _detach(token)
 
         return observed_stream
 

@@ -90,7 +90,8 @@ class Rig:
         return [s for s in self.spans.get_finished_spans() if s.name == name]
 
     def log_lines(self) -> list[dict]:
-        return [json.loads(line) for line in self.log.getvalue().splitlines()]
+        complete = self.log.getvalue().split("\n")[:-1]  # a line being written is not done
+        return [json.loads(line) for line in complete]
 
 
 @pytest.fixture
@@ -169,10 +170,12 @@ def test_each_failed_generate_is_counted_and_logged_with_its_class_and_trace(rig
     with pytest.raises(grpc.RpcError):
         call(rig)
     wait_for(lambda: rig.errors(error_class) == 1)
+    wait_for(lambda: rig.server_spans())
     (span,) = rig.server_spans()
     assert span.attributes["error.type"] == error_class
     expect_error_status = error_class in ("resource_exhausted", "internal")
     assert (span.status.status_code is StatusCode.ERROR) == expect_error_status
+    wait_for(lambda: [x for x in rig.log_lines() if x.get("error_class") == error_class])
     (line,) = [x for x in rig.log_lines() if x.get("error_class") == error_class]
     assert line["event"] == "rpc failed"
     assert line["rpc_method"] == GENERATE
