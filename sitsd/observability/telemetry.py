@@ -97,6 +97,7 @@ class EngineTelemetry:
         self._live: dict[str, _Live] = {}
         self._tiers: dict[Tier, _TierMetrics] = {}
         self._step_metrics: tuple[Any, Any, Any] | None = None
+        self._kv_usage: Any | None = None
         self.model = metrics.model
 
     # ----------------------------------------------------------------------- engine hooks
@@ -112,6 +113,7 @@ class EngineTelemetry:
             m.step_tokens.labels(model),
             m.step_duration.labels(model),
         )
+        self._kv_usage = m.kv_cache_usage.labels(model)
         for tier in self._tiers.values():  # every tier shows, at zero, from the start
             tier.running.set(0)
             tier.waiting.set(0)
@@ -203,10 +205,8 @@ class EngineTelemetry:
         self._log_finished(live, request, reason, now)
 
     def on_status(self, status: EngineStatus) -> None:
-        if status.num_blocks_total:
-            self.metrics.kv_cache_usage.labels(self.model).set(
-                status.num_blocks_used / status.num_blocks_total
-            )
+        if status.num_blocks_total and self._kv_usage is not None:
+            self._kv_usage.set(status.num_blocks_used / status.num_blocks_total)
 
     # ------------------------------------------------------------- for hot-swap (later)
 

@@ -17,6 +17,7 @@ from sitsd.config import SchedulerConfig
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.observability.metrics import Metrics
 from sitsd.observability.telemetry import EngineTelemetry
@@ -292,3 +293,30 @@ def wait_for(predicate, timeout: float = TIMEOUT) -> bool:
             return True
         time.sleep(0.005)
     return predicate()
+
+
+def test_a_migration_is_a_child_span_of_the_live_request():
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry = EngineTelemetry(Metrics(), provider.get_tracer("sitsd"))
+    telemetry.on_engine_started(MODEL, "m@1")
+    server = provider.get_tracer("t").start_span("rpc")
+    request = Request(
+        req_id="r",
+        prompt_token_ids=prompt(4),
+        params=SamplingParams(),
+        seed=0,
+        tier=Tier.GOLD,
+        arrival_time=time.monotonic(),
+        trace_context=server,
+        weights_version="m@1",
+    )
+    telemetry.on_request_added(request)
+    start = time.monotonic()
+    telemetry.record_migration(request, start, start + 0.25, "m@1", "m@2")
+    (migration,) = spans.get_finished_spans()
+    assert migration.name == "migration"
+    assert migration.parent.span_id == server.get_span_context().span_id
+    assert migration.end_time - migration.start_time == pytest.approx(0.25e9, abs=1e3)
+    assert migration.attributes["sitsd.weights_version.to"] == "m@2"
