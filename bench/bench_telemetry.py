@@ -7,12 +7,15 @@ bridge, in process, no gRPC), one workload, runs alternating between:
        the request's SERVER span, its queue/prefill/decode children and one `engine.step` span
        per step linked to its requests, exported by the batch span processor over real OTLP/gRPC
        to an in-process receiver (whose decoding also runs on these cores); one JSON log line
-       per request, also exported over OTLP; a scraper pulls /metrics (OpenMetrics) every second.
+       per request, also exported over OTLP; a scraper pulls /metrics (OpenMetrics) every
+       SCRAPE_INTERVAL seconds (5, as deploy/ configures Prometheus; each scrape costs ~7 ms).
 - off: the same engine with the no-op observer, no spans, no exports, no scrapes.
 
 Workloads: 16 concurrent requests x NEW_TOKENS (aggregate output tokens/s over the wall time),
-and batch 1 (decode tokens/s after the first token). Medians of REPEATS alternating pairs, with
-the spread (min-max); the overhead is 1 - on/off of the medians. Prints a table last.
+and batch 1 (decode tokens/s after the first token), REPEATS pairs of runs, on and off back to
+back (the order alternates). The overhead is the median over pairs of 1 - on/off, so a drift in
+the machine's load between pairs cancels; its min-max over pairs is the spread. Prints a table
+last.
 
     make bench-telemetry      # or: .venv/bin/python bench/bench_telemetry.py [--repeats 5]
 """
@@ -132,7 +135,7 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             on = mode == "on"
             switch.target = obs.telemetry if on else switch.off
-            scraper = Scraper(url) if on else None
+            scraper = Scraper(url, args.scrape_interval) if on else None
             concurrent, decode = await measure(engine, obs, prompts, args.new_tokens, traced=on)
             if scraper is not None:
                 scraper.stop()
@@ -159,7 +162,8 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--scrape-interval", type=float, default=5.0)
     args = parser.parse_args()
     logging.getLogger().setLevel(logging.WARNING)
     print(
@@ -169,13 +173,17 @@ def main() -> None:
         flush=True,
     )
     results = asyncio.run(run(args))
-    print(f"\n{'workload':<30}{'off':>9}{'on':>9}{'overhead':>10}   spread off / on (min-max)")
+    print(
+        f"\n{'workload':<24}{'off':>8}{'on':>8}{'overhead':>10}{'pairs min..max':>18}"
+        "   off min-max / on min-max (tok/s)"
+    )
     for key, name in (("concurrent", "16 concurrent, tok/s"), ("decode", "batch 1 decode, tok/s")):
         off, on = results["off"][key], results["on"][key]
-        m_off, m_on = statistics.median(off), statistics.median(on)
+        paired = [(1 - a / b) * 100 for a, b in zip(on, off)]
         print(
-            f"{name:<30}{m_off:>9.1f}{m_on:>9.1f}{(1 - m_on / m_off) * 100:>9.2f}%   "
-            f"{min(off):.1f}-{max(off):.1f} / {min(on):.1f}-{max(on):.1f}"
+            f"{name:<24}{statistics.median(off):>8.1f}{statistics.median(on):>8.1f}"
+            f"{statistics.median(paired):>9.2f}%{min(paired):>8.2f}..{max(paired):.2f}%"
+            f"   {min(off):.1f}-{max(off):.1f} / {min(on):.1f}-{max(on):.1f}"
         )
 
 
