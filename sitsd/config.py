@@ -61,6 +61,24 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Metrics, traces and logs (`sitsd.observability`)."""
+
+    metrics_enabled: bool = True  # serve Prometheus metrics over HTTP
+    metrics_host: str = ""  # address of the metrics endpoint; "" = the gRPC server's host
+    metrics_port: int = 9464  # port of /metrics; 0 = a free one (logged at start-up)
+    otlp_endpoint: str = ""  # OTLP/gRPC collector for traces and logs; "" = export nothing
+    otlp_insecure: bool = True  # plaintext gRPC to the collector (no TLS)
+    otlp_headers: tuple[tuple[str, str], ...] = ()  # extra gRPC metadata on every export
+    service_name: str = "sitsd"  # OTel resource service.name (also Loki's service_name label)
+    resource_attributes: tuple[tuple[str, str], ...] = ()  # more OTel resource attributes
+    trace_sample_ratio: float = 1.0  # fraction of new traces kept; callers' decisions are kept
+    step_spans: bool = True  # one `engine.step` span per step, linked to its requests
+    log_format: str = "json"  # json (one object per line) or console, both on stdout
+    log_level: str = "info"  # debug, info, warning, error
+
+
+@dataclass(frozen=True)
 class SitsdConfig:
     """Everything `sitsd serve` was told, one sub-config per subsystem."""
 
@@ -68,6 +86,7 @@ class SitsdConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 _SIZE_UNITS = {

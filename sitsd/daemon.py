@@ -1,14 +1,16 @@
 """The daemon's life: build the parts in order, serve, shut down in reverse.
 
-Start-up:  admin token -> gRPC server up (health NOT_SERVING, Admin answers "loading")
+Start-up:  observability (logs, tracer/logger providers, metrics registry) -> admin token
+           -> gRPC server up (health NOT_SERVING, Admin answers "loading") -> /metrics up
            -> engine built on a thread (load, allocate, warm up) -> engine started -> SERVING.
 Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE -> in-flight
            requests finish (up to the grace period, then aborted) -> engine stopped -> server
-           stopped -> exit 0. A second signal exits at once.
+           stopped -> /metrics stopped, spans and logs flushed -> exit 0. A second signal exits
+           at once.
 A model that fails to load is logged and the process exits 1, never hangs.
 
-What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (the engine).
-`setup_logging` is the one place logging is configured.
+What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (the engine),
+`sitsd.observability` (metrics, traces, logs; it is the one place logging is configured).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from sitsd.api.server import ApiServer
 from sitsd.cli import ADMIN_TOKEN_FILE_NAME
 from sitsd.config import ServerConfig, SitsdConfig
+from sitsd.observability import Observability
 
 if TYPE_CHECKING:
     from sitsd.engine.async_engine import AsyncEngine
@@ -36,17 +38,6 @@ log = logging.getLogger("sitsd.daemon")
 # After the engine has ended every request, handlers only need to send their last message.
 _SERVER_STOP_GRACE_S = 2.0
 _EXIT_LOAD_FAILED = 1
-
-
-def setup_logging(level: str) -> None:
-    """Log to stderr, one readable line per record (replaced by structured logging later)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def load_or_create_admin_token(config: ServerConfig) -> tuple[str, Path]:
@@ -90,14 +81,19 @@ def _create_token_file(path: Path) -> None:
         tmp.unlink()
 
 
-def run(config: SitsdConfig, *, log_level: str = "info") -> int:
+def run(config: SitsdConfig) -> int:
     """Run the daemon until a signal stops it; returns the process exit code."""
-    setup_logging(log_level)
-    return asyncio.run(serve(config))
+    obs = Observability.create(config.observability)
+    obs.setup_logging()
+    try:
+        return asyncio.run(serve(config, obs))
+    finally:
+        obs.shutdown()  # flushes the spans and logs of the last requests
 
 
-async def serve(config: SitsdConfig) -> int:
+async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
     """Start everything, serve until SIGTERM/SIGINT, shut down gracefully; the exit code."""
+    obs = obs or Observability.create(config.observability)
     try:
         token, token_path = load_or_create_admin_token(config.server)
     except (OSError, ValueError) as exc:
@@ -105,15 +101,24 @@ async def serve(config: SitsdConfig) -> int:
         return _EXIT_LOAD_FAILED
     log.info("admin token in %s", token_path)
     server = ApiServer(
-        config.server, admin_token=token, max_tokens_default=config.scheduler.max_tokens_default
+        config.server,
+        admin_token=token,
+        max_tokens_default=config.scheduler.max_tokens_default,
+        interceptors=[obs.interceptor()],
     )
     try:
         await server.start()
     except RuntimeError as exc:
         log.error("%s", exc)
         return _EXIT_LOAD_FAILED
+    try:
+        obs.start_metrics_server(config.server.host)
+    except OSError as exc:
+        log.error("cannot serve metrics on port %d: %s", config.observability.metrics_port, exc)
+        await server.stop(0)
+        return _EXIT_LOAD_FAILED
     stop = _install_signal_handlers()
-    engine = await _load_engine(config, stop)
+    engine = await _load_engine(config, stop, obs)
     if engine is None:
         await server.stop(0)
         return 0 if stop.is_set() else _EXIT_LOAD_FAILED
@@ -124,11 +129,13 @@ async def serve(config: SitsdConfig) -> int:
     return 0
 
 
-async def _load_engine(config: SitsdConfig, stop: asyncio.Event) -> AsyncEngine | None:
+async def _load_engine(
+    config: SitsdConfig, stop: asyncio.Event, obs: Observability
+) -> AsyncEngine | None:
     """The built engine; None if loading failed (logged) or a signal came first."""
     started = time.monotonic()
     log.info("loading model %s", config.model.model)
-    build = asyncio.ensure_future(_launch_engine(config))
+    build = asyncio.ensure_future(_launch_engine(config, obs))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait((build, stopped), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
@@ -150,7 +157,7 @@ async def _load_engine(config: SitsdConfig, stop: asyncio.Event) -> AsyncEngine 
     return engine
 
 
-async def _launch_engine(config: SitsdConfig) -> AsyncEngine:
+async def _launch_engine(config: SitsdConfig, obs: Observability) -> AsyncEngine:
     """Build the engine on its own daemon thread, which then runs the step loop.
 
     Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
@@ -159,7 +166,7 @@ async def _launch_engine(config: SitsdConfig) -> AsyncEngine:
     # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
     from sitsd.engine.builder import launch_engine
 
-    return await launch_engine(config)
+    return await launch_engine(config, observer=obs.telemetry)
 
 
 def _install_signal_handlers() -> asyncio.Event:

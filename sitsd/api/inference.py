@@ -23,6 +23,7 @@ from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
 from sitsd.engine.outputs import EngineStatus, ModelInfo
+from sitsd.observability.tracing import current_request_span
 from sitsd.types import RequestDelta, SamplingParams, Tier
 
 
@@ -209,6 +210,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             req_id=request.request_id or None,
             tier=convert.tier_from_proto(request.tier),
             deadline=None if remaining is None else time.monotonic() + remaining,
+            trace_context=current_request_span(),  # engine spans become its children
         )
         try:
             async for delta in stream:

@@ -13,6 +13,7 @@ Building and stopping the engine is the daemon's business (`sitsd.daemon`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,18 +40,26 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 class ApiServer:
     """The gRPC front end; create and drive it on the event loop that serves it."""
 
-    def __init__(self, config: ServerConfig, *, admin_token: str, max_tokens_default: int) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        admin_token: str,
+        max_tokens_default: int,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
         """Args:
         config: host, port.
         admin_token: the bearer token Admin RPCs must present.
         max_tokens_default: completion length for requests that set no max_tokens.
+        interceptors: run first, around everything else (telemetry: it must see every outcome).
         """
         self._config = config
         self.engines = EngineRef()
         self._health = health_aio.HealthServicer()
         self._server = grpc.aio.server(
             # Auth runs first, so a refused Admin call never reaches the error mapping either.
-            interceptors=[AdminAuthInterceptor(admin_token), ErrorInterceptor()],
+            interceptors=[*interceptors, AdminAuthInterceptor(admin_token), ErrorInterceptor()],
         )
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.engines, max_tokens_default=max_tokens_default), self._server

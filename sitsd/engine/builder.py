@@ -22,6 +22,7 @@ from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
 from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.observer import EngineObserver
 from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
@@ -85,8 +86,15 @@ class RuntimeInfo:
     graph_capture_s: float
 
 
-def build_engine(config: SitsdConfig, checkpoint: Checkpoint | None = None) -> AsyncEngine:
-    """Load the model (or take `checkpoint`) and assemble the engine; then `start()` it."""
+def build_engine(
+    config: SitsdConfig,
+    checkpoint: Checkpoint | None = None,
+    observer: EngineObserver | None = None,
+) -> AsyncEngine:
+    """Load the model (or take `checkpoint`) and assemble the engine; then `start()` it.
+
+    `observer` is told of every request and step (see `sitsd.engine.observer`).
+    """
     t0 = time.monotonic()
     mcfg = config.model
     if checkpoint is None:
@@ -100,7 +108,7 @@ def build_engine(config: SitsdConfig, checkpoint: Checkpoint | None = None) -> A
     block_size = config.cache.block_size
     kv_cache = KVCacheManager(info.num_blocks, block_size, config.cache.enable_prefix_caching)
     scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
-    core = EngineCore(scheduler, runner, checkpoint.tokenizer, name)
+    core = EngineCore(scheduler, runner, checkpoint.tokenizer, name, observer=observer)
     dtype = runner.weights.embed_tokens.dtype
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
@@ -192,7 +200,9 @@ def _profile_peak_memory(
     return peak
 
 
-async def launch_engine(config: SitsdConfig) -> AsyncEngine:
+async def launch_engine(
+    config: SitsdConfig, observer: EngineObserver | None = None
+) -> AsyncEngine:
     """Build the engine on a new thread that then runs its step loop; returns once it serves.
 
     Every torch operation of the daemon thus happens on one thread: on the CPU, a model built
@@ -215,7 +225,7 @@ async def launch_engine(config: SitsdConfig) -> AsyncEngine:
 
     def build_and_run() -> None:
         try:
-            engine = build_engine(config)
+            engine = build_engine(config, observer=observer)
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(settle, None, exc)

@@ -11,7 +11,9 @@ and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). W
 works asynchronously (CUDA), the detokenization and delivery of step N's tokens happen after
 step N+1 is launched, while the GPU computes: they leave the step's critical path. (A stop
 string is then found one step late; the extra token is discarded.) On the CPU the runner
-computes inside `launch`, so nothing would overlap and deltas go out at once. Nothing else
+computes inside `launch`, so nothing would overlap and deltas go out at once. An
+`EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
+preempted and finished, of every step and of the status after each turn. Nothing else
 touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
 a snapshot replaced after every turn.
 """
@@ -28,6 +30,7 @@ from typing import Protocol
 
 from sitsd.engine.detokenizer import IncrementalDetokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
@@ -65,6 +68,7 @@ class EngineCore:
         tokenizer: object,
         model_name: str,
         default_tier: Tier = Tier.SILVER,
+        observer: EngineObserver | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -79,6 +83,8 @@ class EngineCore:
         self._on_deltas: DeltaSink = lambda deltas: None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # Told of requests and steps; a failing hook is logged, never costs a request.
+        self.observer = GuardedObserver(observer or NullObserver())
         self.num_steps = 0
         self._status = self._snapshot()
 
@@ -99,6 +105,7 @@ class EngineCore:
         """
         self._on_deltas = on_deltas
         self._thread = threading.current_thread()
+        self.observer.on_engine_started(self.model_name, self.runner.weights_version)
         self._run()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -137,6 +144,7 @@ class EngineCore:
             # Snapshot before delivering, so a client that sees its last delta also sees the
             # blocks it held returned.
             self._status = self._snapshot()
+            self.observer.on_status(self._status)
             self._on_deltas_safe(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self._flush_deferred() + self._drain_inbox(block=False)
@@ -181,6 +189,7 @@ class EngineCore:
             weights_version=self.runner.weights_version,
         )
         self.scheduler.add_request(request)
+        self.observer.on_request_added(request)
         self._detok[msg.req_id] = IncrementalDetokenizer(
             self.tokenizer,
             msg.prompt_token_ids,
@@ -196,7 +205,10 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Schedule, launch, collect; returns the deltas ready now (see the module docstring)."""
+        start = time.monotonic()
         sched_out = self.scheduler.schedule()
+        for req_id in sched_out.preempted_req_ids:
+            self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
         if sched_out.is_empty:
             return self._flush_deferred()
         try:
@@ -214,6 +226,7 @@ class EngineCore:
             return deltas + [d for d in failed if d is not None]
         self.num_steps += 1
         updates = self.scheduler.update_from_output(sched_out, runner_out)
+        self.observer.on_step(StepRecord(sched_out, updates, start, time.monotonic()))
         if self.runner.overlaps_host_work and self.scheduler.has_work():
             self._deferred = updates
             return deltas
@@ -235,6 +248,7 @@ class EngineCore:
         if reason is not None:
             text += detok.flush()
             del self._detok[request.req_id]
+            self.observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=request.req_id,
             new_token_ids=update.new_token_ids,
@@ -249,6 +263,7 @@ class EngineCore:
         detok = self._detok.pop(req_id, None)
         if request is None:
             return None
+        self.observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=req_id,
             text=detok.flush() if detok is not None and reason is not FinishReason.ERROR else "",

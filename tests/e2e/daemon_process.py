@@ -27,12 +27,17 @@ def process_env(state_dir: Path) -> dict[str, str]:
 
 
 class DaemonProcess:
-    """`python -m sitsd serve --port 0 ...`; its stderr is collected in `log_lines`."""
+    """`python -m sitsd serve --port 0 ...`; its stdout and stderr are collected in `log_lines`.
+
+    /metrics gets a free port too (`--metrics-port 0`) unless the flags choose one.
+    """
 
     def __init__(self, state_dir: Path, *flags: str) -> None:
         self.state_dir = state_dir
         self.env = process_env(state_dir)
         self.log_lines: list[str] = []
+        if "--metrics-port" not in flags and "--no-metrics" not in flags:
+            flags = ("--metrics-port", "0", *flags)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -46,19 +51,19 @@ class DaemonProcess:
                 *flags,
             ],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,  # the log lines (JSON: stdout is not a terminal)
+            stderr=subprocess.STDOUT,
             text=True,
             env=self.env,
         )
         # A reader thread: an unread pipe would fill up and block the daemon's logging.
-        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         self.port = 0
 
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
             self.log_lines.append(line)
 
     @property

@@ -1,0 +1,112 @@
+"""The engine core's observer hook: what telemetry (or anything else) is told, and when.
+
+`EngineCore` calls an `EngineObserver` on its own thread at fixed points of the loop:
+
+    on_engine_started(model, weights_version)   once, when the loop starts
+    on_request_added(request)                   after the scheduler queued it
+    on_request_preempted(request, now)          after `schedule()` took its blocks back
+    on_step(step)                               after `update_from_output()`, before deltas
+    on_request_finished(request, now)           once per request, whatever ended it
+    on_status(status)                           after every loop turn (idle turns too)
+
+Hooks run on the engine thread between steps, so they must be cheap and must not block; what
+they record (metrics, spans, logs) is `sitsd.observability`'s business. The core wraps the
+observer in `GuardedObserver`: a failing hook is logged and ignored, never costs a request.
+`NullObserver` is the default and does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sitsd.engine.outputs import EngineStatus, SchedulerOutput
+from sitsd.engine.request import Request
+from sitsd.engine.scheduler import TokenUpdate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step, as an observer sees it. Times are `time.monotonic()`."""
+
+    sched_out: SchedulerOutput  # what was computed (req_id -> tokens, new/preempted requests)
+    updates: list[TokenUpdate]  # sampled tokens per request (requests mid-prefill have none)
+    start: float  # before `schedule()`
+    end: float  # after `update_from_output()`
+
+
+class EngineObserver(Protocol):
+    """What the engine core tells an observer; see the module docstring for when."""
+
+    def on_engine_started(self, model: str, weights_version: str) -> None: ...
+
+    def on_request_added(self, request: Request) -> None: ...
+
+    def on_request_preempted(self, request: Request, now: float) -> None: ...
+
+    def on_step(self, step: StepRecord) -> None: ...
+
+    def on_request_finished(self, request: Request, now: float) -> None: ...
+
+    def on_status(self, status: EngineStatus) -> None: ...
+
+
+class NullObserver:
+    """Observes nothing (the default)."""
+
+    def on_engine_started(self, model: str, weights_version: str) -> None:
+        pass
+
+    def on_request_added(self, request: Request) -> None:
+        pass
+
+    def on_request_preempted(self, request: Request, now: float) -> None:
+        pass
+
+    def on_step(self, step: StepRecord) -> None:
+        pass
+
+    def on_request_finished(self, request: Request, now: float) -> None:
+        pass
+
+    def on_status(self, status: EngineStatus) -> None:
+        pass
+
+
+class GuardedObserver:
+    """Forwards every hook to `observer`; a hook that raises is logged (once) and ignored."""
+
+    def __init__(self, observer: EngineObserver) -> None:
+        self.observer = observer
+        self._failed: set[str] = set()
+
+    def _call(self, hook: Callable[..., None], *args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception:
+            name = getattr(hook, "__name__", repr(hook))
+            if name not in self._failed:  # once per hook: a broken hook would fail every step
+                self._failed.add(name)
+                log.exception("engine observer hook %s failed (logged once)", name)
+
+    def on_engine_started(self, model: str, weights_version: str) -> None:
+        self._call(self.observer.on_engine_started, model, weights_version)
+
+    def on_request_added(self, request: Request) -> None:
+        self._call(self.observer.on_request_added, request)
+
+    def on_request_preempted(self, request: Request, now: float) -> None:
+        self._call(self.observer.on_request_preempted, request, now)
+
+    def on_step(self, step: StepRecord) -> None:
+        self._call(self.observer.on_step, step)
+
+    def on_request_finished(self, request: Request, now: float) -> None:
+        self._call(self.observer.on_request_finished, request, now)
+
+    def on_status(self, status: EngineStatus) -> None:
+        self._call(self.observer.on_status, status)

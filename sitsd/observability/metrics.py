@@ -1,0 +1,297 @@
+"""Every Prometheus metric sitsd exports, defined once, in a registry owned by `Metrics`.
+
+Names are `sitsd_*` without colons (colons belong to recording rules). Labels: `model` on all,
+`tier` where a request's tier applies. The latency histograms' buckets hold every tier target
+(TTFT 0.08 / 0.2 / 0.5 s, queue timeouts 0.12 / 0.25 / 0.5 s), so a latency SLI read at a bucket
+boundary is exact. Latency histograms carry exemplars with the request's `trace_id` (served
+only in the OpenMetrics format, which Prometheus asks for).
+
+What is observed when is `telemetry.py`'s (engine) and `grpc.py`'s (RPCs) business; this module
+also holds the small APIs that later subsystems call: the swap recorder's metrics
+(`record_swap_stage`, `record_swap`), the weights version, and the tier scheduler's gauges
+(`set_tier_batch_cap`, `set_tier_p99_estimate`). `MetricsServer` serves `/metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+log = logging.getLogger(__name__)
+
+# Tier latency targets (the SITS table) and queue timeouts are bucket boundaries on purpose.
+# fmt: off
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+ITL_BUCKETS = (
+    0.005, 0.01, 0.025, 0.04, 0.05, 0.075, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0,
+)
+REQUEST_BUCKETS = (
+    0.05, 0.08, 0.1, 0.12, 0.2, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+)
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.2, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+# fmt: on
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+MODEL_TIER = ("model", "tier")
+
+
+class Metrics:
+    """sitsd's metrics in a `CollectorRegistry` of their own: one per daemon (or per test)."""
+
+    def __init__(self, model: str = "") -> None:
+        """Args: model: the served model's name (the `model` label); see `bind_model`."""
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._init_request_latencies(self.registry)
+        self._init_request_counters(self.registry)
+        self._init_engine_state(self.registry)
+        self._init_swap(self.registry)
+        self._init_tier_scheduler(self.registry)
+
+    def _init_request_latencies(self, r: CollectorRegistry) -> None:
+        """Metrics: request latencies."""
+        self.time_to_first_token = Histogram(
+            "sitsd_time_to_first_token_seconds",
+            "Time from arrival at the API to the first generated token (queue + prefill).",
+            MODEL_TIER,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self.inter_token_latency = Histogram(
+            "sitsd_inter_token_latency_seconds",
+            "Time between two consecutive output tokens of one request.",
+            MODEL_TIER,
+            registry=r,
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e_request_latency = Histogram(
+            "sitsd_e2e_request_latency_seconds",
+            "Time from arrival to the last token, of requests that finished (stop or length).",
+            MODEL_TIER,
+            registry=r,
+            buckets=REQUEST_BUCKETS,
+        )
+        self.request_queue_time = Histogram(
+            "sitsd_request_queue_time_seconds",
+            "Time from arrival to first scheduling (the queue wait).",
+            MODEL_TIER,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self.request_prefill_time = Histogram(
+            "sitsd_request_prefill_time_seconds",
+            "Time from first scheduling to the first token (prefill, all chunks).",
+            MODEL_TIER,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self.request_decode_time = Histogram(
+            "sitsd_request_decode_time_seconds",
+            "Time from the first token to the last, of requests that finished.",
+            MODEL_TIER,
+            registry=r,
+            buckets=REQUEST_BUCKETS,
+        )
+
+    def _init_request_counters(self, r: CollectorRegistry) -> None:
+        """Metrics: request counters."""
+        self.prompt_tokens = Counter(
+            "sitsd_prompt_tokens", "Prompt tokens of admitted requests.", MODEL_TIER, registry=r
+        )
+        self.generation_tokens = Counter(
+            "sitsd_generation_tokens", "Generated (output) tokens.", MODEL_TIER, registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "sitsd_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (at first admission).",
+            MODEL_TIER,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "sitsd_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (at first admission).",
+            MODEL_TIER,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "sitsd_num_preemptions",
+            "Requests preempted (blocks taken back, recomputed later).",
+            MODEL_TIER,
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "sitsd_requests_finished",
+            "Requests the engine finished, by finish reason (stop, length, abort, error).",
+            (*MODEL_TIER, "finish_reason"),
+            registry=r,
+        )
+        self.requests = Counter(
+            "sitsd_requests",
+            "RPCs handled by sitsd's services (the denominator of availability SLIs).",
+            (*MODEL_TIER, "method"),
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "sitsd_request_errors",
+            "Failed RPCs by error class (invalid_argument, resource_exhausted, deadline, "
+            "cancelled, unavailable, internal, ...).",
+            (*MODEL_TIER, "method", "error_class"),
+            registry=r,
+        )
+
+    def _init_engine_state(self, r: CollectorRegistry) -> None:
+        """Metrics: engine state."""
+        self.num_requests_running = Gauge(
+            "sitsd_num_requests_running", "Requests in the running batch.", MODEL_TIER, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "sitsd_num_requests_waiting",
+            "Requests queued (new or preempted).",
+            MODEL_TIER,
+            registry=r,
+        )
+        self.kv_cache_usage = Gauge(
+            "sitsd_kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0-1).",
+            ("model",),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "sitsd_batch_size",
+            "Requests computed in one engine step.",
+            ("model",),
+            registry=r,
+            buckets=BATCH_SIZE_BUCKETS,
+        )
+        self.step_tokens = Histogram(
+            "sitsd_step_tokens",
+            "Tokens computed in one engine step (prefill chunks + decodes).",
+            ("model",),
+            registry=r,
+            buckets=STEP_TOKEN_BUCKETS,
+        )
+        self.step_duration = Histogram(
+            "sitsd_step_duration_seconds",
+            "Duration of one engine step (schedule, execute, update).",
+            ("model",),
+            registry=r,
+            buckets=STEP_BUCKETS,
+        )
+
+    def _init_swap(self, r: CollectorRegistry) -> None:
+        """Metrics: weights and hot-swap."""
+        self.weights_version = Info(
+            "sitsd_weights_version",
+            "The weights version serving requests.",
+            ("model",),
+            registry=r,
+        )
+        self.swap_stage_duration = Histogram(
+            "sitsd_swap_stage_duration_seconds",
+            "Duration of one stage of a weight swap (stage, validate, canary, commit, ...).",
+            ("model", "stage"),
+            registry=r,
+            buckets=SWAP_BUCKETS,
+        )
+        self.swaps = Counter(
+            "sitsd_swaps",
+            "Weight swaps by outcome (committed, rejected, failed, rolled_back).",
+            ("model", "outcome"),
+            registry=r,
+        )
+
+    def _init_tier_scheduler(self, r: CollectorRegistry) -> None:
+        """Metrics: tier scheduler (set by it later)."""
+        self.tier_batch_cap = Gauge(
+            "sitsd_tier_batch_cap",
+            "Batch cap the tier scheduler set for a tier.",
+            MODEL_TIER,
+            registry=r,
+        )
+        self.tier_p99_estimate = Gauge(
+            "sitsd_tier_p99_estimate_seconds",
+            "The tier scheduler's streaming P99 estimate for a tier (kind: ttft, itl).",
+            (*MODEL_TIER, "kind"),
+            registry=r,
+        )
+
+    def bind_model(self, model: str) -> None:
+        """Label everything recorded from now on with `model` (known once the model loads)."""
+        self.model = model
+
+    # ------------------------------------------------------------ APIs for other subsystems
+
+    def set_weights_version(self, version: str) -> None:
+        """Publish the weights version now serving (at start-up and after each swap)."""
+        self.weights_version.labels(self.model).info({"version": version})
+
+    def record_swap_stage(self, stage: str, seconds: float) -> None:
+        """Record that one stage of a weight swap took `seconds`."""
+        self.swap_stage_duration.labels(self.model, stage).observe(seconds)
+
+    def record_swap(self, outcome: str) -> None:
+        """Count a finished weight swap by its outcome."""
+        self.swaps.labels(self.model, outcome).inc()
+
+    def set_tier_batch_cap(self, tier: str, cap: int) -> None:
+        """For the tier scheduler: the batch cap it now applies to `tier`."""
+        self.tier_batch_cap.labels(self.model, tier).set(cap)
+
+    def set_tier_p99_estimate(self, tier: str, kind: str, seconds: float) -> None:
+        """For the tier scheduler: its live P99 estimate of `kind` (ttft, itl) for `tier`."""
+        self.tier_p99_estimate.labels(self.model, tier, kind).set(seconds)
+
+    def count_rpc(self, method: str, tier: str, error_class: str | None) -> None:
+        """Count one finished RPC, and its error class if it failed."""
+        self.requests.labels(self.model, tier, method).inc()
+        if error_class is not None:
+            self.request_errors.labels(self.model, tier, method, error_class).inc()
+
+    # ---------------------------------------------------------------------- exposition
+
+    def exposition(self, openmetrics: bool = False) -> bytes:
+        """The registry as Prometheus text (no exemplars) or OpenMetrics (with exemplars)."""
+        if openmetrics:
+            return generate_openmetrics(self.registry)
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on its own thread; Prometheus gets OpenMetrics when it asks."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        """Bind `host:port` (port 0 = a free one) and serve.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._httpd: WSGIServer
+        self._httpd, self._thread = start_http_server(port, host, registry=metrics.registry)
+        self.host = host
+        self.port: int = self._httpd.server_port
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
