@@ -119,6 +119,11 @@ class KVCacheManager:
         if entry is not None:
             self.pool.free(entry.blocks[::-1])
 
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request references: what freeing it would return to the pool."""
+        entry = self._reqs.get(request.req_id)
+        return sum(1 for b in entry.blocks if b.ref_cnt == 1) if entry else 0
+
     def block_ids(self, request: Request) -> list[int]:
         entry = self._reqs.get(request.req_id)
         return [b.block_id for b in entry.blocks] if entry else []
