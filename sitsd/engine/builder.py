@@ -23,12 +23,13 @@ from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
+from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import KernelSet, reference_kernels
 from sitsd.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from sitsd.runtime.model_runner import ModelRunner
-from sitsd.types import SamplingParams
+from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,17 @@ def build_engine(config: SitsdConfig) -> AsyncEngine:
     kv_cache = KVCacheManager(
         num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
-    scheduler = Scheduler(config.scheduler, kv_cache, max_model_len)
-    core = EngineCore(scheduler, runner, ckpt.tokenizer, name)
+    controller = (
+        load_batch_controller(config.tiers, config.scheduler.max_num_seqs)
+        if config.scheduler.policy == "tiers"
+        else None
+    )
+    scheduler = Scheduler(
+        config.scheduler, kv_cache, max_model_len, tiers=config.tiers, controller=controller
+    )
+    core = EngineCore(
+        scheduler, runner, ckpt.tokenizer, name, default_tier=Tier(config.tiers.default_tier)
+    )
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB, "
         "KV pool %d blocks x %d tokens (%.0f MiB), context %d",
