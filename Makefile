@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -e '.[test,triton]'
+	$(PIP) install -e '.[test,triton,bench]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -50,7 +50,7 @@ proto: install-test
 	$(BIN)/python proto/generate.py
 
 lint: install-test
-	$(BIN)/ruff check sitsd kernels tests bench
+	$(BIN)/ruff check sitsd kernels tests bench plugins
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
