@@ -10,7 +10,8 @@ largest cap. The pressure maps to a cap between `min_batch_cap` (4) and `max_bat
 
 A cap falls to its mapped value at once (protect the tail fast) and grows by at most a
 quarter per update (a larger batch slows every step, so throughput is taken back gradually).
-A tier above T without samples in the window exerts no pressure.
+A tier above T with fewer than `MIN_SAMPLES` first tokens in the window exerts no pressure:
+a P99 of a handful of samples is their maximum, and one slow step must not halve the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sitsd.types import Tier
 
 LOW_PRESSURE = 0.5  # at or below: the largest cap
 HIGH_PRESSURE = 1.0  # at or above: the smallest cap
+MIN_SAMPLES = 10  # first tokens a tier needs in the window before its P99 counts
 
 
 class P99BatchController:
@@ -52,7 +54,8 @@ class P99BatchController:
             else:
                 self.caps[tier] = min(target, current + max(1, current // 4))
             estimate = estimates.get(tier)
-            ratio = estimate.ratio if estimate is not None else None
+            enough = estimate is not None and estimate.num_samples >= MIN_SAMPLES
+            ratio = estimate.ratio if enough else None
             if ratio is not None:
                 pressure = ratio if pressure is None else max(pressure, ratio)
         return dict(self.caps)
