@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: install install-test run test test-fast bench-cpu proto lint clean
+.PHONY: install install-test run test test-fast bench-cpu bench-tiers proto lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test-fast: install-test
 ## CPU benchmark: sitsd vs transformers on SmolLM2 (prints a table).
 bench-cpu: install-test
 	$(BIN)/python bench/bench_cpu.py
+
+## Overload benchmark: SLA tiers vs FCFS at 2x capacity on SmolLM2 (prints a table, draws a PNG).
+bench-tiers: install-test
+	$(BIN)/python bench/bench_tiers.py
 
 ## Regenerate the gRPC stubs under sitsd/api/v1 from proto/.
 proto: install-test

@@ -47,9 +47,21 @@ class Daemon:
         self.log_path = Path(state_dir) / f"daemon-{time.monotonic_ns()}.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sitsd", "serve", "--port", "0", "--state-dir", state_dir,
-             *flags],
-            stdout=subprocess.DEVNULL, stderr=self.log, env=self.env, cwd=REPO_ROOT,
+            [
+                sys.executable,
+                "-m",
+                "sitsd",
+                "serve",
+                "--port",
+                "0",
+                "--state-dir",
+                state_dir,
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            env=self.env,
+            cwd=REPO_ROOT,
         )
         self.address = self._wait_until_serving()
 
@@ -62,9 +74,11 @@ class Daemon:
             if match:
                 address = f"127.0.0.1:{match.group(2)}"
                 with grpc.insecure_channel(address) as channel:
-                    status = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=5
-                    ).status
+                    status = (
+                        health_pb2_grpc.HealthStub(channel)
+                        .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        .status
+                    )
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return address
             time.sleep(0.2)
@@ -78,9 +92,12 @@ class Daemon:
 
 def sitsctl_bench(daemon: Daemon, args: list[str]) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "bench", "--json",
-         *args],
-        env=daemon.env, cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+        [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "bench", "--json", *args],
+        env=daemon.env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise RuntimeError(f"sitsctl bench failed:\n{result.stderr}")
@@ -91,8 +108,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of offered load")
     parser.add_argument("--capacity-duration", type=float, default=30.0)
-    parser.add_argument("--capacity", type=float, default=0.0,
-                        help="skip the capacity run and use this many requests/s")
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=0.0,
+        help="skip the capacity run and use this many requests/s",
+    )
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / capacity")
     parser.add_argument("--tiers", default=str(REPO_ROOT / "bench" / "tiers-cpu.yaml"))
     parser.add_argument("--prompt-tokens", default="32:128")
@@ -106,19 +127,35 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens]
-    serve = ["--tiers", args.tiers, "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    serve = [
+        "--tiers",
+        args.tiers,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as state_dir:
         capacity = args.capacity
         if not capacity:
             daemon = Daemon(state_dir, ["--scheduling-policy", "fcfs", *serve])
             try:
-                saturated = sitsctl_bench(daemon, [
-                    "--concurrency", str(args.max_num_seqs), "--duration",
-                    str(args.capacity_duration), "--no-progress", "--seed", str(args.seed),
-                    "--tiers", args.tiers, *lengths,
-                ])
+                saturated = sitsctl_bench(
+                    daemon,
+                    [
+                        "--concurrency",
+                        str(args.max_num_seqs),
+                        "--duration",
+                        str(args.capacity_duration),
+                        "--no-progress",
+                        "--seed",
+                        str(args.seed),
+                        "--tiers",
+                        args.tiers,
+                        *lengths,
+                    ],
+                )
             finally:
                 daemon.stop()
             capacity = saturated["total"]["throughput_rps"]
@@ -128,11 +165,23 @@ def main() -> int:
         for policy in ("fcfs", "tiers"):
             daemon = Daemon(state_dir, ["--scheduling-policy", policy, *serve])
             try:
-                reports[policy] = sitsctl_bench(daemon, [
-                    "--rate", f"{rate:.3f}", "--duration", str(args.duration), "--seed",
-                    str(args.seed), "--tiers", args.tiers, "--deadline", str(args.deadline),
-                    "--no-progress", *lengths,
-                ])
+                reports[policy] = sitsctl_bench(
+                    daemon,
+                    [
+                        "--rate",
+                        f"{rate:.3f}",
+                        "--duration",
+                        str(args.duration),
+                        "--seed",
+                        str(args.seed),
+                        "--tiers",
+                        args.tiers,
+                        "--deadline",
+                        str(args.deadline),
+                        "--no-progress",
+                        *lengths,
+                    ],
+                )
             finally:
                 daemon.stop()
             (out / f"{policy}.json").write_text(json.dumps(reports[policy], indent=2))

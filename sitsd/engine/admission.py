@@ -5,8 +5,10 @@ API's threads can refuse a request at once (`AsyncEngine.add_request`); the engi
 again against its live queue when the request reaches it, which also counts requests that
 arrived since the last snapshot. The estimate, in engine steps times the measured step time:
 
-- prefill: the prompt tokens of the requests queued ahead of it (queue key not larger) are
-  computed at `token_budget - num_running` tokens per step (decodes take one token each);
+- prefill: the prompt tokens of the requests queued ahead of it (queue key not larger; for
+  gold, only the lower-tier ones that fit in the free slots, since gold passes the others by
+  preemption) are computed at `token_budget - num_running` tokens per step (decodes take one
+  token each);
 - batch slots: when the batch is full, the k-th slot frees when the running request with the
   k-th fewest remaining tokens (`max_tokens` - generated: pessimistic, EOS may come sooner)
   finishes; gold does not wait for slots it can take by preempting bronze or silver;
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sitsd.engine.request import Request
 from sitsd.types import Tier
 
 
@@ -51,6 +54,20 @@ class QueueSnapshot:
     caps: dict[Tier, int] = field(default_factory=dict)  # per-tier batch caps
 
 
+def waiting_entry(request: Request, key: float) -> WaitingEntry:
+    """A waiting request as admission control counts it (prefix-cache hits not assumed)."""
+    return WaitingEntry(key, request.tier, request.num_tokens - max(request.num_cached_tokens, 0))
+
+
+def running_entry(request: Request, max_tier_preemptions: int) -> RunningEntry:
+    """A running request: steps until it ends at `max_tokens`, and whether gold may take it."""
+    return RunningEntry(
+        request.tier,
+        max(1, request.params.max_tokens - request.num_output_tokens),
+        request.tier is not Tier.GOLD and request.num_preemptions < max_tier_preemptions,
+    )
+
+
 def _steps_until_free(remaining: list[int], num_needed: int) -> float:
     """Steps until `num_needed` slots held by requests with these remaining steps free up."""
     if num_needed <= 0:
@@ -72,10 +89,16 @@ def expected_queue_wait(snapshot: QueueSnapshot, tier: Tier, key: float) -> floa
         return 0.0
     ahead = [w for w in snapshot.waiting if w.key <= key]  # ties: the earlier one goes first
     running = snapshot.running
+    free_slots = snapshot.max_num_seqs - len(running)
+    if tier is Tier.GOLD:
+        # Lower tiers ahead of gold (aged ones) take the free slots first; once the batch is
+        # full they are blocked and gold passes them by preempting lower-tier work.
+        lower = [w for w in ahead if w.tier is not Tier.GOLD][: max(0, free_slots)]
+        ahead = [w for w in ahead if w.tier is Tier.GOLD] + lower
     per_step = max(1, snapshot.token_budget - len(running))
     prefill_steps = math.ceil(sum(w.num_prefill_tokens for w in ahead) / per_step)
 
-    num_needed = len(ahead) + 1 - (snapshot.max_num_seqs - len(running))
+    num_needed = len(ahead) + 1 - free_slots
     if tier is Tier.GOLD:
         num_needed -= sum(1 for r in running if r.preemptable_by_gold)
     slot_steps = _steps_until_free([r.num_remaining_steps for r in running], num_needed)

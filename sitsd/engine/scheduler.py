@@ -19,7 +19,7 @@ the most recently admitted running request is preempted by recompute: its blocks
      blocked, only gold may still be admitted behind it;
   4. shedding and admission control (`overdue_requests`, `admission_refusal`, called by the
      engine core): a request whose expected queue wait exceeds its tier's maximum is refused,
-     one that never ran and waited past it is dropped; both become RESOURCE_EXHAUSTED.
+     one still waiting for its first token past it is dropped; both become RESOURCE_EXHAUSTED.
 Preempted requests keep their arrival time, hence their place, and their full blocks stay in
 the prefix cache, so resuming them mostly recomputes less than one block.
 
@@ -35,7 +35,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sitsd.config import SchedulerConfig, TiersConfig
-from sitsd.engine.admission import QueueSnapshot, RunningEntry, WaitingEntry, expected_queue_wait
+from sitsd.engine.admission import (
+    QueueSnapshot,
+    expected_queue_wait,
+    running_entry,
+    waiting_entry,
+)
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.outputs import (
     CachedRequestData,
@@ -201,16 +206,16 @@ class Scheduler:
         """Admit by queue deadline, skipping capped tiers; gold may preempt lower tiers."""
         blocked = False
         for request in self.waiting:
-            if self._budget(out) <= 0:
-                break
-            if blocked and request.tier is not Tier.GOLD:
+            no_budget = self._budget(out) <= 0
+            if (blocked or no_budget) and request.tier is not Tier.GOLD:
                 continue
             if self._tier_count(request.tier) >= self.tracker.caps[request.tier]:
                 continue  # a capped tier waits for its own requests to finish
             num_new = None
-            if len(self.running) < self.config.max_num_seqs:
+            if not no_budget and len(self.running) < self.config.max_num_seqs:
                 num_new = self._admit(request, out)
             if num_new is None and request.tier is Tier.GOLD:
+                # Victims scheduled earlier in this step give their tokens back, too.
                 num_new = self._admit_by_preemption(request, out)
             if num_new is None:
                 blocked = True
@@ -220,6 +225,8 @@ class Scheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
+        if self._budget(out) <= 0:
+            return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size
         num_new = min(request.num_tokens - num_hit, self._budget(out))
@@ -375,15 +382,16 @@ class Scheduler:
     # ---------------------------------------------------------- admission control and status
 
     def overdue_requests(self, now: float) -> list[tuple[str, str]]:
-        """(req_id, reason) of waiting requests that never ran and waited past their tier's
-        maximum queue wait (tiers policy): the engine drops them (RESOURCE_EXHAUSTED)."""
+        """(req_id, reason) of waiting requests without a first token yet that have waited
+        past their tier's maximum queue wait since arrival (tiers policy): the engine drops them
+        (RESOURCE_EXHAUSTED). Requests that streamed tokens are never dropped."""
         if not self.tiered:
             return []
         overdue = []
         for request in self.waiting:
             limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
             waited = now - request.arrival_time
-            if request.first_scheduled_time is None and waited > limit:
+            if request.num_output_tokens == 0 and waited > limit:
                 self.tracker.num_shed[request.tier] += 1
                 overdue.append(
                     (
@@ -413,49 +421,21 @@ class Scheduler:
 
     def queue_snapshot(self) -> QueueSnapshot:
         """The queue as admission control sees it (plain data, safe to hand to other threads)."""
-        max_preemptions = self.tiers_config.max_tier_preemptions
         return QueueSnapshot(
             enabled=self.tiered and self.tiers_config.admission_control,
             step_time_s=self.step_time_s,
             token_budget=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
-            waiting=tuple(
-                WaitingEntry(self._queue_key(r), r.tier, r.num_tokens - max(r.num_cached_tokens, 0))
-                for r in self.waiting
-            ),
+            waiting=tuple(waiting_entry(r, self._queue_key(r)) for r in self.waiting),
             running=tuple(
-                RunningEntry(
-                    r.tier,
-                    max(1, r.params.max_tokens - r.num_output_tokens),
-                    r.tier is not Tier.GOLD and r.num_preemptions < max_preemptions,
-                )
-                for r in self.running
+                running_entry(r, self.tiers_config.max_tier_preemptions) for r in self.running
             ),
             caps=dict(self.tracker.caps),
         )
 
     def tier_stats(self) -> tuple[TierStats, ...]:
         """Targets, caps, P99s (as of the last control interval) and counters, gold first."""
-        estimates = self.tracker.last_estimates  # refreshed once per control interval
-        stats = []
-        for tier in TIER_ORDER:
-            target = self.tracker.target(tier)
-            est = estimates[tier]
-            stats.append(
-                TierStats(
-                    tier=tier.value,
-                    ttft_p99_target_s=target.ttft_p99_s,
-                    itl_p99_target_s=target.itl_p99_s,
-                    max_queue_wait_s=target.max_queue_wait_s,
-                    batch_cap=self.tracker.caps[tier] if self.tiered else self.config.max_num_seqs,
-                    num_running=self._tier_count(tier),
-                    num_waiting=sum(1 for r in self.waiting if r.tier is tier),
-                    ttft_p99_s=est.ttft_p99_s,
-                    itl_p99_s=est.itl_p99_s,
-                    num_samples=est.num_samples,
-                    num_refused=self.tracker.num_refused[tier],
-                    num_shed=self.tracker.num_shed[tier],
-                    num_preempted=self.tracker.num_preempted[tier],
-                )
-            )
-        return tuple(stats)
+        running = {t: self._tier_count(t) for t in TIER_ORDER}
+        waiting = {t: sum(1 for r in self.waiting if r.tier is t) for t in TIER_ORDER}
+        caps = None if self.tiered else self.config.max_num_seqs
+        return self.tracker.stats(running, waiting, fixed_cap=caps)

@@ -36,6 +36,7 @@ import yaml
 
 from sitsd.config import TierConfig, TiersConfig
 from sitsd.engine.latency import TierLatency
+from sitsd.engine.outputs import TierStats
 from sitsd.types import Tier
 
 TIER_ORDER = (Tier.GOLD, Tier.SILVER, Tier.BRONZE)  # highest priority first
@@ -256,3 +257,29 @@ class TierTracker:
     def _clamp(self, tier: Tier, cap: int) -> int:
         share = self.target(tier).max_batch_share
         return max(1, min(cap, self.max_num_seqs, math.floor(share * self.max_num_seqs)))
+
+    def stats(
+        self, running: dict[Tier, int], waiting: dict[Tier, int], fixed_cap: int | None = None
+    ) -> tuple[TierStats, ...]:
+        """Each tier's targets, cap (`fixed_cap` when no controller applies), P99s and counts."""
+        out = []
+        for tier in TIER_ORDER:
+            target, est = self.target(tier), self.last_estimates[tier]
+            out.append(
+                TierStats(
+                    tier=tier.value,
+                    ttft_p99_target_s=target.ttft_p99_s,
+                    itl_p99_target_s=target.itl_p99_s,
+                    max_queue_wait_s=target.max_queue_wait_s,
+                    batch_cap=self.caps[tier] if fixed_cap is None else fixed_cap,
+                    num_running=running[tier],
+                    num_waiting=waiting[tier],
+                    ttft_p99_s=est.ttft_p99_s,
+                    itl_p99_s=est.itl_p99_s,
+                    num_samples=est.num_samples,
+                    num_refused=self.num_refused[tier],
+                    num_shed=self.num_shed[tier],
+                    num_preempted=self.num_preempted[tier],
+                )
+            )
+        return tuple(out)

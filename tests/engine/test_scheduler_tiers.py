@@ -346,3 +346,39 @@ def test_no_block_leaks_through_tier_preemption_aborts_and_shedding():
         sim.sched.finish_request(req_id, FinishReason.ABORT)
     assert sim.sched.kv_cache.num_used_blocks == 0
     assert sim.sched.kv_cache.pool.num_free_blocks == 24
+
+
+def test_gold_is_not_charged_for_aged_lower_tier_work_it_passes_by_preemption():
+    patient_bronze = TierConfig(
+        ttft_p99_s=1.0, itl_p99_s=1.0, max_queue_wait_s=100.0, priority_offset_s=0.25
+    )
+    sim = Sim(tiers=TiersConfig(bronze=patient_bronze), max_num_seqs=2, budget=16)
+    sim.add(BRONZE, max_tokens=200, req_id="b1")
+    sim.add(BRONZE, max_tokens=200, req_id="b2")
+    sim.step(step_s=0.05)
+    for i in range(10):
+        sim.add(BRONZE, prompt_len=64, req_id=f"queued-{i}")
+    sim.clock.now += 1.0  # the queued bronze work now outranks fresh gold (aging)
+
+    def probe(tier):
+        request = Request(
+            "probe", list(range(8)), SamplingParams(max_tokens=4), 0, tier, sim.clock.now
+        )
+        return sim.sched.admission_refusal(request)
+
+    assert probe(GOLD) is None  # the batch is full: gold passes the queue by preemption
+    assert "silver tier's 250 ms" in probe(SILVER)  # silver cannot: 640 tokens ahead
+    sim.add(GOLD, req_id="gold")
+    so = sim.step()
+    assert [n.req_id for n in so.new_reqs] == ["gold"]
+    assert so.preempted_req_ids == {"b2"}
+
+
+def test_a_request_preempted_before_its_first_token_can_still_be_shed():
+    sim = Sim(tiers=TiersConfig(), max_num_seqs=1, budget=4)
+    sim.add(BRONZE, prompt_len=40, max_tokens=4, req_id="bronze")  # 10 chunks of prefill
+    sim.step()
+    sim.add(GOLD, max_tokens=30, req_id="gold")
+    assert sim.step().preempted_req_ids == {"bronze"}
+    sim.clock.now += 0.5
+    assert [r for r, _ in sim.sched.overdue_requests(sim.clock.now)] == ["bronze"]
