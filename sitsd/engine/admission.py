@@ -108,3 +108,14 @@ def expected_queue_wait(snapshot: QueueSnapshot, tier: Tier, key: float) -> floa
     num_needed_in_tier = sum(1 for w in ahead if w.tier is tier) + 1 - (cap - len(mine))
     cap_steps = _steps_until_free(mine, num_needed_in_tier)
     return max(prefill_steps, slot_steps, cap_steps) * snapshot.step_time_s
+
+
+def refusal_reason(snapshot: QueueSnapshot, tier: Tier, key: float, limit_s: float) -> str | None:
+    """The client's message when the expected wait exceeds `limit_s`, else None."""
+    wait = expected_queue_wait(snapshot, tier, key)
+    if wait <= limit_s:
+        return None
+    return (
+        f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the {tier.value} "
+        f"tier's {limit_s * 1000:.0f} ms; retry later"
+    )

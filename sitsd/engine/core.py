@@ -25,12 +25,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from sitsd.engine.admission import QueueSnapshot, expected_queue_wait
+from sitsd.engine.admission import QueueSnapshot, refusal_reason
 from sitsd.engine.detokenizer import IncrementalDetokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
+from sitsd.engine.tiers import queue_key
 from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
 
 log = logging.getLogger(__name__)
@@ -123,15 +124,12 @@ class EngineCore:
         if not snapshot.enabled:
             return None
         tier = tier or self.default_tier
-        limit = self.scheduler.tiers_config.tier(tier.value).max_queue_wait_s
-        wait = expected_queue_wait(snapshot, tier, arrival_time + limit)
-        if wait <= limit:
-            return None
-        self._early_refusals[tier.value] = self._early_refusals.get(tier.value, 0) + 1
-        return (
-            f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the {tier.value} "
-            f"tier's {limit * 1000:.0f} ms; retry later"
-        )
+        tier_config = self.scheduler.tiers_config.tier(tier.value)
+        key = queue_key(arrival_time, tier_config)
+        reason = refusal_reason(snapshot, tier, key, tier_config.max_queue_wait_s)
+        if reason is not None:
+            self._early_refusals[tier.value] = self._early_refusals.get(tier.value, 0) + 1
+        return reason
 
     # ---------------------------------------------------------------------------------- loop
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from sitsd.config import SchedulerConfig, TiersConfig
 from sitsd.engine.admission import (
     QueueSnapshot,
-    expected_queue_wait,
+    refusal_reason,
     running_entry,
     waiting_entry,
 )
@@ -410,14 +410,12 @@ class Scheduler:
         if not self.tiered or not self.tiers_config.admission_control:
             return None
         limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
-        wait = expected_queue_wait(self.queue_snapshot(), request.tier, self._queue_key(request))
-        if wait <= limit:
-            return None
-        self.tracker.num_refused[request.tier] += 1
-        return (
-            f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the "
-            f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later"
+        reason = refusal_reason(
+            self.queue_snapshot(), request.tier, self._queue_key(request), limit
         )
+        if reason is not None:
+            self.tracker.num_refused[request.tier] += 1
+        return reason
 
     def queue_snapshot(self) -> QueueSnapshot:
         """The queue as admission control sees it (plain data, safe to hand to other threads)."""
