@@ -65,6 +65,7 @@ class TierLatency:
         self.ttft = SlidingWindowQuantile(window_s, max_samples)
         self.itl = SlidingWindowQuantile(window_s, max_samples)
 
-    def p99(self, now: float) -> tuple[float | None, float | None, int]:
-        """(TTFT P99, ITL P99, number of TTFT samples) over the window at `now`."""
-        return self.ttft.quantile(0.99, now), self.itl.quantile(0.99, now), self.ttft.count(now)
+    def p99(self, now: float) -> tuple[float | None, float | None, int, int]:
+        """(TTFT P99, ITL P99, TTFT samples, ITL samples) over the window at `now`."""
+        ttft, itl = self.ttft.quantile(0.99, now), self.itl.quantile(0.99, now)
+        return ttft, itl, self.ttft.count(now), self.itl.count(now)

@@ -59,13 +59,27 @@ class TierEstimate:
     num_samples: int  # first tokens in the window
     ttft_target_s: float
     itl_target_s: float
+    num_itl_samples: int = 0  # inter-token gaps in the window
+
+    def ratios(self, min_samples: int = 1) -> tuple[float | None, float | None]:
+        """(TTFT P99 / target, ITL P99 / target), each None with fewer than `min_samples`."""
+        ttft = (
+            self.ttft_p99_s / self.ttft_target_s
+            if self.ttft_p99_s is not None and self.num_samples >= min_samples
+            else None
+        )
+        itl = (
+            self.itl_p99_s / self.itl_target_s
+            if self.itl_p99_s is not None and self.num_itl_samples >= min_samples
+            else None
+        )
+        return ttft, itl
 
     @property
     def ratio(self) -> float | None:
         """Worst of TTFT P99 / target and ITL P99 / target; None without samples."""
-        pairs = ((self.ttft_p99_s, self.ttft_target_s), (self.itl_p99_s, self.itl_target_s))
-        ratios = [p99 / target for p99, target in pairs if p99 is not None and target > 0]
-        return max(ratios) if ratios else None
+        known = [r for r in self.ratios(min_samples=0) if r is not None]
+        return max(known) if known else None
 
 
 class BatchController(Protocol):
@@ -239,9 +253,11 @@ class TierTracker:
         """Each tier's live P99s beside its targets."""
         out = {}
         for tier in TIER_ORDER:
-            ttft, itl, count = self.latency[tier].p99(now)
+            ttft, itl, count, itl_count = self.latency[tier].p99(now)
             target = self.target(tier)
-            out[tier] = TierEstimate(tier, ttft, itl, count, target.ttft_p99_s, target.itl_p99_s)
+            out[tier] = TierEstimate(
+                tier, ttft, itl, count, target.ttft_p99_s, target.itl_p99_s, itl_count
+            )
         return out
 
     def refresh(self, now: float) -> None:

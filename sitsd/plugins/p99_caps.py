@@ -10,8 +10,8 @@ largest cap. The pressure maps to a cap between `min_batch_cap` (4) and `max_bat
 
 A cap falls to its mapped value at once (protect the tail fast) and grows by at most a
 quarter per update (a larger batch slows every step, so throughput is taken back gradually).
-A tier above T with fewer than `MIN_SAMPLES` first tokens in the window exerts no pressure:
-a P99 of a handful of samples is their maximum, and one slow step must not halve the batch.
+A P99 (TTFT or inter-token) counts only once the window holds `MIN_SAMPLES` samples of it: a
+P99 of a handful of samples is their maximum, and one slow step must not halve the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sitsd.types import Tier
 
 LOW_PRESSURE = 0.5  # at or below: the largest cap
 HIGH_PRESSURE = 1.0  # at or above: the smallest cap
-MIN_SAMPLES = 10  # first tokens a tier needs in the window before its P99 counts
+MIN_SAMPLES = 10  # samples a P99 needs in the window before it counts
 
 
 class P99BatchController:
@@ -54,8 +54,9 @@ class P99BatchController:
             else:
                 self.caps[tier] = min(target, current + max(1, current // 4))
             estimate = estimates.get(tier)
-            enough = estimate is not None and estimate.num_samples >= MIN_SAMPLES
-            ratio = estimate.ratio if enough else None
+            ratios = [] if estimate is None else estimate.ratios(MIN_SAMPLES)
+            known = [r for r in ratios if r is not None]
+            ratio = max(known) if known else None
             if ratio is not None:
                 pressure = ratio if pressure is None else max(pressure, ratio)
         return dict(self.caps)
