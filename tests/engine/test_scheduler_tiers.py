@@ -382,3 +382,14 @@ def test_a_request_preempted_before_its_first_token_can_still_be_shed():
     assert sim.step().preempted_req_ids == {"bronze"}
     sim.clock.now += 0.5
     assert [r for r, _ in sim.sched.overdue_requests(sim.clock.now)] == ["bronze"]
+
+
+def test_controller_acts_on_a_p99_only_once_its_window_has_enough_samples():
+    controller = P99BatchController(TiersConfig(), max_num_seqs=32)
+
+    def bronze_cap(num_ttft, num_itl):
+        gold = TierEstimate(GOLD, 0.5, 0.5, num_ttft, 0.08, 0.08, num_itl)  # 6x over target
+        return controller.update({GOLD: gold}, 0.0)[BRONZE]
+
+    assert bronze_cap(num_ttft=3, num_itl=5) == 32  # a handful of samples: their maximum
+    assert bronze_cap(num_ttft=3, num_itl=200) == 4  # plenty of inter-token gaps: act
