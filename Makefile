@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: install install-test run test test-fast bench-cpu bench-telemetry dashboards proto lint clean
+.PHONY: install install-test run test test-fast bench-cpu bench-telemetry bench-tiers dashboards proto lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -e '.[test,triton]'
+	$(PIP) install -e '.[test,triton,bench]'
 	command -v promtool >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus; }
 	touch $@
@@ -58,12 +58,16 @@ bench-telemetry: install-test
 dashboards: install-test
 	$(BIN)/python grafana/build_dashboards.py
 
+## Overload benchmark: SLA tiers vs FCFS at 2x capacity on SmolLM2 (prints a table, draws a PNG).
+bench-tiers: install-test
+	$(BIN)/python bench/bench_tiers.py
+
 ## Regenerate the gRPC stubs under sitsd/api/v1 from proto/.
 proto: install-test
 	$(BIN)/python proto/generate.py
 
 lint: install-test
-	$(BIN)/ruff check sitsd kernels tests bench grafana
+	$(BIN)/ruff check sitsd kernels tests bench grafana plugins
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

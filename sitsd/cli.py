@@ -13,6 +13,7 @@ variables included: `observability_config`). Running the daemon is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -27,10 +28,13 @@ from sitsd.config import (
     SchedulerConfig,
     ServerConfig,
     SitsdConfig,
+    TiersConfig,
     parse_size,
 )
 
 STATE_DIR_ENV = "SITSD_STATE_DIR"
+SCHEDULING_POLICIES = ("tiers", "fcfs")
+TIER_NAMES = ("gold", "silver", "bronze")
 ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -89,6 +93,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _tiers_file(text: str) -> TiersConfig:
+    from sitsd.engine.tiers import load_tiers_file  # yaml and the plugin loader: only when used
+
+    try:
+        return load_tiers_file(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # ---------------------------------------------------------------------------------- parser
 
 
@@ -105,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(serve.add_argument_group("model"))
     _add_cache_flags(serve.add_argument_group("KV cache"))
     _add_scheduler_flags(serve.add_argument_group("scheduler"))
+    _add_tier_flags(serve.add_argument_group("SLA tiers"))
     _add_server_flags(serve.add_argument_group("server"))
     _add_observability_flags(serve.add_argument_group("observability"))
     return parser
@@ -232,6 +246,57 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="completion length of requests that set no max_tokens (default: %(default)s)",
     )
+
+
+def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
+    d = TiersConfig()
+    group.add_argument(
+        "--scheduling-policy",
+        default=SchedulerConfig().policy,
+        choices=SCHEDULING_POLICIES,
+        help="tiers: SLA tiers (tier order with aging, gold preempts lower tiers, P99-driven "
+        "batch caps, admission control); fcfs: arrival order (default: %(default)s)",
+    )
+    group.add_argument(
+        "--tiers",
+        type=_tiers_file,
+        default=None,
+        metavar="FILE",
+        help="YAML file with the tiers' TTFT/inter-token P99 targets, queue waits and batch "
+        "shares, and the controller's settings (default: the SITS table: gold 80 ms / 120 ms "
+        "queue, silver 200 ms / 250 ms, bronze 1 s / 500 ms)",
+    )
+    group.add_argument(
+        "--default-tier",
+        default=None,
+        choices=TIER_NAMES,
+        help=f"tier of requests that name none (default: the tiers file's, else {d.default_tier})",
+    )
+    group.add_argument(
+        "--batch-controller",
+        default=None,
+        metavar="NAME",
+        help=f"batch-cap controller plugin (default: the tiers file's, else {d.controller})",
+    )
+    group.add_argument(
+        "--plugin-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory of plugin files (*.py); repeatable (default: none)",
+    )
+
+
+def _tiers_from_args(args: argparse.Namespace) -> TiersConfig:
+    tiers = args.tiers or TiersConfig()
+    changes: dict[str, object] = {}
+    if args.default_tier:
+        changes["default_tier"] = args.default_tier
+    if args.batch_controller:
+        changes["controller"] = args.batch_controller
+    if args.plugin_dir:
+        changes["plugin_dirs"] = (*tiers.plugin_dirs, *args.plugin_dir)
+    return dataclasses.replace(tiers, **changes) if changes else tiers
 
 
 def _add_server_flags(group: argparse._ArgumentGroup) -> None:
@@ -408,7 +473,9 @@ def config_from_args(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_waiting=args.max_num_waiting,
             max_tokens_default=args.max_tokens_default,
+            policy=args.scheduling_policy,
         ),
+        tiers=_tiers_from_args(args),
         server=ServerConfig(
             host=args.host,
             port=args.port,

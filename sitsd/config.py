@@ -45,6 +45,53 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
     max_num_waiting: int = 1024  # queued requests beyond which new ones are refused
     max_tokens_default: int = 256  # max_tokens when the client sets none
+    # "tiers" (SLA tiers: tier order, aging, preemption by gold, batch caps, admission control)
+    # or "fcfs" (arrival order, preemption of the newest when blocks run out).
+    policy: str = "tiers"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Targets and limits of one SLA tier (`sitsd.engine.tiers` explains how they are used)."""
+
+    ttft_p99_s: float = 0.2  # time-to-first-token P99 target
+    itl_p99_s: float = 0.2  # inter-token latency P99 target
+    max_queue_wait_s: float = 0.25  # longer expected or actual queue wait: refused or shed
+    max_batch_share: float = 1.0  # fraction of --max-num-seqs this tier may hold at most
+    # Queue order handicap: the request ranks as if it had arrived this much later, so after
+    # waiting this long it outranks a fresh gold request (aging; gold's is 0).
+    priority_offset_s: float = 0.1
+
+
+# The SITS table: gold P99 < 80 ms (queue timeout 120 ms), silver 80-200 ms (250 ms), bronze
+# > 200 ms (500 ms). Bronze has no upper bound there; 1 s gives goodput a definition.
+# Aging offsets: bronze outranks fresh gold after 250 ms and every queued gold request (at most
+# 120 ms old) after 370 ms, well inside its own 500 ms.
+SITS_GOLD = TierConfig(0.08, 0.08, max_queue_wait_s=0.12, priority_offset_s=0.0)
+SITS_SILVER = TierConfig(0.2, 0.2, max_queue_wait_s=0.25, priority_offset_s=0.1)
+SITS_BRONZE = TierConfig(1.0, 1.0, max_queue_wait_s=0.5, priority_offset_s=0.25)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """SLA tiers, the P99-driven batch-cap controller and admission control (`--tiers FILE`)."""
+
+    gold: TierConfig = SITS_GOLD
+    silver: TierConfig = SITS_SILVER
+    bronze: TierConfig = SITS_BRONZE
+    default_tier: str = "silver"  # tier of requests that name none
+    admission_control: bool = True  # refuse requests whose queue wait would break their tier
+    max_tier_preemptions: int = 2  # a request is preempted for a higher tier at most this often
+    controller: str = "p99-caps"  # batch controller plugin (entry point group sitsd.plugins)
+    plugin_dirs: tuple[str, ...] = ()  # directories searched for plugin files (--plugin-dir)
+    min_batch_cap: int = 4  # the controller's smallest per-tier cap
+    max_batch_cap: int = 32  # the controller's largest per-tier cap
+    window_s: float = 10.0  # sliding window of the streaming P99 estimates
+    control_interval_s: float = 0.5  # how often the controller recomputes the caps
+
+    def tier(self, name: str) -> TierConfig:
+        """The `TierConfig` of tier `name` ("gold", "silver" or "bronze")."""
+        return getattr(self, name)
 
 
 @dataclass(frozen=True)
@@ -85,6 +132,7 @@ class SitsdConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 

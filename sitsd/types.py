@@ -36,6 +36,13 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine failed while serving it
 
 
+class AbortCause(enum.StrEnum):
+    """Why the engine aborted a request, when the API must answer more than ABORTED."""
+
+    DEADLINE = "deadline"  # the request's own deadline passed (DEADLINE_EXCEEDED)
+    OVERLOADED = "overloaded"  # refused or shed to keep its tier's queue wait (RESOURCE_EXHAUSTED)
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; `field` names it for the client."""
 
@@ -106,6 +113,7 @@ class RequestDelta:
     usage: Usage | None = None  # set on the last delta
     weights_version: str = ""  # the weights version that produced these tokens
     error: str = ""  # set when finish_reason is ERROR or ABORT, for the client
+    abort_cause: AbortCause | None = None  # set when the engine itself aborted the request
 
     @property
     def finished(self) -> bool:

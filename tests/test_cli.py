@@ -10,7 +10,14 @@ import pytest
 
 from sitsd import __version__
 from sitsd.cli import build_parser, config_from_args, default_state_dir, main
-from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, SitsdConfig
+from sitsd.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SitsdConfig,
+    TiersConfig,
+)
 
 ENV = {"SITSD_STATE_DIR": "/state"}
 
@@ -85,6 +92,7 @@ def test_every_flag_reaches_its_config_field():
         scheduler=SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=512, max_num_waiting=16, max_tokens_default=64
         ),
+        tiers=TiersConfig(),
         server=ServerConfig(
             host="0.0.0.0",
             port=0,
@@ -93,6 +101,41 @@ def test_every_flag_reaches_its_config_field():
             state_dir="/var/lib/sitsd",
         ),
     )
+
+
+def test_tier_flags_reach_the_scheduler_and_tiers_config(tmp_path):
+    tiers_file = tmp_path / "tiers.yaml"
+    tiers_file.write_text(
+        "default_tier: gold\ncontroller: from-file\ntiers: {gold: {ttft_p99_ms: 400}}\n"
+    )
+    config = config_of(
+        "--scheduling-policy",
+        "fcfs",
+        "--tiers",
+        str(tiers_file),
+        "--batch-controller",
+        "fixed-caps",
+        "--plugin-dir",
+        "/opt/a",
+        "--plugin-dir",
+        "/opt/b",
+    )
+    assert config.scheduler.policy == "fcfs"
+    assert config.tiers.gold.ttft_p99_s == 0.4
+    assert config.tiers.default_tier == "gold"  # from the file: no --default-tier given
+    assert config.tiers.controller == "fixed-caps"  # the flag beats the file
+    assert config.tiers.plugin_dirs == ("/opt/a", "/opt/b")
+    assert config_of("--default-tier", "bronze").tiers.default_tier == "bronze"
+    assert config_of().scheduler.policy == "tiers"
+
+
+def test_a_bad_tiers_file_is_a_usage_error_naming_the_key(tmp_path, capsys):
+    tiers_file = tmp_path / "tiers.yaml"
+    tiers_file.write_text("tiers: {gold: {ttft_p99: 1}}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        config_of("--tiers", str(tiers_file))
+    assert exit_info.value.code == 2
+    assert "tiers.gold: unknown key 'ttft_p99'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ which gRPC status an error becomes is `sitsd.api.interceptors`' business.
 from __future__ import annotations
 
 from sitsd.api.v1 import admin_pb2, inference_pb2
-from sitsd.engine.outputs import EngineStatus, ModelInfo
+from sitsd.engine.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
 
 TIER_FROM_PROTO: dict[int, Tier | None] = {
@@ -145,4 +145,28 @@ def status_response(
         response.prefix_cache_hits = status.prefix_cache_hits
         response.num_preemptions = status.num_preemptions
         response.num_steps = status.num_steps
+        response.scheduling_policy = status.scheduling_policy
+        response.tiers.extend(tier_status(t) for t in status.tiers)
     return response
+
+
+def tier_status(stats: TierStats) -> admin_pb2.TierStatus:
+    """One tier of `Admin.Status`; P99s stay unset while the window is empty."""
+    message = admin_pb2.TierStatus(
+        tier=stats.tier,
+        ttft_p99_target_s=stats.ttft_p99_target_s,
+        itl_p99_target_s=stats.itl_p99_target_s,
+        max_queue_wait_s=stats.max_queue_wait_s,
+        batch_cap=stats.batch_cap,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_samples=stats.num_samples,
+        num_refused=stats.num_refused,
+        num_shed=stats.num_shed,
+        num_preempted=stats.num_preempted,
+    )
+    if stats.ttft_p99_s is not None:
+        message.ttft_p99_s = stats.ttft_p99_s
+    if stats.itl_p99_s is not None:
+        message.itl_p99_s = stats.itl_p99_s
+    return message

@@ -28,7 +28,7 @@ from sitsd.engine.errors import (
     ModelNotFoundError,
     QueueFullError,
 )
-from sitsd.types import FinishReason, RequestDelta
+from sitsd.types import AbortCause, FinishReason, RequestDelta
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,15 @@ def status_for_finish(
         return grpc.StatusCode.INTERNAL, delta.error or "the engine failed serving the request"
     if delta.finish_reason is not FinishReason.ABORT:
         return None
+    if delta.abort_cause is AbortCause.OVERLOADED:  # admission control or the tier queue limit
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, delta.error or "overloaded; retry later"
     if draining:
         return grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down; the request was aborted"
-    if deadline_passed or delta.error == "deadline exceeded":
+    if (
+        deadline_passed
+        or delta.abort_cause is AbortCause.DEADLINE
+        or delta.error == "deadline exceeded"  # the API's own abort after the call's deadline
+    ):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted"
     return grpc.StatusCode.ABORTED, delta.error or "the request was aborted"
 

@@ -1,4 +1,4 @@
-"""`sitsctl status`: the daemon's state, requests, KV cache and weights version (Admin.Status).
+"""`sitsctl status`: the daemon's state, requests, KV cache, weights version, tiers (Admin.Status).
 
 Human-readable by default, `--json` for scripts. Needs the admin token (`sitsd.ctl.client`).
 """
@@ -49,12 +49,30 @@ def format_status(status: admin_pb2.StatusResponse) -> str:
         ),
         ("prefix cache", f"{hits}/{queries} prompt tokens hit ({_percent(hits, queries)})"),
         ("preemptions", str(status.num_preemptions)),
+        ("scheduling", status.scheduling_policy or "-"),
+        *(_tier_row(tier) for tier in status.tiers),
         ("engine steps", str(status.num_steps)),
         ("uptime", _duration(status.uptime_s)),
         ("sitsd version", status.version),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _tier_row(tier: admin_pb2.TierStatus) -> tuple[str, str]:
+    """`tier gold  cap 32, 1 running, 0 waiting, TTFT P99 95/80 ms, ITL P99 41/80 ms, ...`."""
+
+    def p99(field: str, target_s: float) -> str:
+        value = f"{getattr(tier, field) * 1000:.0f}" if tier.HasField(field) else "-"
+        return f"{value}/{target_s * 1000:.0f} ms"
+
+    return (
+        f"tier {tier.tier}",
+        f"cap {tier.batch_cap}, {tier.num_running} running, {tier.num_waiting} waiting, "
+        f"TTFT P99 {p99('ttft_p99_s', tier.ttft_p99_target_s)}, "
+        f"ITL P99 {p99('itl_p99_s', tier.itl_p99_target_s)}, "
+        f"refused {tier.num_refused}, shed {tier.num_shed}, preempted {tier.num_preempted}",
+    )
 
 
 def _percent(part: int, whole: int) -> str:

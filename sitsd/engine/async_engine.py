@@ -15,7 +15,12 @@ import time
 from collections.abc import AsyncIterator
 
 from sitsd.engine.core import EngineCore
-from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from sitsd.engine.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    OverloadedError,
+    QueueFullError,
+)
 from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.outputs import EngineStatus, ModelInfo
 from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
@@ -133,6 +138,7 @@ class AsyncEngine:
         Raises:
             InvalidRequestError: a field is out of range (its name is in `.field`).
             QueueFullError: too many requests are waiting.
+            OverloadedError: admission control expects the tier's queue wait to be broken.
             EngineStoppedError: the engine is not accepting requests.
         """
         if not self._accepting or self._loop is None:
@@ -147,6 +153,10 @@ class AsyncEngine:
             req_id = f"{self._id_prefix}-{next(self._ids)}"
         elif req_id in self._streams:
             raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
+        arrival_time = time.monotonic()
+        refusal = self.core.admission_refusal(tier, arrival_time)
+        if refusal is not None:
+            raise OverloadedError(refusal)
         stream = RequestStream(self, req_id, len(prompt_token_ids))
         self._streams[req_id] = stream
         self.core.submit(
@@ -156,7 +166,7 @@ class AsyncEngine:
                 params=params,
                 tier=tier,
                 deadline=deadline,
-                arrival_time=time.monotonic(),
+                arrival_time=arrival_time,
                 trace_context=trace_context,
             )
         )

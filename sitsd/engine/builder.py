@@ -25,6 +25,7 @@ from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import EngineObserver
 from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
+from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, build_weights
 from sitsd.model.ops import KernelSet, reference_kernels, triton_kernels
@@ -37,7 +38,7 @@ from sitsd.runtime.kv_cache import (
     num_blocks_for_budget,
 )
 from sitsd.runtime.model_runner import ModelRunner
-from sitsd.types import SamplingParams
+from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,18 @@ def build_engine(
     name = mcfg.served_model_name or checkpoint.name
     block_size = config.cache.block_size
     kv_cache = KVCacheManager(info.num_blocks, block_size, config.cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
-    core = EngineCore(scheduler, runner, checkpoint.tokenizer, name, observer=observer)
+    controller = (
+        load_batch_controller(config.tiers, config.scheduler.max_num_seqs)
+        if config.scheduler.policy == "tiers"
+        else None
+    )
+    scheduler = Scheduler(
+        config.scheduler, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller
+    )
+    core = EngineCore(
+        scheduler, runner, checkpoint.tokenizer, name,
+        default_tier=Tier(config.tiers.default_tier), observer=observer,
+    )  # fmt: skip
     dtype = runner.weights.embed_tokens.dtype
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
@@ -200,9 +211,7 @@ def _profile_peak_memory(
     return peak
 
 
-async def launch_engine(
-    config: SitsdConfig, observer: EngineObserver | None = None
-) -> AsyncEngine:
+async def launch_engine(config: SitsdConfig, observer: EngineObserver | None = None) -> AsyncEngine:
     """Build the engine on a new thread that then runs its step loop; returns once it serves.
 
     Every torch operation of the daemon thus happens on one thread: on the CPU, a model built

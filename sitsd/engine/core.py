@@ -1,7 +1,8 @@
 """The engine core: one loop on its own thread that owns the scheduler and the model runner.
 
-Each turn of the loop drains the inbox (new requests, aborts), aborts requests whose deadline
-has passed, then runs one step:
+Each turn of the loop drains the inbox (new requests, aborts; a request admission control
+refuses is finished at once), aborts requests whose deadline has passed and drops those that
+waited past their tier's queue limit, then runs one step:
 
     scheduler.schedule() -> SchedulerOutput
     runner.launch()      -> (GPU busy)  ... .result() -> ModelRunnerOutput
@@ -15,11 +16,13 @@ computes inside `launch`, so nothing would overlap and deltas go out at once. An
 `EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
 preempted and finished, of every step and of the status after each turn. Nothing else
 touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
-a snapshot replaced after every turn.
+a snapshot replaced after every turn, and `admission_refusal()`, which checks a new request
+against the queue snapshot of the last turn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -28,13 +31,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from sitsd.engine.admission import QueueSnapshot, refusal_reason
 from sitsd.engine.detokenizer import IncrementalDetokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
-from sitsd.types import FinishReason, RequestDelta, Tier, Usage
+from sitsd.engine.tiers import queue_key
+from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,9 @@ class EngineCore:
         # Told of requests and steps; a failing hook is logged, never costs a request.
         self.observer = GuardedObserver(observer or NullObserver())
         self.num_steps = 0
+        # Refusals by `admission_refusal` (the API's thread; read here for the status).
+        self._early_refusals: dict[str, int] = {}
+        self._queue: QueueSnapshot = scheduler.queue_snapshot()
         self._status = self._snapshot()
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -127,6 +135,23 @@ class EngineCore:
     def status(self) -> EngineStatus:
         return self._status
 
+    def admission_refusal(self, tier: Tier | None, arrival_time: float) -> str | None:
+        """Why a new request must be refused at once (RESOURCE_EXHAUSTED), or None.
+
+        Called on the API's thread against the queue as of the last engine turn; the engine
+        thread checks again with its live queue (`Scheduler.admission_refusal`).
+        """
+        snapshot = self._queue
+        if not snapshot.enabled:
+            return None
+        tier = tier or self.default_tier
+        tier_config = self.scheduler.tiers_config.tier(tier.value)
+        key = queue_key(arrival_time, tier_config)
+        reason = refusal_reason(snapshot, tier, key, tier_config.max_queue_wait_s)
+        if reason is not None:
+            self._early_refusals[tier.value] = self._early_refusals.get(tier.value, 0) + 1
+        return reason
+
     # ---------------------------------------------------------------------------------- loop
 
     def _run(self) -> None:
@@ -145,6 +170,7 @@ class EngineCore:
             # blocks it held returned.
             self._status = self._snapshot()
             self.observer.on_status(self._status)
+            self._queue = self.scheduler.queue_snapshot()
             self._on_deltas_safe(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self._flush_deferred() + self._drain_inbox(block=False)
@@ -164,7 +190,9 @@ class EngineCore:
             message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if isinstance(message, AddRequest):
-                    self._add(message)
+                    refused = self._add(message)
+                    if refused is not None:
+                        deltas.append(refused)
                 elif isinstance(message, AbortRequest):
                     delta = self._finish(message.req_id, FinishReason.ABORT, message.reason)
                     if delta is not None:
@@ -174,7 +202,8 @@ class EngineCore:
             pass
         return deltas
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, msg: AddRequest) -> RequestDelta | None:
+        """Queue a new request; the finishing delta instead if admission control refuses it."""
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             req_id=msg.req_id,
@@ -188,6 +217,16 @@ class EngineCore:
             eos_token_ids=self._eos_token_ids,
             weights_version=self.runner.weights_version,
         )
+        refusal = self.scheduler.admission_refusal(request)
+        if refusal is not None:  # never queued: nothing to free
+            return RequestDelta(
+                req_id=msg.req_id,
+                finish_reason=FinishReason.ABORT,
+                usage=self._usage(request),
+                weights_version=request.weights_version,
+                error=refusal,
+                abort_cause=AbortCause.OVERLOADED,
+            )
         self.scheduler.add_request(request)
         self.observer.on_request_added(request)
         self._detok[msg.req_id] = IncrementalDetokenizer(
@@ -195,10 +234,18 @@ class EngineCore:
             msg.prompt_token_ids,
             msg.params.stop,  # type: ignore[arg-type]
         )
+        return None
 
     def _abort_expired(self) -> list[RequestDelta]:
-        expired = self.scheduler.expired_req_ids(time.monotonic())
-        deltas = [self._finish(r, FinishReason.ABORT, "deadline exceeded") for r in expired]
+        now = time.monotonic()
+        deltas = [
+            self._finish(r, FinishReason.ABORT, "deadline exceeded", AbortCause.DEADLINE)
+            for r in self.scheduler.expired_req_ids(now)
+        ]
+        deltas += [
+            self._finish(r, FinishReason.ABORT, why, AbortCause.OVERLOADED)
+            for r, why in self.scheduler.overdue_requests(now)
+        ]
         return [d for d in deltas if d is not None]
 
     # ---------------------------------------------------------------------------------- step
@@ -258,7 +305,13 @@ class EngineCore:
             weights_version=request.weights_version,
         )
 
-    def _finish(self, req_id: str, reason: FinishReason, message: str) -> RequestDelta | None:
+    def _finish(
+        self,
+        req_id: str,
+        reason: FinishReason,
+        message: str,
+        cause: AbortCause | None = None,
+    ) -> RequestDelta | None:
         request = self.scheduler.finish_request(req_id, reason)
         detok = self._detok.pop(req_id, None)
         if request is None:
@@ -271,6 +324,7 @@ class EngineCore:
             usage=self._usage(request),
             weights_version=request.weights_version,
             error=message,
+            abort_cause=cause,
         )
 
     @staticmethod
@@ -303,4 +357,11 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            scheduling_policy=self.scheduler.config.policy,
+            tiers=tuple(
+                dataclasses.replace(
+                    t, num_refused=t.num_refused + self._early_refusals.get(t.tier, 0)
+                )
+                for t in self.scheduler.tier_stats()
+            ),
         )

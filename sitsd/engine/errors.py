@@ -19,6 +19,10 @@ class QueueFullError(EngineError):
     """Too many requests are waiting (gRPC RESOURCE_EXHAUSTED)."""
 
 
+class OverloadedError(QueueFullError):
+    """Admission control: the queue ahead would break the tier's queue wait (RESOURCE_EXHAUSTED)."""
+
+
 class EngineStoppedError(EngineError):
     """The engine is not running: not started yet, or shutting down (gRPC UNAVAILABLE)."""
 

@@ -100,8 +100,13 @@ class KVCacheManager:
         if not computed_blocks:
             # The common decode case: the request's blocks already have room.
             entry = self._reqs.get(request.req_id)
-            if entry is not None and entry.hash_key == request.weights_version and (
-                request.num_computed_tokens + num_new_tokens <= len(entry.blocks) * self.block_size
+            if (
+                entry is not None
+                and entry.hash_key == request.weights_version
+                and (
+                    request.num_computed_tokens + num_new_tokens
+                    <= len(entry.blocks) * self.block_size
+                )
             ):
                 return []
         computed_blocks = computed_blocks or []
@@ -125,6 +130,11 @@ class KVCacheManager:
         entry = self._reqs.pop(request.req_id, None)
         if entry is not None:
             self.pool.free(entry.blocks[::-1])
+
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request references: what freeing it would return to the pool."""
+        entry = self._reqs.get(request.req_id)
+        return sum(1 for b in entry.blocks if b.ref_cnt == 1) if entry else 0
 
     def block_ids(self, request: Request) -> list[int]:
         entry = self._reqs.get(request.req_id)

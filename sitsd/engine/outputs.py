@@ -83,6 +83,25 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """One SLA tier as the scheduler sees it: targets, cap, live P99s and counters."""
+
+    tier: str  # "gold", "silver" or "bronze"
+    ttft_p99_target_s: float
+    itl_p99_target_s: float
+    max_queue_wait_s: float
+    batch_cap: int  # running requests of this tier allowed at once (the controller's output)
+    num_running: int
+    num_waiting: int
+    ttft_p99_s: float | None  # over the sliding window; None without samples
+    itl_p99_s: float | None
+    num_samples: int  # first tokens in the window
+    num_refused: int  # refused at admission since start-up (RESOURCE_EXHAUSTED)
+    num_shed: int  # dropped after waiting past max_queue_wait_s since start-up
+    num_preempted: int  # preempted (for a higher tier or for blocks) since start-up
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """A snapshot of the engine, for `Admin.Status` and `sitsctl status`."""
 
@@ -97,3 +116,5 @@ class EngineStatus:
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
     num_steps: int
+    scheduling_policy: str = ""  # "tiers" or "fcfs"
+    tiers: tuple[TierStats, ...] = ()  # gold, silver, bronze

@@ -1,11 +1,27 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
 One rule covers prefill, chunked prefill, prefix-cache hits and decode: each step, a request's
-`num_computed_tokens` catches up with its `num_tokens` under the step's token budget. Running
-requests go first, in admission order; waiting requests are admitted while budget, batch slots
-and KV blocks last. When a running request cannot get a block, the most recently admitted
-running request is preempted by recompute: its blocks are freed (they stay in the prefix cache
-until evicted) and it goes back to the front of the queue.
+`num_computed_tokens` catches up with its `num_tokens` under the step's token budget. Two
+policies (`SchedulerConfig.policy`) decide the order; `schedule()` runs them as named phases.
+
+`fcfs`: running requests go first, in admission order; waiting requests are admitted in arrival
+order while budget, batch slots and KV blocks last. When a running request cannot get a block,
+the most recently admitted running request is preempted by recompute: its blocks are freed
+(they stay in the prefix cache until evicted) and it goes back to the front of the queue.
+
+`tiers` (the SLA tiers, rules in `sitsd.engine.tiers`), the same rule plus:
+  1. caps: the batch controller refreshes each tier's batch cap from its live P99s;
+  2. running: gold first, then silver, then bronze (oldest first within a tier), so block
+     pressure preempts the newest bronze work first;
+  3. admission: waiting requests by queue deadline (aging); a tier at its cap is skipped; a
+     gold request that finds no slot or blocks preempts running bronze, then silver work
+     (newest first, each request at most `max_tier_preemptions` times); once a request is
+     blocked, only gold may still be admitted behind it;
+  4. shedding and admission control (`overdue_requests`, `admission_refusal`, called by the
+     engine core): a request whose expected queue wait exceeds its tier's maximum is refused,
+     one still waiting for its first token past it is dropped; both become RESOURCE_EXHAUSTED.
+Preempted requests keep their arrival time, hence their place, and their full blocks stay in
+the prefix cache, so resuming them mostly recomputes less than one block.
 
 What the model computes is the runner's business; stop strings and text are the detokenizer's;
 the engine core (`core.py`) drives one `schedule()` -> execute -> `update_from_output()` cycle
@@ -15,20 +31,31 @@ per step.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sitsd.config import SchedulerConfig
+from sitsd.config import SchedulerConfig, TiersConfig
+from sitsd.engine.admission import (
+    QueueSnapshot,
+    refusal_reason,
+    running_entry,
+    waiting_entry,
+)
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TierStats,
 )
 from sitsd.engine.request import Request, RequestStatus
-from sitsd.types import FinishReason
+from sitsd.engine.tiers import TIER_ORDER, BatchController, TierTracker, queue_key
+from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
+from sitsd.types import FinishReason, Tier
+
+POLICIES = ("tiers", "fcfs")
+_STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the step-time moving average
 
 
 @dataclass(slots=True)
@@ -49,17 +76,45 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        tiers: TiersConfig | None = None,
+        controller: BatchController | None = None,
     ) -> None:
+        """Args:
+        config: batch limits and the policy ("tiers" or "fcfs").
+        kv_cache: the block allocator.
+        max_model_len: context length; a request reaching it finishes with LENGTH.
+        clock: monotonic seconds; the same clock as requests' arrival times.
+        tiers: the tiers' targets and limits (default: the SITS table).
+        controller: the batch controller of the tiers policy (default: the built-in P99 one).
+        """
+        if config.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {config.policy!r}")
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self._now = clock
+        self.tiers_config = tiers or TiersConfig()
+        self.tiered = config.policy == "tiers"
+        if self.tiered and controller is None:
+            from sitsd.plugins.p99_caps import P99BatchController
+
+            controller = P99BatchController(self.tiers_config, config.max_num_seqs)
+        self.tracker = TierTracker(
+            self.tiers_config, config.max_num_seqs, controller if self.tiered else None
+        )
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: FcfsQueue | TierQueue = (
+            TierQueue(self._queue_key) if self.tiered else FcfsQueue()
+        )
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.step_time_s = 0.0  # moving average of schedule() -> update_from_output()
+        self._step_started: float | None = None
         # Told to the runner with the next SchedulerOutput, so it can drop their state.
         self._finished_req_ids: set[str] = set()
+
+    def _queue_key(self, request: Request) -> float:
+        return queue_key(request.arrival_time, self.tiers_config.tier(request.tier.value))
 
     # ------------------------------------------------------------------------------ requests
 
@@ -67,7 +122,7 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request {request.req_id!r} is already scheduled")
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
         """Finish a live request (abort, stop string, error): free its blocks. None if unknown."""
@@ -95,17 +150,33 @@ class Scheduler:
     # ------------------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work. See the module docstring for the rule."""
+        """Pick this step's work. See the module docstring for the rules."""
+        now = self._step_started = self._now()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
-        budget = self.config.max_num_batched_tokens
+        self.tracker.refresh(now)  # phase 1: P99 estimates and, with tiers, caps
+        if self.tiered:
+            self.running.sort(key=lambda r: r.tier.rank)  # stable: oldest first within a tier
+        preempted = self._schedule_running(out)  # phase 2
+        # Not after a preemption: the freed blocks went to running requests, and admitting now
+        # would thrash.
+        if not preempted:
+            if self.tiered:
+                self._admit_by_tier(out)  # phase 3
+            else:
+                self._admit_fcfs(out)
+        return out
 
-        # Phase: running requests, oldest first; preempt from the newest end when blocks run out.
+    def _budget(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+
+    def _schedule_running(self, out: SchedulerOutput) -> bool:
+        """Running requests in list order; preempt from the end when blocks run out."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and self._budget(out) > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget(out))
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
@@ -115,38 +186,54 @@ class Scheduler:
                     break
                 new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             if new_block_ids is None:
-                break  # the request itself was the newest and got preempted
+                break  # the request itself was the last and got preempted
             out.cached_reqs.append(
                 CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens)
             )
             self._count(out, request, num_new)
-            budget -= num_new
             i += 1
+        return preempted
 
-        # Phase: admit waiting requests while budget, batch slots and blocks last. Not after a
-        # preemption: the freed blocks went to running requests, and admitting now would thrash.
+    def _admit_fcfs(self, out: SchedulerOutput) -> None:
+        """Admit the queue's head while budget, batch slots and blocks last."""
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            self.waiting and self._budget(out) > 0 and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
-            num_new = self._admit(request, budget, out)
-            if num_new is None:
+            if self._admit(self.waiting.peek(), out) is None:
                 break
-            budget -= num_new
-        return out
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Move the queue's head into the batch; None if its first chunk's blocks don't fit."""
+    def _admit_by_tier(self, out: SchedulerOutput) -> None:
+        """Admit by queue deadline, skipping capped tiers; gold may preempt lower tiers."""
+        blocked = False
+        for request in self.waiting:
+            no_budget = self._budget(out) <= 0
+            if (blocked or no_budget) and request.tier is not Tier.GOLD:
+                continue
+            if self._tier_count(request.tier) >= self.tracker.caps[request.tier]:
+                continue  # a capped tier waits for its own requests to finish
+            num_new = None
+            if not no_budget and len(self.running) < self.config.max_num_seqs:
+                num_new = self._admit(request, out)
+            if num_new is None and request.tier is Tier.GOLD:
+                # Victims scheduled earlier in this step give their tokens back, too.
+                num_new = self._admit_by_preemption(request, out)
+            if num_new is None:
+                blocked = True
+
+    def _tier_count(self, tier: Tier) -> int:
+        return sum(1 for r in self.running if r.tier is tier)
+
+    def _admit(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
+        if self._budget(out) <= 0:
+            return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size
-        num_new = min(request.num_tokens - num_hit, budget)
+        num_new = min(request.num_tokens - num_hit, self._budget(out))
         new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
         if new_block_ids is None:
             return None
-        self.waiting.popleft()
+        self.waiting.remove(request)
         if request.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
             request.num_cached_tokens = num_hit
             self.kv_cache.record_lookup(request.num_prompt_tokens, num_hit)
@@ -169,6 +256,48 @@ class Scheduler:
         self._count(out, request, num_new)
         return num_new
 
+    def _admit_by_preemption(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt lower-tier running work to make room for `request`; None if it can't."""
+        victims = self._pick_victims(request, out)
+        if not victims:
+            return None
+        for victim in victims:
+            self._unschedule(victim, out)
+            self._preempt(victim, out)
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        return self._admit(request, out)
+
+    def _pick_victims(self, request: Request, out: SchedulerOutput) -> list[Request]:
+        """The fewest lower-tier requests whose slot and blocks let `request` in (or none)."""
+        new_ids = {n.req_id for n in out.new_reqs}  # admitted this step: never undone
+        candidates = [
+            r
+            for r in reversed(self.running)  # newest first within a tier
+            if r.tier.rank > request.tier.rank
+            and r.num_preemptions < self.tiers_config.max_tier_preemptions
+            and r.req_id not in new_ids
+        ]
+        candidates.sort(key=lambda r: -r.tier.rank)  # bronze, then silver
+        kv = self.kv_cache
+        num_new = min(request.num_tokens, max(self._budget(out), 1))
+        need_slots = len(self.running) + 1 - self.config.max_num_seqs
+        need_blocks = kv.blocks_needed(num_new) - kv.pool.num_free_blocks
+        victims = []
+        for victim in candidates:
+            if need_slots <= 0 and need_blocks <= 0:
+                break
+            victims.append(victim)
+            need_slots -= 1
+            need_blocks -= kv.num_private_blocks(victim)
+        return victims if need_slots <= 0 and need_blocks <= 0 else []
+
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a request scheduled earlier in this step back out of `out`."""
+        num = out.num_scheduled_tokens.pop(request.req_id, 0)
+        out.total_num_scheduled_tokens -= num
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.req_id]
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
@@ -176,10 +305,11 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.tracker.num_preempted[request.tier] += 1
+        self.waiting.push_preempted(request)
         out.preempted_req_ids.add(request.req_id)
-        # Victims come from the tail of `running`, which this step has not scheduled yet,
-        # so nothing in `out` needs undoing.
+        # Block-pressure victims come from the end of `running`, which this step has not
+        # scheduled yet; tier victims scheduled already are taken out by `_unschedule`.
 
     @staticmethod
     def _count(out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -198,6 +328,10 @@ class Scheduler:
                 request.num_computed_tokens += num_tokens
                 self.kv_cache.cache_full_blocks(request)
         now = self._now()
+        if self._step_started is not None:
+            elapsed = now - self._step_started
+            a = _STEP_TIME_SMOOTHING if self.step_time_s else 1.0
+            self.step_time_s += a * (elapsed - self.step_time_s)
         updates = []
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(req_id)
@@ -206,6 +340,9 @@ class Scheduler:
             accepted, reason = self._append_tokens(request, token_ids)
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.tracker.record_ttft(request.tier, now, now - request.arrival_time)
+            elif request.last_token_time is not None:
+                self.tracker.record_itl(request.tier, now, now - request.last_token_time)
             request.last_token_time = now
             if reason is not None:
                 self.finish_request(req_id, reason)
@@ -241,3 +378,62 @@ class Scheduler:
         return [
             r.req_id for r in self.requests.values() if r.deadline is not None and r.deadline <= now
         ]
+
+    # ---------------------------------------------------------- admission control and status
+
+    def overdue_requests(self, now: float) -> list[tuple[str, str]]:
+        """(req_id, reason) of waiting requests without a first token yet that have waited
+        past their tier's maximum queue wait since arrival (tiers policy): the engine drops them
+        (RESOURCE_EXHAUSTED). Requests that streamed tokens are never dropped."""
+        if not self.tiered:
+            return []
+        overdue = []
+        for request in self.waiting:
+            limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
+            waited = now - request.arrival_time
+            if request.num_output_tokens == 0 and waited > limit:
+                self.tracker.num_shed[request.tier] += 1
+                overdue.append(
+                    (
+                        request.req_id,
+                        f"overloaded: waited {waited * 1000:.0f} ms in the queue, over the "
+                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later",
+                    )
+                )
+        return overdue
+
+    def admission_refusal(self, request: Request) -> str | None:
+        """Why `request` (not added yet) must be refused at once, or None to admit it.
+
+        Refused: its expected queue wait (`sitsd.engine.admission`) exceeds its tier's maximum.
+        """
+        if not self.tiered or not self.tiers_config.admission_control:
+            return None
+        limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
+        reason = refusal_reason(
+            self.queue_snapshot(), request.tier, self._queue_key(request), limit
+        )
+        if reason is not None:
+            self.tracker.num_refused[request.tier] += 1
+        return reason
+
+    def queue_snapshot(self) -> QueueSnapshot:
+        """The queue as admission control sees it (plain data, safe to hand to other threads)."""
+        return QueueSnapshot(
+            enabled=self.tiered and self.tiers_config.admission_control,
+            step_time_s=self.step_time_s,
+            token_budget=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            waiting=tuple(waiting_entry(r, self._queue_key(r)) for r in self.waiting),
+            running=tuple(
+                running_entry(r, self.tiers_config.max_tier_preemptions) for r in self.running
+            ),
+            caps=dict(self.tracker.caps),
+        )
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Targets, caps, P99s (as of the last control interval) and counters, gold first."""
+        running = {t: self._tier_count(t) for t in TIER_ORDER}
+        waiting = {t: sum(1 for r in self.waiting if r.tier is t) for t in TIER_ORDER}
+        caps = None if self.tiered else self.config.max_num_seqs
+        return self.tracker.stats(running, waiting, fixed_cap=caps)

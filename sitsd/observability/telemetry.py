@@ -98,6 +98,7 @@ class EngineTelemetry:
         self._tiers: dict[Tier, _TierMetrics] = {}
         self._step_metrics: tuple[Any, Any, Any] | None = None
         self._kv_usage: Any | None = None
+        self._last_tiers: tuple = ()  # (tier, cap, ttft p99, itl p99) last exported
         self.model = metrics.model
 
     # ----------------------------------------------------------------------- engine hooks
@@ -207,6 +208,15 @@ class EngineTelemetry:
     def on_status(self, status: EngineStatus) -> None:
         if status.num_blocks_total and self._kv_usage is not None:
             self._kv_usage.set(status.num_blocks_used / status.num_blocks_total)
+        tiers = tuple((t.tier, t.batch_cap, t.ttft_p99_s, t.itl_p99_s) for t in status.tiers)
+        if tiers != self._last_tiers:  # the gauges change only when the scheduler's view does
+            self._last_tiers = tiers
+            for tier, cap, ttft_p99, itl_p99 in tiers:
+                self.metrics.set_tier_batch_cap(tier, cap)
+                if ttft_p99 is not None:
+                    self.metrics.set_tier_p99_estimate(tier, "ttft", ttft_p99)
+                if itl_p99 is not None:
+                    self.metrics.set_tier_p99_estimate(tier, "itl", itl_p99)
 
     # ------------------------------------------------------------- for hot-swap (later)
 

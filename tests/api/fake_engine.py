@@ -4,9 +4,11 @@ It keeps the real engine's contract: the same validation and exceptions from `ad
 (`InvalidRequestError` naming the field, `QueueFullError`, `EngineStoppedError`), a stream of
 `RequestDelta`s whose last one has `finish_reason` and `usage`, idempotent `abort()` that ends
 the stream with ABORT, `shutdown(grace_s)` that stops admitting and waits for live requests.
-Instead of a model it "generates" the characters of `completion`, one token per delta, with a
-character-level tokenizer (token id = code point). It records what it was asked: `requests`,
-`aborts`, and blocks held by live requests in `status()`.
+Admission control is mimicked by `refuse_with` (refused in `add_request`) and `shed_with`
+(the stream ends at once with ABORT and `AbortCause.OVERLOADED`). Instead of a model it
+"generates" the characters of `completion`, one token per delta, with a character-level
+tokenizer (token id = code point). It records what it was asked: `requests`, `aborts`, and
+blocks held by live requests in `status()`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,33 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
-from sitsd.engine.outputs import EngineStatus, ModelInfo
-from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier, Usage
+from sitsd.engine.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    OverloadedError,
+    QueueFullError,
+)
+from sitsd.engine.outputs import EngineStatus, ModelInfo, TierStats
+from sitsd.types import (
+    AbortCause,
+    FinishReason,
+    RequestDelta,
+    SamplingError,
+    SamplingParams,
+    Tier,
+    Usage,
+)
 
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
+
+
+# What `status()` reports for the tiers: gold has P99s, silver and bronze have no samples yet.
+FAKE_TIERS = (
+    TierStats("gold", 0.08, 0.08, 0.12, 32, 1, 0, 0.095, 0.041, 12, 3, 1, 0),
+    TierStats("silver", 0.2, 0.2, 0.25, 4, 0, 0, None, None, 0, 0, 0, 0),
+    TierStats("bronze", 1.0, 1.0, 0.5, 4, 0, 2, None, None, 0, 7, 0, 5),
+)
 
 
 class FakeChatTemplateError(ValueError):
@@ -82,6 +105,11 @@ class FakeStream:
     async def _iterate(self) -> AsyncIterator[RequestDelta]:
         engine, params = self._engine, self._record.params
         completion = engine.completion
+        if engine.shed_with is not None:  # dropped by the engine thread before it ran
+            yield self._finish(
+                FinishReason.ABORT, error=engine.shed_with, cause=AbortCause.OVERLOADED
+            )
+            return
         while not self._finished:
             n = self.num_output_tokens
             if engine.stalls_at(n):
@@ -117,13 +145,19 @@ class FakeStream:
                 waiter.cancel()
 
     def _finish(
-        self, reason: FinishReason, *, error: str = "", delta: RequestDelta | None = None
+        self,
+        reason: FinishReason,
+        *,
+        error: str = "",
+        delta: RequestDelta | None = None,
+        cause: AbortCause | None = None,
     ) -> RequestDelta:
         self._finished = True
         self._engine._live.pop(self.req_id, None)
         delta = delta or RequestDelta(self.req_id, weights_version=self._engine.weights_version)
         delta.finish_reason = reason
         delta.error = error
+        delta.abort_cause = cause
         delta.usage = Usage(len(self._record.prompt_token_ids), self.num_output_tokens, 0)
         return delta
 
@@ -166,6 +200,8 @@ class FakeEngine:
         self.completion = completion
         self.stall_after: int | None = None  # tokens after which streams wait for abort/release
         self.fail_after: int | None = None  # tokens after which a stream ends with ERROR
+        self.refuse_with: str | None = None  # add_request raises OverloadedError(this)
+        self.shed_with: str | None = None  # streams end at once: ABORT, cause OVERLOADED
         self.max_num_live_requests = max_num_live_requests
         self.block_size = block_size
         self.requests: dict[str, RecordedRequest] = {}
@@ -218,6 +254,8 @@ class FakeEngine:
         self._validate(prompt_token_ids, params)
         if len(self._live) >= self.max_num_live_requests:
             raise QueueFullError(f"{len(self._live)} requests are in flight; retry later")
+        if self.refuse_with is not None:
+            raise OverloadedError(self.refuse_with)
         if req_id is None:
             req_id = f"fake-{next(self._ids)}"
         elif req_id in self._live:
@@ -265,4 +303,6 @@ class FakeEngine:
             prefix_cache_hits=4,
             num_preemptions=0,
             num_steps=7,
+            scheduling_policy="tiers",
+            tiers=FAKE_TIERS,
         )

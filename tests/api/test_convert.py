@@ -81,6 +81,21 @@ def test_status_while_loading_has_state_and_no_engine_counters():
     )
 
 
+def test_status_carries_every_tier_and_leaves_p99s_without_samples_unset():
+    from tests.api.fake_engine import FAKE_TIERS
+
+    status = EngineStatus("m", "v", 0, 0, 0, 1, 16, 0, 0, 0, 0, "tiers", FAKE_TIERS)
+    response = convert.status_response(status, state="serving", uptime_s=0.0, version="x")
+    assert response.scheduling_policy == "tiers"
+    gold, silver, bronze = response.tiers
+    assert (gold.tier, gold.batch_cap, gold.num_refused, gold.num_shed) == ("gold", 32, 3, 1)
+    assert gold.ttft_p99_s == pytest.approx(0.095)
+    assert gold.ttft_p99_target_s == pytest.approx(0.08)
+    assert not silver.HasField("ttft_p99_s")
+    assert not silver.HasField("itl_p99_s")
+    assert (bronze.num_waiting, bronze.num_preempted, bronze.max_queue_wait_s) == (2, 5, 0.5)
+
+
 def test_status_copies_every_engine_counter():
     status = EngineStatus("m", "v2", 1, 2, 3, 4, 16, 5, 6, 7, 8)
     response = convert.status_response(status, state="serving", uptime_s=0.0, version="x")

@@ -222,6 +222,22 @@ def test_full_queue_is_resource_exhausted(server: ServerThread, inference):
         call.cancel()
 
 
+def test_admission_refusal_is_resource_exhausted_with_the_reason(engine, inference):
+    engine.refuse_with = "overloaded: expected queue wait 900 ms exceeds the gold tier's 120 ms"
+    error = rpc_error(lambda: inference.Generate(pb.GenerateRequest(text="q", tier=pb.TIER_GOLD)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == engine.refuse_with
+    assert engine.requests == {}
+
+
+def test_request_shed_by_the_engine_is_resource_exhausted_with_the_reason(engine, inference):
+    engine.shed_with = "overloaded: waited 130 ms in the queue, over the gold tier's 120 ms"
+    call = inference.Generate(pb.GenerateRequest(text="q", tier=pb.TIER_GOLD))
+    error = rpc_error(lambda: call)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == engine.shed_with
+
+
 def test_client_cancellation_mid_stream_aborts_the_request(engine, inference):
     engine.stall_after = 2
     call = inference.Generate(pb.GenerateRequest(text="q", request_id="to-cancel"))

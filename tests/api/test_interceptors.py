@@ -10,9 +10,10 @@ from sitsd.engine.errors import (
     EngineStoppedError,
     InvalidRequestError,
     ModelNotFoundError,
+    OverloadedError,
     QueueFullError,
 )
-from sitsd.types import FinishReason, RequestDelta
+from sitsd.types import AbortCause, FinishReason, RequestDelta
 
 
 @pytest.mark.parametrize(
@@ -39,8 +40,10 @@ def test_unexpected_exception_message_names_its_type():
     assert status_for_exception(ZeroDivisionError("x"))[1] == "internal error: ZeroDivisionError: x"
 
 
-def finish(reason: FinishReason | None, error: str = "") -> RequestDelta:
-    return RequestDelta("r", finish_reason=reason, error=error)
+def finish(
+    reason: FinishReason | None, error: str = "", cause: AbortCause | None = None
+) -> RequestDelta:
+    return RequestDelta("r", finish_reason=reason, error=error, abort_cause=cause)
 
 
 @pytest.mark.parametrize("reason", [None, FinishReason.STOP, FinishReason.LENGTH])
@@ -66,12 +69,42 @@ def test_normal_endings_need_no_status(reason):
         ),
         (finish(FinishReason.ABORT, "x"), False, True, grpc.StatusCode.DEADLINE_EXCEEDED),
         (finish(FinishReason.ABORT, "evicted"), False, False, grpc.StatusCode.ABORTED),
+        (
+            finish(FinishReason.ABORT, "too late", AbortCause.DEADLINE),
+            False,
+            False,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        ),
+        (
+            finish(FinishReason.ABORT, "overloaded: queue", AbortCause.OVERLOADED),
+            False,
+            False,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            finish(FinishReason.ABORT, "overloaded: queue", AbortCause.OVERLOADED),
+            True,
+            True,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
     ],
 )
 def test_engine_ended_requests_map_to_statuses(delta, draining, deadline_passed, code):
     status = status_for_finish(delta, draining=draining, deadline_passed=deadline_passed)
     assert status is not None
     assert status[0] == code
+
+
+def test_overload_message_reaches_the_client():
+    delta = finish(FinishReason.ABORT, "overloaded: waited 130 ms", AbortCause.OVERLOADED)
+    status = status_for_finish(delta, draining=False, deadline_passed=False)
+    assert status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded: waited 130 ms")
+
+
+def test_admission_refusal_is_resource_exhausted():
+    assert status_for_exception(OverloadedError("overloaded: expected 900 ms"))[0] == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
 
 
 def test_engine_error_message_reaches_the_client():

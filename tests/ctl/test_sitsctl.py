@@ -149,6 +149,12 @@ def test_status_is_human_readable_with_the_token_file(engine, run_ctl, token_fil
     assert lines["requests"] == "0 running, 0 waiting"
     assert lines["kv cache"] == "0/128 blocks used (0.0%), 4 tokens per block"
     assert lines["prefix cache"] == "4/10 prompt tokens hit (40.0%)"
+    assert lines["scheduling"] == "tiers"
+    assert lines["tier gold"] == (
+        "cap 32, 1 running, 0 waiting, TTFT P99 95/80 ms, ITL P99 41/80 ms, "
+        "refused 3, shed 1, preempted 0"
+    )
+    assert lines["tier bronze"].startswith("cap 4, 0 running, 2 waiting, TTFT P99 -/1000 ms")
 
 
 def test_status_json_has_every_field_as_numbers(engine, run_ctl, ctl_env):
@@ -161,6 +167,9 @@ def test_status_json_has_every_field_as_numbers(engine, run_ctl, ctl_env):
     assert status["num_blocks_total"] == 128
     assert status["num_steps"] == 7
     assert status["prefix_cache_queries"] == 10
+    assert [t["tier"] for t in status["tiers"]] == ["gold", "silver", "bronze"]
+    assert status["tiers"][0]["ttft_p99_s"] == 0.095
+    assert "ttft_p99_s" not in status["tiers"][1]  # no samples: unset, not a fake zero
 
 
 def test_status_uses_the_default_token_file_in_the_state_dir(engine, run_ctl, ctl_env):

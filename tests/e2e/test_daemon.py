@@ -27,10 +27,27 @@ MAX_NUM_LIVE = 3  # --max-num-seqs 2 + --max-num-waiting 1
 GREEDY_16 = pb.SamplingParams(max_tokens=16, temperature=0)
 
 
+# The default tiers policy without admission control and with queue limits no test here
+# reaches: these tests pin the API and the daemon's life, and a request queued behind two long
+# ones must stay queued (the SITS GPU limits would refuse or shed it on this CPU). Admission
+# control and shedding are tested in test_tiers_e2e.py.
+PATIENT_TIERS = """
+admission_control: false
+tiers:
+  gold: {max_queue_wait_ms: 600000}
+  silver: {max_queue_wait_ms: 600000}
+  bronze: {max_queue_wait_ms: 600000}
+"""
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    tiers_file = tmp_path_factory.mktemp("tiers") / "tiers.yaml"
+    tiers_file.write_text(PATIENT_TIERS)
     process = DaemonProcess(
         tmp_path_factory.mktemp("state"),
+        "--tiers",
+        str(tiers_file),
         "--model",
         "default",
         "--kv-cache-memory",

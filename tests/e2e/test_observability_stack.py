@@ -47,6 +47,9 @@ def daemon(tmp_path_factory, receiver) -> Iterator[DaemonProcess]:
         tmp_path_factory.mktemp("state"),
         "--model", "default", "--kv-cache-memory", "256MiB", "--max-num-seqs", "4",
         "--otlp-endpoint", receiver.endpoint,
+        # The tier scheduler would refuse part of this burst on a CPU (the SITS targets are
+        # GPU targets); this test is about telemetry, so every request must be served.
+        "--scheduling-policy", "fcfs",
     )  # fmt: skip
     try:
         process.wait_until_serving()

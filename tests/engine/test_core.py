@@ -12,7 +12,7 @@ from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.scheduler import Scheduler
-from sitsd.types import FinishReason, RequestDelta, SamplingParams
+from sitsd.types import AbortCause, FinishReason, RequestDelta, SamplingParams, Tier
 from tests.engine.fakes import FakeRunner
 from tests.engine.test_detokenizer import ByteTokenizer
 
@@ -152,3 +152,76 @@ def wait_for(predicate, timeout=TIMEOUT):
             return True
         time.sleep(0.005)
     return predicate()
+
+
+class SimulatedTimeRunner(FakeRunner):
+    """Each step takes `step_s` seconds of the scheduler's simulated clock."""
+
+    def __init__(self, clock: list[float], step_s: float) -> None:
+        super().__init__(BLOCK, vocab_size=256)
+        self.clock, self.step_s = clock, step_s
+
+    def execute(self, so):
+        self.clock[0] += self.step_s
+        return super().execute(so)
+
+
+def test_admission_control_refuses_at_once_on_both_threads_when_the_batch_cannot_free_up():
+    # One batch slot, held by a gold request with ~500 steps to go at 1 s per (simulated) step:
+    # nothing else can start within its tier's queue limit.
+    clock = [0.0]
+    tok = ByteTokenizer()
+    tok.eos_token_ids = (0,)
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32)
+    sched = Scheduler(cfg, KVCacheManager(64, BLOCK), 1024, clock=lambda: clock[0])
+    core = EngineCore(sched, SimulatedTimeRunner(clock, 1.0), tok, "fake-model")
+    sink = Collector()
+    core.start(sink)
+    try:
+        core.submit(
+            AddRequest(
+                "hog",
+                [1, 2],
+                SamplingParams(max_tokens=500, ignore_eos=True),
+                Tier.GOLD,
+                None,
+                time.monotonic(),
+            )
+        )
+        assert wait_for(lambda: core.status().num_steps >= 2)
+        # The API thread's check, against the last step's snapshot:
+        refusal = core.admission_refusal(Tier.BRONZE, time.monotonic())
+        assert refusal is not None
+        assert "bronze tier's 500 ms" in refusal
+        # The engine thread's check, for a request that reached it anyway:
+        core.submit(
+            AddRequest(
+                "late", [1, 2], SamplingParams(max_tokens=4), Tier.SILVER, None, time.monotonic()
+            )
+        )
+        (last,) = sink.until_finished({"late"})["late"]
+        assert last.finish_reason is FinishReason.ABORT
+        assert last.abort_cause is AbortCause.OVERLOADED
+        assert "silver tier's 250 ms" in last.error
+        refused = {"gold": 0, "silver": 1, "bronze": 1}
+        assert wait_for(lambda: {t.tier: t.num_refused for t in core.status().tiers} == refused)
+        assert [t.num_running for t in core.status().tiers] == [1, 0, 0]
+    finally:
+        core.stop()
+
+
+def test_fcfs_policy_never_refuses_for_queue_wait():
+    clock = [0.0]
+    tok = ByteTokenizer()
+    tok.eos_token_ids = (0,)
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32, policy="fcfs")
+    sched = Scheduler(cfg, KVCacheManager(64, BLOCK), 1024, clock=lambda: clock[0])
+    core = EngineCore(sched, SimulatedTimeRunner(clock, 1.0), tok, "fake-model")
+    core.start(Collector())
+    try:
+        core.submit(AddRequest("hog", [1], SamplingParams(max_tokens=500), Tier.GOLD, None, 0.0))
+        assert wait_for(lambda: core.status().num_steps >= 2)
+        assert core.admission_refusal(Tier.BRONZE, time.monotonic()) is None
+        assert core.status().scheduling_policy == "fcfs"
+    finally:
+        core.stop()

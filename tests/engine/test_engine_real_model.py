@@ -31,7 +31,9 @@ def engine():
     """One engine for the module, serving on an event loop of its own thread."""
     cfg = SitsdConfig(
         cache=CacheConfig(kv_cache_memory=192 * 2**20),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96),
+        # FCFS: these tests pin batching, not SLA tiers; under the default tiers policy the SITS
+        # (GPU) queue limits would rightly refuse part of an 8-request burst on this CPU.
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, policy="fcfs"),
     )
     engine = build_engine(cfg)
     loop = asyncio.new_event_loop()

@@ -1,4 +1,8 @@
-"""Scheduler: token budget, chunked prefill, prefix caching, preemption, block accounting."""
+"""Scheduler: token budget, chunked prefill, prefix caching, preemption, block accounting.
+
+Every test runs under both policies: with one tier in play, `tiers` must schedule exactly
+like `fcfs` (the tier-specific rules are pinned in `test_scheduler_tiers.py`).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,17 @@ from tests.engine.fakes import FakeRunner
 BLOCK = 4
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, caching=True):
+@pytest.fixture(params=["fcfs", "tiers"], autouse=True)
+def policy(request):
+    return request.param
+
+
+def make_scheduler(
+    policy, num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, caching=True
+):
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    return Scheduler(cfg, kv, max_model_len), FakeRunner(BLOCK)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy)
+    return Scheduler(cfg, kv, max_model_len, clock=lambda: 0.0), FakeRunner(BLOCK)
 
 
 def make_request(req_id, prompt, max_tokens=8, eos=(), **params):
@@ -53,8 +64,8 @@ def run_to_completion(sched, runner, max_steps=1000):
     raise AssertionError("requests did not finish")
 
 
-def test_request_generates_max_tokens_then_frees_its_blocks():
-    sched, runner = make_scheduler()
+def test_request_generates_max_tokens_then_frees_its_blocks(policy):
+    sched, runner = make_scheduler(policy)
     sched.add_request(make_request("a", range(10), max_tokens=5))
     done = run_to_completion(sched, runner)
     req = done["a"]
@@ -63,8 +74,8 @@ def test_request_generates_max_tokens_then_frees_its_blocks():
     assert sched.kv_cache.num_used_blocks == 0
 
 
-def test_long_prompt_is_prefilled_in_chunks_under_the_budget():
-    sched, runner = make_scheduler(budget=16)
+def test_long_prompt_is_prefilled_in_chunks_under_the_budget(policy):
+    sched, runner = make_scheduler(policy, budget=16)
     sched.add_request(make_request("a", range(40), max_tokens=2))
     so, updates = run_step(sched, runner)
     assert so.num_scheduled_tokens == {"a": 16}
@@ -76,8 +87,8 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_budget():
     assert updates[0].new_token_ids == [40]
 
 
-def test_decodes_and_prefill_chunks_share_one_step():
-    sched, runner = make_scheduler(budget=20)
+def test_decodes_and_prefill_chunks_share_one_step(policy):
+    sched, runner = make_scheduler(policy, budget=20)
     sched.add_request(make_request("a", range(5), max_tokens=10))
     run_step(sched, runner)
     sched.add_request(make_request("b", range(100, 150), max_tokens=2))
@@ -85,8 +96,8 @@ def test_decodes_and_prefill_chunks_share_one_step():
     assert so.num_scheduled_tokens == {"a": 1, "b": 19}
 
 
-def test_eos_and_stop_token_ids_finish_with_stop():
-    sched, runner = make_scheduler()
+def test_eos_and_stop_token_ids_finish_with_stop(policy):
+    sched, runner = make_scheduler(policy)
     sched.add_request(make_request("eos", [1, 2, 3], max_tokens=10, eos={6}))
     sched.add_request(make_request("stop", [10, 20], max_tokens=10, stop_token_ids=(23,)))
     sched.add_request(make_request("ignore", [1, 2, 3], max_tokens=5, eos={6}, ignore_eos=True))
@@ -98,16 +109,16 @@ def test_eos_and_stop_token_ids_finish_with_stop():
     assert done["ignore"].finish_reason is FinishReason.LENGTH
 
 
-def test_context_length_limit_finishes_with_length():
-    sched, runner = make_scheduler(max_model_len=12)
+def test_context_length_limit_finishes_with_length(policy):
+    sched, runner = make_scheduler(policy, max_model_len=12)
     sched.add_request(make_request("a", range(10), max_tokens=100))
     done = run_to_completion(sched, runner)
     assert done["a"].num_tokens == 12
     assert done["a"].finish_reason is FinishReason.LENGTH
 
 
-def test_repeated_prompt_prefix_is_served_from_the_cache():
-    sched, runner = make_scheduler()
+def test_repeated_prompt_prefix_is_served_from_the_cache(policy):
+    sched, runner = make_scheduler(policy)
     prompt = [random.randrange(1000) for _ in range(23)]  # 5 full blocks + 3 tokens
     sched.add_request(make_request("first", prompt, max_tokens=1))
     run_to_completion(sched, runner)
@@ -120,8 +131,8 @@ def test_repeated_prompt_prefix_is_served_from_the_cache():
     assert sched.kv_cache.prefix_cache_queries == 23 + 22
 
 
-def test_fully_cached_prompt_still_computes_its_last_token():
-    sched, runner = make_scheduler()
+def test_fully_cached_prompt_still_computes_its_last_token(policy):
+    sched, runner = make_scheduler(policy)
     prompt = list(range(16))  # exactly 4 blocks
     sched.add_request(make_request("a", prompt, max_tokens=1))
     run_to_completion(sched, runner)
@@ -131,8 +142,8 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     assert so.num_scheduled_tokens["b"] == 4
 
 
-def test_prefix_cache_is_keyed_by_weights_version():
-    sched, runner = make_scheduler()
+def test_prefix_cache_is_keyed_by_weights_version(policy):
+    sched, runner = make_scheduler(policy)
     prompt = list(range(20))
     sched.add_request(make_request("a", prompt, max_tokens=1))
     run_to_completion(sched, runner)
@@ -142,9 +153,9 @@ def test_prefix_cache_is_keyed_by_weights_version():
     assert sched.schedule().new_reqs[0].num_computed_tokens == 0
 
 
-def test_out_of_blocks_preempts_the_newest_and_recomputes_it():
+def test_out_of_blocks_preempts_the_newest_and_recomputes_it(policy):
     # 6 blocks of 4 tokens: two requests of 8-token prompts fit, then they outgrow the pool.
-    sched, runner = make_scheduler(num_blocks=6, caching=False)
+    sched, runner = make_scheduler(policy, num_blocks=6, caching=False)
     sched.add_request(make_request("old", range(8), max_tokens=10))
     sched.add_request(make_request("new", range(100, 108), max_tokens=10))
     preempted = set()
@@ -164,8 +175,8 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it():
     assert sched.kv_cache.num_used_blocks == 0
 
 
-def test_request_that_cannot_fit_waits_instead_of_failing():
-    sched, runner = make_scheduler(num_blocks=4)
+def test_request_that_cannot_fit_waits_instead_of_failing(policy):
+    sched, runner = make_scheduler(policy, num_blocks=4)
     sched.add_request(make_request("a", range(12), max_tokens=3))
     sched.add_request(make_request("b", range(12), max_tokens=3))
     so = sched.schedule()
@@ -174,8 +185,8 @@ def test_request_that_cannot_fit_waits_instead_of_failing():
     assert sched.num_waiting == 1
 
 
-def test_batch_is_capped_at_max_num_seqs():
-    sched, _runner = make_scheduler(max_num_seqs=3)
+def test_batch_is_capped_at_max_num_seqs(policy):
+    sched, _runner = make_scheduler(policy, max_num_seqs=3)
     for i in range(5):
         sched.add_request(make_request(f"r{i}", range(i, i + 4), max_tokens=2))
     so = sched.schedule()
@@ -183,8 +194,8 @@ def test_batch_is_capped_at_max_num_seqs():
     assert sched.num_waiting == 2
 
 
-def test_finish_request_aborts_waiting_and_running_and_frees_blocks():
-    sched, runner = make_scheduler(max_num_seqs=1)
+def test_finish_request_aborts_waiting_and_running_and_frees_blocks(policy):
+    sched, runner = make_scheduler(policy, max_num_seqs=1)
     sched.add_request(make_request("running", range(10), max_tokens=50))
     sched.add_request(make_request("waiting", range(10), max_tokens=50))
     run_step(sched, runner)
@@ -197,16 +208,16 @@ def test_finish_request_aborts_waiting_and_running_and_frees_blocks():
     assert sched.schedule().finished_req_ids == {"waiting", "running"}
 
 
-def test_adding_a_live_request_id_twice_is_refused():
-    sched, _ = make_scheduler()
+def test_adding_a_live_request_id_twice_is_refused(policy):
+    sched, _ = make_scheduler(policy)
     sched.add_request(make_request("a", [1, 2]))
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add_request(make_request("a", [1, 2]))
 
 
-def test_random_mix_of_finish_cancel_preempt_leaves_every_block_free():
+def test_random_mix_of_finish_cancel_preempt_leaves_every_block_free(policy):
     rng = random.Random()
-    sched, runner = make_scheduler(num_blocks=24, max_num_seqs=6, budget=24)
+    sched, runner = make_scheduler(policy, num_blocks=24, max_num_seqs=6, budget=24)
     live = set()
     for step in range(400):
         if step < 300 and rng.random() < 0.4:

@@ -276,7 +276,7 @@ def test_a_failing_observer_never_costs_a_request():
     deltas: queue.Queue[RequestDelta] = queue.Queue()
     core.start(lambda ds: [deltas.put(d) for d in ds])
     try:
-        core.submit(AddRequest("a", [1, 2], SamplingParams(max_tokens=4), None, None, 0.0))
+        core.submit(AddRequest("a", [1, 2], SamplingParams(max_tokens=4), None, None, time.monotonic()))
         got = []
         while not (got and got[-1].finished):
             got.append(deltas.get(timeout=TIMEOUT))

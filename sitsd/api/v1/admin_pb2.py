@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sitsd/api/v1/admin.proto\x12\x0csitsd.api.v1\"\x0f\n\rStatusRequest\"\xdb\x02\n\x0eStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.sitsd.api.v1.DaemonState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x0f\n\x07version\x18\x0e \x01(\t*z\n\x0b\x44\x61\x65monState\x12\x1c\n\x18\x44\x41\x45MON_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x41\x45MON_STATE_LOADING\x10\x01\x12\x18\n\x14\x44\x41\x45MON_STATE_SERVING\x10\x02\x12\x19\n\x15\x44\x41\x45MON_STATE_DRAINING\x10\x03\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.sitsd.api.v1.StatusRequest\x1a\x1c.sitsd.api.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sitsd/api/v1/admin.proto\x12\x0csitsd.api.v1\"\x0f\n\rStatusRequest\"\x9f\x03\n\x0eStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.sitsd.api.v1.DaemonState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x19\n\x11scheduling_policy\x18\x0f \x01(\t\x12\'\n\x05tiers\x18\x10 \x03(\x0b\x32\x18.sitsd.api.v1.TierStatus\"\xc7\x02\n\nTierStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x19\n\x11ttft_p99_target_s\x18\x02 \x01(\x01\x12\x18\n\x10itl_p99_target_s\x18\x03 \x01(\x01\x12\x18\n\x10max_queue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tbatch_cap\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\nttft_p99_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\titl_p99_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\n \x01(\r\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x10\n\x08num_shed\x18\x0c \x01(\x04\x12\x15\n\rnum_preempted\x18\r \x01(\x04\x42\r\n\x0b_ttft_p99_sB\x0c\n\n_itl_p99_s*z\n\x0b\x44\x61\x65monState\x12\x1c\n\x18\x44\x41\x45MON_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x41\x45MON_STATE_LOADING\x10\x01\x12\x18\n\x14\x44\x41\x45MON_STATE_SERVING\x10\x02\x12\x19\n\x15\x44\x41\x45MON_STATE_DRAINING\x10\x03\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.sitsd.api.v1.StatusRequest\x1a\x1c.sitsd.api.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sitsd.api.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DAEMONSTATE']._serialized_start=409
-  _globals['_DAEMONSTATE']._serialized_end=531
+  _globals['_DAEMONSTATE']._serialized_start=807
+  _globals['_DAEMONSTATE']._serialized_end=929
   _globals['_STATUSREQUEST']._serialized_start=42
   _globals['_STATUSREQUEST']._serialized_end=57
   _globals['_STATUSRESPONSE']._serialized_start=60
-  _globals['_STATUSRESPONSE']._serialized_end=407
-  _globals['_ADMIN']._serialized_start=533
-  _globals['_ADMIN']._serialized_end=609
+  _globals['_STATUSRESPONSE']._serialized_end=475
+  _globals['_TIERSTATUS']._serialized_start=478
+  _globals['_TIERSTATUS']._serialized_end=805
+  _globals['_ADMIN']._serialized_start=931
+  _globals['_ADMIN']._serialized_end=1007
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,8 @@ class AdminServicer:
     """
 
     def Status(self, request, context):
-        """A snapshot of the engine: requests, KV cache, prefix cache, model and weights version.
+        """A snapshot of the engine: requests, KV cache, prefix cache, model and weights version, and
+        each SLA tier's targets, batch cap and live P99 latencies.
         Answers while the model is still loading (state LOADING, engine counters zero).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

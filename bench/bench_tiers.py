@@ -1,0 +1,223 @@
+"""Overload benchmark: SLA tiers vs FCFS on the real daemon, same offered load, same seed.
+
+1. Capacity: start `sitsd serve --scheduling-policy fcfs` and saturate it with
+   `sitsctl bench --concurrency <max-num-seqs>`: the requests/s it completes is its capacity
+   for these length distributions.
+2. Offer `--overload` (2x) that rate as Poisson arrivals with the tier mix 20% gold / 30% silver
+   / 50% bronze, once with `--scheduling-policy fcfs` and once with `tiers` (a fresh daemon
+   each, same `--seed`, so the same requests arrive at the same times).
+3. Print per tier: TTFT P99 against its target, goodput (requests that met their tier's TTFT
+   and mean inter-token targets), refusals; and total goodput. Draw both runs' latency
+   percentiles over time into one PNG.
+
+Goodput and targets come from `--tiers` (default `bench/tiers-cpu.yaml`, the SITS table scaled
+to this CPU, see that file). Never part of the test run; it takes about 3-4 minutes.
+
+    .venv/bin/python bench/bench_tiers.py [--duration 60] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from sitsd.ctl.bench_report import plot_reports  # noqa: E402
+
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class Daemon:
+    """`sitsd serve --port 0` in a subprocess, until `stop()`."""
+
+    def __init__(self, state_dir: str, flags: list[str]) -> None:
+        self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SITSD_STATE_DIR": state_dir}
+        self.log_path = Path(state_dir) / f"daemon-{time.monotonic_ns()}.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sitsd",
+                "serve",
+                "--port",
+                "0",
+                "--state-dir",
+                state_dir,
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            env=self.env,
+            cwd=REPO_ROOT,
+        )
+        self.address = self._wait_until_serving()
+
+    def _wait_until_serving(self, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sitsd exited:\n{self.log_path.read_text()}")
+            match = LISTENING.search(self.log_path.read_text())
+            if match:
+                address = f"127.0.0.1:{match.group(2)}"
+                with grpc.insecure_channel(address) as channel:
+                    status = (
+                        health_pb2_grpc.HealthStub(channel)
+                        .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        .status
+                    )
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return address
+            time.sleep(0.2)
+        raise RuntimeError("sitsd did not start serving in time")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def sitsctl_bench(daemon: Daemon, args: list[str]) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "bench", "--json", *args],
+        env=daemon.env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"sitsctl bench failed:\n{result.stderr}")
+    return json.loads(result.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of offered load")
+    parser.add_argument("--capacity-duration", type=float, default=30.0)
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=0.0,
+        help="skip the capacity run and use this many requests/s",
+    )
+    parser.add_argument("--overload", type=float, default=2.0, help="offered load / capacity")
+    parser.add_argument("--tiers", default=str(REPO_ROOT / "bench" / "tiers-cpu.yaml"))
+    parser.add_argument("--prompt-tokens", default="32:128")
+    parser.add_argument("--max-tokens", default="16:64")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--deadline", type=float, default=60.0, help="gRPC deadline per request")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens]
+    serve = [
+        "--tiers",
+        args.tiers,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    with tempfile.TemporaryDirectory() as state_dir:
+        capacity = args.capacity
+        if not capacity:
+            daemon = Daemon(state_dir, ["--scheduling-policy", "fcfs", *serve])
+            try:
+                saturated = sitsctl_bench(
+                    daemon,
+                    [
+                        "--concurrency",
+                        str(args.max_num_seqs),
+                        "--duration",
+                        str(args.capacity_duration),
+                        "--no-progress",
+                        "--seed",
+                        str(args.seed),
+                        "--tiers",
+                        args.tiers,
+                        *lengths,
+                    ],
+                )
+            finally:
+                daemon.stop()
+            capacity = saturated["total"]["throughput_rps"]
+        rate = args.overload * capacity
+        print(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s", flush=True)
+        reports = {}
+        for policy in ("fcfs", "tiers"):
+            daemon = Daemon(state_dir, ["--scheduling-policy", policy, *serve])
+            try:
+                reports[policy] = sitsctl_bench(
+                    daemon,
+                    [
+                        "--rate",
+                        f"{rate:.3f}",
+                        "--duration",
+                        str(args.duration),
+                        "--seed",
+                        str(args.seed),
+                        "--tiers",
+                        args.tiers,
+                        "--deadline",
+                        str(args.deadline),
+                        "--no-progress",
+                        *lengths,
+                    ],
+                )
+            finally:
+                daemon.stop()
+            (out / f"{policy}.json").write_text(json.dumps(reports[policy], indent=2))
+            print(f"{policy}: done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    plot_reports([(p, reports[p]) for p in ("fcfs", "tiers")], str(out / "tiers-overload.png"))
+    print(comparison_table(reports, capacity, rate))
+    print(f"load average after: {os.getloadavg()[0]:.2f}; plot: {out / 'tiers-overload.png'}")
+    return 0
+
+
+def comparison_table(reports: dict[str, dict], capacity: float, rate: float) -> str:
+    """Per tier and policy: TTFT P99 vs target, goodput, refusals; then the totals."""
+    targets = reports["tiers"]["targets_ms"]
+    lines = [
+        f"offered {rate:.2f} req/s = {rate / capacity:.1f} x capacity {capacity:.2f} req/s",
+        f"{'tier':<8}{'policy':<7}{'sent':>6}{'done':>6}{'refused':>8}{'other':>6}"
+        f"{'TTFT p99 ms':>12}{'target':>8}{'met':>5}{'good':>6}{'goodput/s':>10}",
+    ]
+    for tier in ("gold", "silver", "bronze", "total"):
+        for policy in ("fcfs", "tiers"):
+            r = reports[policy]
+            s = r["total"] if tier == "total" else r["tiers"].get(tier)
+            if s is None:
+                continue
+            p99 = s["ttft_ms"]["p99"]
+            target = targets[tier][0] if tier != "total" else None
+            met = "-" if target is None or p99 is None else ("yes" if p99 <= target else "NO")
+            other = sum(s["failed"].values()) - s["refused"]
+            lines.append(
+                f"{tier:<8}{policy:<7}{s['sent']:>6}{s['completed']:>6}{s['refused']:>8}"
+                f"{other:>6}{'-' if p99 is None else f'{p99:.0f}':>12}"
+                f"{'' if target is None else f'{target:.0f}':>8}{met:>5}{s['good']:>6}"
+                f"{s['goodput_rps']:>10.2f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
