@@ -125,6 +125,40 @@ class ObservabilityConfig:
     log_level: str = "info"  # debug, info, warning, error
 
 
+WATCH_COMMIT_MODES = ("auto", "stage-only")
+WEIGHT_SLOT_MODES = ("auto", "1", "2")
+SWAP_POLICIES = ("migrate", "drain", "restart")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """Weight versions: the watched directory, the weight slots and the canary gate."""
+
+    # `<watch_dir>/<model>/<version>/` directories are picked up once complete; "" = no watcher.
+    watch_dir: str = ""
+    watch_commit: str = "auto"  # auto: a valid new version is committed; stage-only: staged only
+    watch_debounce_s: float = 0.5  # quiet time after a file event before a version is re-checked
+    # "2": a standby slot (a commit flips an index); "1": an in-place copy between two steps
+    # (a measured pause); "auto": 2 when the memory for a second copy is there.
+    weight_slots: str = "auto"
+    canary_file: str = ""  # prompts, one per line or JSON lines {"prompt": ...}; "" = no canary
+    # Mean KL(active || new) per prompt token, in nats, above which a version is rejected.
+    canary_max_kl: float = 0.5
+    canary_max_tokens: int = 256  # canary prompts are cut to this many tokens
+    chunk_bytes: int = 64 * 2**20  # staging copies and checks move at most this much at once
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """What a commit does with requests in flight (`sitsd.engine.migration`)."""
+
+    policy: str = "migrate"  # migrate, drain or restart; an Admin.Swap call may choose another
+    # KV tokens recomputed for migrating requests per engine step at most (the rest of the
+    # step's token budget stays with decodes and new requests).
+    migration_tokens_per_step: int = 256
+    slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
+
+
 @dataclass(frozen=True)
 class SitsdConfig:
     """Everything `sitsd serve` was told, one sub-config per subsystem."""
@@ -135,6 +169,8 @@ class SitsdConfig:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
 
 
 _SIZE_UNITS = {

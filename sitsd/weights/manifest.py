@@ -1,0 +1,258 @@
+"""Version manifests: `manifest.json` lists every file of a weights version, its size and sha256.
+
+    {"format": 1, "model": "tiny", "created": "2026-11-29T20:00:00Z",
+     "files": [{"name": "config.json", "size": 714, "sha256": "..."}, ...]}
+
+`write_manifest(dir)` writes one (what `sitsctl manifest DIR` runs); `verify_version_dir(dir)`
+decides whether a directory is a complete version: its manifest is present and every file
+matches it. It tells a version still being written (`IncompleteVersion`: a file missing or
+shorter than listed; try again later) from one that never will be right (`ManifestError`: a
+checksum mismatch, a file longer than listed, a file the manifest does not list, a pickle, a
+path that escapes the directory or, with `root`, a symlink resolving outside `root`).
+
+Loading and validating the tensors is the stager's business (`sitsd.weights.stager`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sitsd.weights.formats import PICKLE_SUFFIXES
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 8 * 2**20
+
+# Called with (bytes done, bytes total) while files are hashed.
+Progress = Callable[[int, int], None]
+
+
+class ManifestError(ValueError):
+    """The directory is not, and will not become, a valid version; the message says why."""
+
+
+class IncompleteVersion(Exception):
+    """The directory may still be being written: look again after its next change."""
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    """One file of a version."""
+
+    name: str  # path relative to the version directory, '/'-separated
+    size: int  # bytes
+    sha256: str  # hex digest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed `manifest.json`."""
+
+    files: tuple[ManifestFile, ...]
+    digest: str  # sha256 of the manifest file itself: names this exact content
+    model: str = ""
+    created: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def version_files(directory: Path) -> list[Path]:
+    """Every regular file under `directory` but the manifest, sorted; hidden entries (a copy
+    tool's temporary files, `.cache/`) are skipped."""
+    found = []
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if any(part.startswith(".") for part in rel.parts) or rel.as_posix() == MANIFEST_NAME:
+            continue
+        if path.is_file():
+            found.append(path)
+    return found
+
+
+def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file, read in chunks (hashlib releases the GIL on large updates)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
+                   on_progress: Progress | None = None) -> Manifest:  # fmt: skip
+    """Hash every file of `directory` and write its `manifest.json` atomically.
+
+    Args:
+        directory: the version directory.
+        model: optional model name recorded in the manifest.
+        on_progress: called with (bytes hashed, bytes total) as hashing goes.
+
+    Raises:
+        ManifestError: `directory` is not a directory or holds no file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ManifestError(f"{directory} is not a directory")
+    files = version_files(directory)
+    if not files:
+        raise ManifestError(f"{directory} holds no file to list")
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_progress is not None:
+            on_progress(done, total)
+
+    entries = [
+        {"name": f.relative_to(directory).as_posix(), "size": f.stat().st_size,
+         "sha256": sha256_file(f, advance)}
+        for f in files
+    ]  # fmt: skip
+    body: dict[str, object] = {"format": MANIFEST_FORMAT}
+    if model:
+        body["model"] = model
+    body["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    body["files"] = entries
+    data = (json.dumps(body, indent=2) + "\n").encode()
+    tmp = directory / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, directory / MANIFEST_NAME)  # a watcher never sees half a manifest
+    return parse_manifest(data, directory / MANIFEST_NAME)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of `directory`.
+
+    Raises:
+        IncompleteVersion: there is no manifest (yet).
+        ManifestError: it is not a valid manifest.
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise IncompleteVersion(f"{path} does not exist (yet)") from None
+    except OSError as exc:
+        raise ManifestError(f"{path} cannot be read: {exc}") from exc
+    return parse_manifest(data, path)
+
+
+def parse_manifest(data: bytes, path: Path) -> Manifest:
+    """Parse the bytes of a manifest; `path` is for messages only."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f'{path} must be a JSON object with "format": {MANIFEST_FORMAT}')
+    raw_files = body.get("files")
+    if not isinstance(raw_files, list) or not raw_files:
+        raise ManifestError(f'{path}: "files" must be a non-empty list')
+    files = []
+    for entry in raw_files:
+        try:
+            name, size, sha = entry["name"], entry["size"], entry["sha256"]
+        except (TypeError, KeyError):
+            raise ManifestError(f"{path}: each file needs name, size and sha256") from None
+        valid_sha = isinstance(sha, str) and len(sha) == 64
+        if not isinstance(name, str) or not isinstance(size, int) or size < 0 or not valid_sha:
+            raise ManifestError(f"{path}: bad entry {entry!r}")
+        _check_name(name, path)
+        files.append(ManifestFile(name, size, sha.lower()))
+    if len({f.name for f in files}) != len(files):
+        raise ManifestError(f"{path} lists a file twice")
+    return Manifest(
+        files=tuple(files),
+        digest=hashlib.sha256(data).hexdigest(),
+        model=str(body.get("model", "")),
+        created=str(body.get("created", "")),
+    )
+
+
+def _check_name(name: str, path: Path) -> None:
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name:
+        raise ManifestError(f"{path}: file name {name!r} must be a plain relative path")
+    if name == MANIFEST_NAME:
+        raise ManifestError(f"{path} must not list itself")
+
+
+def verify_version_dir(
+    directory: Path, *, root: Path | None = None, on_progress: Progress | None = None
+) -> Manifest:
+    """Check that `directory` is a complete version: its manifest and every file it lists.
+
+    Sizes are compared first (cheap, and what tells a copy still in progress), then hashes.
+
+    Args:
+        directory: the version directory.
+        root: when set (the watched directory), every path must resolve inside it.
+        on_progress: called with (bytes hashed, bytes total).
+
+    Raises:
+        IncompleteVersion: no manifest yet, or a listed file is missing or shorter.
+        ManifestError: the version is wrong and stays wrong (see the module docstring).
+    """
+    if root is not None:
+        _check_inside(directory, root)
+    manifest = read_manifest(directory)
+    _check_contents(directory, manifest, root)
+    total, done = manifest.total_bytes, 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_progress is not None:
+            on_progress(done, total)
+
+    for entry in manifest.files:
+        if sha256_file(directory / entry.name, advance) != entry.sha256:
+            raise ManifestError(
+                f"checksum mismatch: {entry.name} does not match the sha256 in {MANIFEST_NAME}"
+            )
+    return manifest
+
+
+def _check_contents(directory: Path, manifest: Manifest, root: Path | None) -> None:
+    """Sizes, unlisted files, pickles and (with `root`) symlink containment."""
+    listed = {f.name for f in manifest.files}
+    for path in version_files(directory):
+        rel = path.relative_to(directory).as_posix()
+        if path.suffix.lower() in PICKLE_SUFFIXES:
+            raise ManifestError(
+                f"{rel} is a pickle file; sitsd refuses pickles (loading one can run arbitrary "
+                "code): convert the checkpoint to safetensors"
+            )
+        if rel not in listed:
+            raise ManifestError(f"{rel} is not listed in {MANIFEST_NAME}")
+    for entry in manifest.files:
+        path = directory / entry.name
+        if root is not None:
+            _check_inside(path, root)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise IncompleteVersion(f"{entry.name} is missing (still being copied?)") from None
+        if size < entry.size:
+            raise IncompleteVersion(f"{entry.name} has {size} of {entry.size} bytes")
+        if size > entry.size:
+            raise ManifestError(f"{entry.name} has {size} bytes, {MANIFEST_NAME} says {entry.size}")
+
+
+def _check_inside(path: Path, root: Path) -> None:
+    """Raise unless `path`, symlinks resolved, lies inside `root`."""
+    resolved, base = path.resolve(), root.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise ManifestError(f"{path} resolves to {resolved}, outside the watched directory {base}")

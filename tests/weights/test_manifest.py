@@ -1,0 +1,143 @@
+"""manifest.json: writing one, and telling a complete version from a partial or a bad one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import pytest
+
+from sitsd.weights.manifest import (
+    MANIFEST_NAME,
+    IncompleteVersion,
+    ManifestError,
+    read_manifest,
+    verify_version_dir,
+    write_manifest,
+)
+
+
+@pytest.fixture
+def version_dir(tmp_path):
+    d = tmp_path / "watch" / "tiny" / "v1"
+    d.mkdir(parents=True)
+    rng = random.Random()
+    (d / "config.json").write_text(json.dumps({"n": rng.randrange(10**6)}))
+    (d / "model.safetensors").write_bytes(os.urandom(rng.randrange(5000, 9000)))
+    (d / "sub").mkdir()
+    (d / "sub" / "extra.json").write_text("{}")
+    return d
+
+
+def test_written_manifest_lists_every_file_with_size_and_sha256(version_dir):
+    progress = []
+    manifest = write_manifest(
+        version_dir, model="tiny", on_progress=lambda done, total: progress.append(done)
+    )
+    body = json.loads((version_dir / MANIFEST_NAME).read_text())
+    assert body["format"] == 1
+    assert body["model"] == "tiny"
+    assert body["created"]
+    names = [f["name"] for f in body["files"]]
+    assert names == ["config.json", "model.safetensors", "sub/extra.json"]
+    for entry in body["files"]:
+        data = (version_dir / entry["name"]).read_bytes()
+        assert entry["size"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert progress[-1] == sum(f["size"] for f in body["files"])
+    assert manifest.digest == hashlib.sha256((version_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    assert verify_version_dir(version_dir).digest == manifest.digest
+
+
+def test_no_manifest_yet_is_incomplete(version_dir):
+    with pytest.raises(IncompleteVersion):
+        verify_version_dir(version_dir)
+
+
+def test_a_file_shorter_than_listed_is_incomplete_until_it_is_whole(version_dir):
+    weights = version_dir / "model.safetensors"
+    data = weights.read_bytes()
+    write_manifest(version_dir)
+    weights.write_bytes(data[: len(data) // 2])  # still being copied
+    with pytest.raises(IncompleteVersion, match=r"model.safetensors"):
+        verify_version_dir(version_dir)
+    weights.write_bytes(data)
+    verify_version_dir(version_dir)
+
+
+def test_a_missing_file_is_incomplete(version_dir):
+    write_manifest(version_dir)
+    (version_dir / "sub" / "extra.json").unlink()
+    with pytest.raises(IncompleteVersion, match="missing"):
+        verify_version_dir(version_dir)
+
+
+def test_same_size_other_bytes_is_a_checksum_mismatch(version_dir):
+    write_manifest(version_dir)
+    weights = version_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=r"checksum mismatch: model.safetensors"):
+        verify_version_dir(version_dir)
+
+
+def test_a_longer_file_an_unlisted_file_and_a_pickle_are_refused(version_dir):
+    write_manifest(version_dir)
+    (version_dir / "config.json").write_text((version_dir / "config.json").read_text() + " ")
+    with pytest.raises(ManifestError, match=r"config.json has"):
+        verify_version_dir(version_dir)
+    write_manifest(version_dir)
+    (version_dir / "notes.txt").write_text("hi")
+    with pytest.raises(ManifestError, match=r"notes.txt is not listed"):
+        verify_version_dir(version_dir)
+    (version_dir / "notes.txt").unlink()
+    (version_dir / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ManifestError, match="pickle"):
+        verify_version_dir(version_dir)
+
+
+def test_hidden_temporary_files_are_ignored(version_dir):
+    write_manifest(version_dir)
+    (version_dir / ".model.safetensors.XyZ123").write_bytes(b"partial rsync file")
+    verify_version_dir(version_dir)
+
+
+def test_a_symlink_out_of_the_watched_directory_is_refused(version_dir, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (version_dir / "sub" / "extra.json").unlink()
+    (version_dir / "sub" / "extra.json").symlink_to(outside)
+    write_manifest(version_dir)
+    verify_version_dir(version_dir)  # no containment rule without a root (Admin.Deploy)
+    with pytest.raises(ManifestError, match="outside the watched directory"):
+        verify_version_dir(version_dir, root=tmp_path / "watch")
+
+
+def test_a_version_directory_that_is_a_symlink_out_of_the_root_is_refused(version_dir, tmp_path):
+    write_manifest(version_dir)
+    link = tmp_path / "watch" / "tiny" / "v2"
+    link.symlink_to(version_dir.rename(tmp_path / "real-v1"))
+    with pytest.raises(ManifestError, match="outside"):
+        verify_version_dir(link, root=tmp_path / "watch")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "not json",
+        {"format": 2, "files": [{"name": "a", "size": 1, "sha256": "0" * 64}]},
+        {"format": 1, "files": []},
+        {"format": 1, "files": [{"name": "../a", "size": 1, "sha256": "0" * 64}]},
+        {"format": 1, "files": [{"name": "/etc/passwd", "size": 1, "sha256": "0" * 64}]},
+        {"format": 1, "files": [{"name": "a", "size": -1, "sha256": "0" * 64}]},
+        {"format": 1, "files": [{"name": "a", "size": 1}]},
+    ],
+)
+def test_malformed_manifests_are_refused(version_dir, body):
+    text = body if isinstance(body, str) else json.dumps(body)
+    (version_dir / MANIFEST_NAME).write_text(text)
+    with pytest.raises(ManifestError):
+        read_manifest(version_dir)
