@@ -261,7 +261,8 @@ def decode_step_ms(runner, batch: int, context: int = 128, steps: int = 60) -> f
     blocks_per = -(-(context + steps + 2) // 16)
     reqs = [f"r{i}" for i in range(batch)]
     new = [NewRequestData(r, list(range(1, context + 1)), context, params, 0,
-                          list(range(i * blocks_per, (i + 1) * blocks_per)), 0)
+                          list(range(i * blocks_per, (i + 1) * blocks_per)), 0,
+                          runner.weights_version)
            for i, r in enumerate(reqs)]  # fmt: skip
     runner.execute(SchedulerOutput(new_reqs=new, num_scheduled_tokens=dict.fromkeys(reqs, context),
                                    total_num_scheduled_tokens=batch * context))  # fmt: skip

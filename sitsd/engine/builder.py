@@ -1,8 +1,9 @@
 """Build a ready-to-start engine from the configuration: load, size, allocate, warm up.
 
-Order: resolve the model path -> load the checkpoint -> weights on the device -> KV pool from
-the memory budget -> model runner -> one warm-up step -> scheduler and engine core. Blocking
-(seconds to minutes): the daemon calls it off the event loop while health says NOT_SERVING.
+Order: resolve the model path -> load the checkpoint -> weights on the device -> the weight
+slots (a second, standby slot for hot-swap when it fits) -> KV pool from the memory budget ->
+model runner -> one warm-up step -> scheduler and engine core. Blocking (seconds to minutes):
+the daemon calls it off the event loop while health says NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sitsd.runtime.kv_cache import (
     num_blocks_for_budget,
 )
 from sitsd.runtime.model_runner import ModelRunner
+from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
 
@@ -85,16 +87,21 @@ class RuntimeInfo:
     max_model_len: int
     graph_buckets: tuple[int, ...]  # empty: eager (CPU, or --enforce-eager)
     graph_capture_s: float
+    num_weight_slots: int = 1  # 2: a standby slot for hot-swap; 1: swaps copy in place
+    weight_slots_reason: str = ""  # why that many
 
 
 def build_engine(
     config: SitsdConfig,
     checkpoint: Checkpoint | None = None,
     observer: EngineObserver | None = None,
+    weights_version: str | None = None,
 ) -> AsyncEngine:
     """Load the model (or take `checkpoint`) and assemble the engine; then `start()` it.
 
-    `observer` is told of every request and step (see `sitsd.engine.observer`).
+    `observer` is told of every request and step (see `sitsd.engine.observer`);
+    `weights_version` names the checkpoint's version (default: from its files' names, sizes
+    and modification times).
     """
     t0 = time.monotonic()
     mcfg = config.model
@@ -103,7 +110,7 @@ def build_engine(
         log.info("loading %s", path)
         checkpoint = load_checkpoint(path)
     arch = checkpoint.arch
-    version = weights_version_of(checkpoint)
+    version = weights_version or weights_version_of(checkpoint)
     runner, info = build_runner(config, arch, checkpoint.tensors, version)
     name = mcfg.served_model_name or checkpoint.name
     block_size = config.cache.block_size
@@ -114,8 +121,9 @@ def build_engine(
         else None
     )
     scheduler = Scheduler(
-        config.scheduler, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller
-    )
+        config.scheduler, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller,
+        migration_tokens_per_step=config.swap.migration_tokens_per_step,
+    )  # fmt: skip
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,
         default_tier=Tier(config.tiers.default_tier), observer=observer,
@@ -131,6 +139,7 @@ def build_engine(
         f"buckets {list(info.graph_buckets)} captured in {info.graph_capture_s:.1f}s"
         if info.graph_buckets else "off (eager)",
     )  # fmt: skip
+    log_weight_slots(info, runner.slots.slot_nbytes)
     model_info = ModelInfo(
         name=name, max_model_len=info.max_model_len, vocab_size=arch.vocab_size,
         architecture=arch.architecture, dtype=str(dtype).removeprefix("torch."),
@@ -156,10 +165,20 @@ def build_runner(
     weights = build_weights(arch, tensors, device, dtype)
     model = LlamaModel(arch, kernels_for(device), max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
+    vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
+    # Per slot's graphs: their pool and logits; then sampler sort buffers and slack.
+    graph_reserve = 256 * 2**20 + vocab_bytes
+    num_slots, why = decide_weight_slots(
+        config, device, weights.nbytes,
+        kv_floor=-(-max_model_len // ccfg.block_size) * bytes_per_block(arch, ccfg.block_size,
+                                                                      dtype),
+        reserve=2 * graph_reserve + 2 * vocab_bytes,
+    )  # fmt: skip
+    # Allocated before the profiling pass, so the KV budget accounts for the second slot.
+    slots = WeightSlots(arch, weights, weights_version, num_slots)
     if device.type == "cuda":
         peak = _profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
-        vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
-        reserve = 256 * 2**20 + 3 * vocab_bytes  # graph logits, sampler sort buffers, slack
+        reserve = num_slots * graph_reserve + 2 * vocab_bytes
         budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
                                peak, reserve)  # fmt: skip
         ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))
@@ -170,14 +189,81 @@ def build_runner(
         max_blocks_per_seq=-(-max_model_len // ccfg.block_size), block_size=ccfg.block_size,
         device=device,
     )  # fmt: skip
-    runner = ModelRunner(model, weights, kv_caches, builder, weights_version)
+    runner = ModelRunner(model, slots, kv_caches, builder)
     _warm_up(runner, min(16, max_model_len - 1))
     buckets: list[int] = []
     seconds = 0.0
     if device.type == "cuda" and not mcfg.enforce_eager:
         buckets = decode_buckets(scfg.max_num_seqs)
-        seconds = runner.capture_graphs(buckets)
-    return runner, RuntimeInfo(num_blocks, max_model_len, tuple(buckets), seconds)
+        seconds = runner.capture_graphs(buckets)  # one set per slot
+    info = RuntimeInfo(num_blocks, max_model_len, tuple(buckets), seconds, num_slots, why)
+    return runner, info
+
+
+def decide_weight_slots(
+    config: SitsdConfig, device: torch.device, slot_bytes: int, kv_floor: int, reserve: int
+) -> tuple[int, str]:
+    """(1 or 2 weight slots, why): 2 when a second copy of the weights fits next to the KV pool.
+
+    CUDA: the memory sitsd may still use (`--gpu-memory-utilization` of the visible device,
+    less what is allocated) must hold the second slot, one full-length request's KV
+    (`kv_floor`) and `reserve`. CPU: the machine's available memory must hold the second slot
+    and the KV pool. `--weight-slots 1|2` decides instead of measuring.
+
+    Raises:
+        ValueError: `--weight-slots 2` and two slots do not fit.
+    """
+    mode = config.weights.weight_slots
+    ccfg = config.cache
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        visible = min(ccfg.gpu_memory_limit, total) if ccfg.gpu_memory_limit else total
+        room = min(int(visible * ccfg.gpu_memory_utilization)
+                   - torch.cuda.memory_allocated(device), free)  # fmt: skip
+        need = slot_bytes + kv_floor + reserve
+    else:
+        room = _mem_available_bytes()
+        need = slot_bytes + ccfg.kv_cache_memory
+    fits = room >= need
+    measured = f"{need / 2**20:.0f} MiB needed, {room / 2**20:.0f} MiB available"
+    if mode == "1":
+        return 1, "--weight-slots 1"
+    if mode == "2":
+        if not fits and device.type == "cuda":
+            raise ValueError(f"--weight-slots 2: two weight slots do not fit ({measured})")
+        return 2, "--weight-slots 2"
+    return (
+        (2, f"a second slot fits ({measured})")
+        if fits
+        else (1, f"not enough memory for a second slot ({measured})")
+    )
+
+
+def _mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo; very large where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**62
+
+
+def log_weight_slots(info: RuntimeInfo, slot_bytes: int) -> None:
+    """Say at start-up how hot-swap will commit, and why."""
+    if info.num_weight_slots == 2:
+        log.info(
+            "weight slots: 2 (the standby slot costs %.0f MiB; a commit flips slots, no copy): %s",
+            slot_bytes / 2**20, info.weight_slots_reason,
+        )  # fmt: skip
+    else:
+        log.warning(
+            "weight slots: 1 (%s): a hot-swap copies the new weights (%.0f MiB) in place "
+            "between two steps, pausing serving for the copy, and recomputes requests in flight",
+            info.weight_slots_reason, slot_bytes / 2**20,
+        )  # fmt: skip
 
 
 def _profile_peak_memory(
@@ -290,6 +376,7 @@ def _warm_up(runner: ModelRunner, num_tokens: int) -> None:
         seed=0,
         block_ids=list(range(num_blocks)),
         num_computed_tokens=0,
+        weights_version=runner.weights_version,
     )
     runner.execute(
         SchedulerOutput(

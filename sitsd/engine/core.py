@@ -14,10 +14,12 @@ step N+1 is launched, while the GPU computes: they leave the step's critical pat
 string is then found one step late; the extra token is discarded.) On the CPU the runner
 computes inside `launch`, so nothing would overlap and deltas go out at once. An
 `EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
-preempted and finished, of every step and of the status after each turn. Nothing else
-touches the scheduler or the runner, so no lock guards them; other threads read `status()`,
-a snapshot replaced after every turn, and `admission_refusal()`, which checks a new request
-against the queue snapshot of the last turn.
+preempted, migrated and finished, of every step and of the status after each turn. Weight
+swaps commit between two steps (`SwapCommand`, handled by `commit.CommitControl`); short work
+that must not race the loop (reserving a weight slot, a canary prompt) comes as `EngineCall`s.
+Nothing else touches the scheduler or the runner, so no lock guards them; other threads read
+`status()`, a snapshot replaced after every turn, and `admission_refusal()`, which checks a new
+request against the queue snapshot of the last turn.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from sitsd.engine.admission import QueueSnapshot, refusal_reason
+from sitsd.engine.commit import CommitControl, WeightSlotsLike
 from sitsd.engine.detokenizer import IncrementalDetokenizer
-from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
 from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
@@ -44,6 +47,7 @@ from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
 log = logging.getLogger(__name__)
 
 DeltaSink = Callable[[list[RequestDelta]], None]
+Message = AddRequest | AbortRequest | SwapCommand | EngineCall
 
 
 class PendingStepLike(Protocol):
@@ -53,7 +57,7 @@ class PendingStepLike(Protocol):
 class ModelRunnerLike(Protocol):
     """What the core needs of a model runner (see `sitsd.runtime.model_runner.ModelRunner`)."""
 
-    weights_version: str
+    slots: WeightSlotsLike
 
     @property
     def overlaps_host_work(self) -> bool:
@@ -81,7 +85,7 @@ class EngineCore:
         self.model_name = model_name
         self.default_tier = default_tier
         self._eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
-        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[TokenUpdate] = []  # last step's updates, not yet detokenized
         self._seeds = random.Random()  # seeds for requests that bring none; per engine
@@ -90,6 +94,7 @@ class EngineCore:
         self._stopping = threading.Event()
         # Told of requests and steps; a failing hook is logged, never costs a request.
         self.observer = GuardedObserver(observer or NullObserver())
+        self.commits = CommitControl(scheduler, runner.slots, self.observer)
         self.num_steps = 0
         # Refusals by `admission_refusal` (the API's thread; read here for the status).
         self._early_refusals: dict[str, int] = {}
@@ -113,7 +118,7 @@ class EngineCore:
         """
         self._on_deltas = on_deltas
         self._thread = threading.current_thread()
-        self.observer.on_engine_started(self.model_name, self.runner.weights_version)
+        self.observer.on_engine_started(self.model_name, self.runner.slots.active_version)
         self._run()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -123,7 +128,7 @@ class EngineCore:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def submit(self, message: AddRequest | AbortRequest) -> None:
+    def submit(self, message: Message) -> None:
         """Post a message from any thread; handled before the next step."""
         self._inbox.put(message)
 
@@ -163,6 +168,8 @@ class EngineCore:
                 deltas += self._abort_expired()
                 if self.scheduler.has_work():
                     deltas += self.step()
+                else:
+                    self.commits.when_idle()
             except Exception as exc:  # a bug must cost requests, never the engine thread
                 log.exception("engine loop failed; failing every live request")
                 deltas += self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
@@ -197,10 +204,22 @@ class EngineCore:
                     delta = self._finish(message.req_id, FinishReason.ABORT, message.reason)
                     if delta is not None:
                         deltas.append(delta)
+                elif isinstance(message, SwapCommand):
+                    self.commits.handle(message)
+                elif isinstance(message, EngineCall):
+                    self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
             pass
         return deltas
+
+    def _call(self, message: EngineCall) -> None:
+        try:
+            result = message.fn(self)
+        except Exception as exc:  # the caller's failure, reported to it; the loop goes on
+            message.reply(None, exc)
+        else:
+            message.reply(result, None)
 
     def _add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a new request; the finishing delta instead if admission control refuses it."""
@@ -215,7 +234,7 @@ class EngineCore:
             deadline=msg.deadline,
             trace_context=msg.trace_context,
             eos_token_ids=self._eos_token_ids,
-            weights_version=self.runner.weights_version,
+            weights_version=self.runner.slots.active_version,
         )
         refusal = self.scheduler.admission_refusal(request)
         if refusal is not None:  # never queued: nothing to free
@@ -253,10 +272,13 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Schedule, launch, collect; returns the deltas ready now (see the module docstring)."""
         start = time.monotonic()
+        self.commits.on_step_start(start)
         sched_out = self.scheduler.schedule()
+        self.commits.after_schedule(sched_out, start)
         for req_id in sched_out.preempted_req_ids:
             self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
         if sched_out.is_empty:
+            self.commits.after_step(time.monotonic())
             return self._flush_deferred()
         try:
             pending = self.runner.launch(sched_out)
@@ -273,7 +295,9 @@ class EngineCore:
             return deltas + [d for d in failed if d is not None]
         self.num_steps += 1
         updates = self.scheduler.update_from_output(sched_out, runner_out)
-        self.observer.on_step(StepRecord(sched_out, updates, start, time.monotonic()))
+        end = time.monotonic()
+        self.observer.on_step(StepRecord(sched_out, updates, start, end))
+        self.commits.after_step(end)
         if self.runner.overlaps_host_work and self.scheduler.has_work():
             self._deferred = updates
             return deltas
@@ -302,7 +326,7 @@ class EngineCore:
             text=text,
             finish_reason=reason,
             usage=self._usage(request) if reason is not None else None,
-            weights_version=request.weights_version,
+            weights_version=update.weights_version or request.weights_version,
         )
 
     def _finish(
@@ -345,9 +369,10 @@ class EngineCore:
 
     def _snapshot(self) -> EngineStatus:
         kv = self.scheduler.kv_cache
+        slots = self.runner.slots
         return EngineStatus(
             model=self.model_name,
-            weights_version=self.runner.weights_version,
+            weights_version=slots.active_version,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_blocks_used=kv.num_used_blocks,
@@ -364,4 +389,7 @@ class EngineCore:
                 )
                 for t in self.scheduler.tier_stats()
             ),
+            slot_versions=tuple(v or "" for v in slots.versions),
+            active_slot=slots.active,
+            swapping=self.commits.busy,
         )

@@ -131,6 +131,18 @@ class KVCacheManager:
         if entry is not None:
             self.pool.free(entry.blocks[::-1])
 
+    def transfer(self, source: Request, target: Request) -> None:
+        """Give `source`'s blocks to `target` (a migrated request takes its shadow's KV).
+
+        `target`'s own blocks must have been freed; the blocks' hashes stay keyed by the
+        version they were computed under, which `target` takes too.
+        """
+        if target.req_id in self._reqs:
+            raise ValueError(f"request {target.req_id!r} still holds blocks")
+        entry = self._reqs.pop(source.req_id, None)
+        if entry is not None:
+            self._reqs[target.req_id] = entry
+
     def num_private_blocks(self, request: Request) -> int:
         """Blocks only this request references: what freeing it would return to the pool."""
         entry = self._reqs.get(request.req_id)

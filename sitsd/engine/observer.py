@@ -7,6 +7,8 @@
     on_request_preempted(request, now)          after `schedule()` took its blocks back
     on_step(step)                               after `update_from_output()`, before deltas
     on_request_finished(request, now)           once per request, whatever ended it
+    on_request_migrated(request, start, end, from_version, to_version)
+                                                a swap moved its KV to new weights (migrate)
     on_status(status)                           after every loop turn (idle turns too)
 
 Hooks run on the engine thread between steps, so they must be cheap and must not block; what
@@ -52,6 +54,10 @@ class EngineObserver(Protocol):
 
     def on_request_finished(self, request: Request, now: float) -> None: ...
 
+    def on_request_migrated(
+        self, request: Request, start: float, end: float, from_version: str, to_version: str
+    ) -> None: ...
+
     def on_status(self, status: EngineStatus) -> None: ...
 
 
@@ -71,6 +77,11 @@ class NullObserver:
         pass
 
     def on_request_finished(self, request: Request, now: float) -> None:
+        pass
+
+    def on_request_migrated(
+        self, request: Request, start: float, end: float, from_version: str, to_version: str
+    ) -> None:
         pass
 
     def on_status(self, status: EngineStatus) -> None:
@@ -107,6 +118,13 @@ class GuardedObserver:
 
     def on_request_finished(self, request: Request, now: float) -> None:
         self._call(self.observer.on_request_finished, request, now)
+
+    def on_request_migrated(
+        self, request: Request, start: float, end: float, from_version: str, to_version: str
+    ) -> None:
+        hook = getattr(self.observer, "on_request_migrated", None)
+        if hook is not None:  # observers written before hot-swap do not have it
+            self._call(hook, request, start, end, from_version, to_version)
 
     def on_status(self, status: EngineStatus) -> None:
         self._call(self.observer.on_status, status)

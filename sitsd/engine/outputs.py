@@ -32,6 +32,9 @@ class NewRequestData:
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
     weights_version: str = ""  # the weights slot this request runs on
+    # Set for a migration shadow: it computes KV under `weights_version` for the tokens of
+    # the request named here (the runner shares that request's token list) and never samples.
+    shadow_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +47,16 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class MigratedRequest:
+    """A request whose KV now lives in its shadow's blocks, under the shadow's weights."""
+
+    req_id: str
+    block_ids: list[int]  # the whole new block table (the shadow's)
+    num_computed_tokens: int  # tokens whose KV the shadow computed
+    weights_version: str  # the version it runs on from this step
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What the runner computes in one step."""
 
@@ -53,6 +66,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state too
+    # Applied before `cached_reqs`: requests that flipped to new weights at this step's start.
+    migrated: list[MigratedRequest] = field(default_factory=list)
+    committed_version: str | None = None  # a migration to this version completed this step
 
     @property
     def is_empty(self) -> bool:
@@ -118,3 +134,6 @@ class EngineStatus:
     num_steps: int
     scheduling_policy: str = ""  # "tiers" or "fcfs"
     tiers: tuple[TierStats, ...] = ()  # gold, silver, bronze
+    slot_versions: tuple[str, ...] = ()  # the version in each weight slot ("" = none)
+    active_slot: int = 0  # the slot new requests run on
+    swapping: bool = False  # a commit is in progress (a migration catching up)

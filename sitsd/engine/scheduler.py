@@ -23,6 +23,15 @@ the most recently admitted running request is preempted by recompute: its blocks
 Preempted requests keep their arrival time, hence their place, and their full blocks stay in
 the prefix cache, so resuming them mostly recomputes less than one block.
 
+Weights versions (hot-swap): every request runs on one version, and a step's batch may hold two
+(the runner runs one sub-batch per version). `switch_weights`, called by the engine core between
+steps when a swap commits, applies the swap policy to the requests in flight: `drain` leaves
+those that started on the old version, `restart` preempts them onto the new one, `migrate` gives
+each a shadow (`sitsd.engine.migration`) that the `shadows` phase, between the running requests
+and admission, schedules under a per-step allowance; the `flip` phase, first in a step, moves
+them all to their shadows' blocks once every shadow has caught up. Requests that have not
+started yet move to the new version at once.
+
 What the model computes is the runner's business; stop strings and text are the detokenizer's;
 the engine core (`core.py`) drives one `schedule()` -> execute -> `update_from_output()` cycle
 per step.
@@ -42,6 +51,7 @@ from sitsd.engine.admission import (
     waiting_entry,
 )
 from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.migration import Migration
 from sitsd.engine.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -50,6 +60,7 @@ from sitsd.engine.outputs import (
     TierStats,
 )
 from sitsd.engine.request import Request, RequestStatus
+from sitsd.engine.swap_phases import SwapPhases
 from sitsd.engine.tiers import TIER_ORDER, BatchController, TierTracker, queue_key
 from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
 from sitsd.types import FinishReason, Tier
@@ -65,9 +76,10 @@ class TokenUpdate:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    weights_version: str = ""  # the version that computed them (a request may flip later)
 
 
-class Scheduler:
+class Scheduler(SwapPhases):
     """Owns the waiting queue and the running batch; the only writer of `Request` state."""
 
     def __init__(
@@ -78,6 +90,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         tiers: TiersConfig | None = None,
         controller: BatchController | None = None,
+        migration_tokens_per_step: int = 256,
     ) -> None:
         """Args:
         config: batch limits and the policy ("tiers" or "fcfs").
@@ -86,6 +99,7 @@ class Scheduler:
         clock: monotonic seconds; the same clock as requests' arrival times.
         tiers: the tiers' targets and limits (default: the SITS table).
         controller: the batch controller of the tiers policy (default: the built-in P99 one).
+        migration_tokens_per_step: the most tokens migration shadows compute in one step.
         """
         if config.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {config.policy!r}")
@@ -112,6 +126,10 @@ class Scheduler:
         self._step_started: float | None = None
         # Told to the runner with the next SchedulerOutput, so it can drop their state.
         self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()  # preempted between steps (swap restarts)
+        self.migration: Migration | None = None  # the migrate policy at work
+        self.last_migration: Migration | None = None  # the one that completed last, for the core
+        self.migration_tokens_per_step = migration_tokens_per_step
 
     def _queue_key(self, request: Request) -> float:
         return queue_key(request.arrival_time, self.tiers_config.tier(request.tier.value))
@@ -137,7 +155,8 @@ class Scheduler:
         return request
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        # A pending migration completes at the start of a step, even one with nothing to run.
+        return bool(self.waiting or self.running or self.migration is not None)
 
     @property
     def num_running(self) -> int:
@@ -152,12 +171,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. See the module docstring for the rules."""
         now = self._step_started = self._now()
-        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
-        self._finished_req_ids = set()
+        out = SchedulerOutput(
+            finished_req_ids=self._finished_req_ids, preempted_req_ids=self._preempted_req_ids
+        )
+        self._finished_req_ids, self._preempted_req_ids = set(), set()
+        if self.migration is not None and self.migration.ready:
+            self._flip_migration(out)  # phase 0: migrated requests take their shadows' KV
         self.tracker.refresh(now)  # phase 1: P99 estimates and, with tiers, caps
         if self.tiered:
             self.running.sort(key=lambda r: r.tier.rank)  # stable: oldest first within a tier
         preempted = self._schedule_running(out)  # phase 2
+        if self.migration is not None and not preempted:
+            self._schedule_shadows(out)  # phase 2b: migration shadows, before new requests
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
         if not preempted:
@@ -292,22 +317,38 @@ class Scheduler:
             need_blocks -= kv.num_private_blocks(victim)
         return victims if need_slots <= 0 and need_blocks <= 0 else []
 
-    def _unschedule(self, request: Request, out: SchedulerOutput) -> None:
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> None:
         """Take a request scheduled earlier in this step back out of `out`."""
-        num = out.num_scheduled_tokens.pop(request.req_id, 0)
-        out.total_num_scheduled_tokens -= num
-        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.req_id]
+        Scheduler._unschedule_id(request.req_id, out)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    @staticmethod
+    def _unschedule_id(req_id: str, out: SchedulerOutput) -> None:
+        num = out.num_scheduled_tokens.pop(req_id, 0)
+        out.total_num_scheduled_tokens -= num
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != req_id]
+        out.new_reqs = [n for n in out.new_reqs if n.req_id != req_id]
+
+    def _take_back(self, request: Request, out: SchedulerOutput | None) -> None:
+        """Free a running request's blocks and queue it to be recomputed (its place kept)."""
         self.running.remove(request)
         self.kv_cache.free(request)
+        if self.migration is not None and request.req_id in self.migration.shadows:
+            self._drop_shadow(request, out)
+            request.weights_version = self.migration.to_version  # recomputed on the new ones
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self.waiting.push_preempted(request)
+        if out is None:
+            self._preempted_req_ids.add(request.req_id)
+        else:
+            out.preempted_req_ids.add(request.req_id)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._take_back(request, out)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.tracker.num_preempted[request.tier] += 1
-        self.waiting.push_preempted(request)
-        out.preempted_req_ids.add(request.req_id)
         # Block-pressure victims come from the end of `running`, which this step has not
         # scheduled yet; tier victims scheduled already are taken out by `_unschedule`.
 
@@ -322,6 +363,8 @@ class Scheduler:
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[TokenUpdate]:
         """Advance computed tokens, append sampled tokens, finish what hit a stop condition."""
+        if self.migration is not None:
+            self.migration.advance(sched_out, self.kv_cache)
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
@@ -344,9 +387,10 @@ class Scheduler:
             elif request.last_token_time is not None:
                 self.tracker.record_itl(request.tier, now, now - request.last_token_time)
             request.last_token_time = now
+            version = request.weights_version
             if reason is not None:
                 self.finish_request(req_id, reason)
-            updates.append(TokenUpdate(request, accepted, reason))
+            updates.append(TokenUpdate(request, accepted, reason, version))
         return updates
 
     def _append_tokens(
@@ -369,6 +413,8 @@ class Scheduler:
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         self.kv_cache.free(request)
+        if self.migration is not None:
+            self._drop_shadow(request, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_req_ids.add(request.req_id)

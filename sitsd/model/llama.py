@@ -4,7 +4,9 @@ The model is a function of its weights: `LlamaModel` holds the architecture, the
 rotary tables; `LlamaWeights` holds the tensors. Keeping them apart is what lets the daemon keep
 two weight slots and flip between them between two steps (hot-swap) with the same model object,
 and capture CUDA graphs per slot. `build_weights` turns a checkpoint's Hugging Face-named
-tensors into `LlamaWeights` (fusing q/k/v and gate/up), checking names, shapes and finiteness.
+tensors into `LlamaWeights` (fusing q/k/v and gate/up), checking names, shapes and finiteness;
+`weight_copy_plan` says where each checkpoint tensor goes in an existing `LlamaWeights` (a
+weight slot filled in place).
 """
 
 from __future__ import annotations
@@ -143,6 +145,54 @@ def build_weights(
     embed = get("model.embed_tokens.weight")
     lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
     return LlamaWeights(embed, layers, get("model.norm.weight"), lm_head)
+
+
+def weight_copy_plan(arch: LlamaArch, weights: LlamaWeights) -> list[tuple[torch.Tensor, str]]:
+    """(destination, Hugging Face name) pairs that fill `weights` from a checkpoint, in place.
+
+    The destinations are views into `weights`' tensors: the q/k/v rows of `qkv_proj`, the
+    gate/up rows of `gate_up_proj`, whole tensors elsewhere; copying each checkpoint tensor into
+    its view gives what `build_weights` builds, without a new allocation (a weight slot's
+    addresses never change, so CUDA graphs captured on it stay valid).
+    """
+    q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
+    plan = [(weights.embed_tokens, "model.embed_tokens.weight")]
+    for n, layer in enumerate(weights.layers):
+        p = f"model.layers.{n}."
+        attn = p + "self_attn."
+        plan += [
+            (layer.input_norm, p + "input_layernorm.weight"),
+            (layer.qkv_proj[:q], attn + "q_proj.weight"),
+            (layer.qkv_proj[q : q + kv], attn + "k_proj.weight"),
+            (layer.qkv_proj[q + kv :], attn + "v_proj.weight"),
+            (layer.o_proj, attn + "o_proj.weight"),
+            (layer.post_attn_norm, p + "post_attention_layernorm.weight"),
+            (layer.gate_up_proj[:inter], p + "mlp.gate_proj.weight"),
+            (layer.gate_up_proj[inter:], p + "mlp.up_proj.weight"),
+            (layer.down_proj, p + "mlp.down_proj.weight"),
+        ]
+        if layer.qkv_bias is not None:
+            plan += [
+                (layer.qkv_bias[:q], attn + "q_proj.bias"),
+                (layer.qkv_bias[q : q + kv], attn + "k_proj.bias"),
+                (layer.qkv_bias[q + kv :], attn + "v_proj.bias"),
+            ]
+    plan.append((weights.norm, "model.norm.weight"))
+    if weights.lm_head is not weights.embed_tokens:
+        plan.append((weights.lm_head, "lm_head.weight"))
+    return plan
+
+
+def empty_weights_like(weights: LlamaWeights, *, zero: bool = False) -> LlamaWeights:
+    """A second set of tensors shaped like `weights` (tied embeddings stay tied)."""
+    make = torch.zeros_like if zero else torch.empty_like
+    layers = [
+        LayerWeights(**{k: None if t is None else make(t) for k, t in vars(layer).items()})
+        for layer in weights.layers
+    ]
+    embed = make(weights.embed_tokens)
+    lm_head = embed if weights.lm_head is weights.embed_tokens else make(weights.lm_head)
+    return LlamaWeights(embed, layers, make(weights.norm), lm_head)
 
 
 class LlamaModel:

@@ -218,7 +218,13 @@ class EngineTelemetry:
                 if itl_p99 is not None:
                     self.metrics.set_tier_p99_estimate(tier, "itl", itl_p99)
 
-    # ------------------------------------------------------------- for hot-swap (later)
+    # -------------------------------------------------------------------------- hot-swap
+
+    def on_request_migrated(
+        self, request: Request, start: float, end: float, from_version: str, to_version: str
+    ) -> None:
+        """Engine hook: a swap recomputed the request's KV under new weights."""
+        self.record_migration(request, start, end, from_version, to_version)
 
     def record_migration(
         self, request: Request, start: float, end: float, from_version: str, to_version: str

@@ -30,6 +30,8 @@ class CachedRequestState:
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
+    weights_version: str = ""  # the weights slot it runs on
+    samples: bool = True  # False for a migration shadow: it computes KV, never samples
 
     @property
     def num_output_tokens(self) -> int:
@@ -118,11 +120,13 @@ class StepInputBuilder:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have left the host buffers
         # A decode computes the one token it then samples from; a one-token chunk that does not
-        # reach the end of its prompt goes with the prefills.
+        # reach the end of its prompt (or a shadow's, which never samples) goes with the prefills.
         decodes = [
             s
             for s in states
-            if num_scheduled[s.req_id] == 1 and s.num_computed_tokens + 1 == len(s.token_ids)
+            if num_scheduled[s.req_id] == 1
+            and s.samples
+            and s.num_computed_tokens + 1 == len(s.token_ids)
         ]
         decode_ids = {s.req_id for s in decodes}
         prefills = [s for s in states if s.req_id not in decode_ids]
@@ -154,7 +158,7 @@ class StepInputBuilder:
             h["seq_lens"][i] = end
             num_tokens += n
             h["query_start_loc"][i + 1] = num_tokens
-            if end == len(state.token_ids):  # the chunk reaches the last known token: sample
+            if end == len(state.token_ids) and state.samples:  # reaches the last known token
                 h["logits_indices"][num_sampled] = num_tokens - 1
                 num_sampled += 1
                 sampled_req_ids.append(state.req_id)

@@ -1,4 +1,4 @@
-"""The model runner: owns the weights, the KV pool and per-request token rows; runs a step.
+"""The model runner: owns the weight slots, the KV pool and per-request token rows; runs a step.
 
 `launch(SchedulerOutput) -> PendingStep` updates the per-request state from what the scheduler
 changed, lays out the ragged batch (`input_batch.py`), runs the model (a CUDA-graph replay for
@@ -7,6 +7,12 @@ their last token; on the GPU all of that is queued and `launch` returns at once,
 `PendingStep.result()` waits for the sampled ids (the step's one host sync) and returns them as
 plain lists. `execute` is the two in one. Which tokens to compute is the scheduler's decision;
 this module never decides, it only computes.
+
+Weights versions (hot-swap): every request runs on the slot holding its version
+(`weight_slots.py`). A step whose requests use two versions runs one sub-batch per version, one
+after the other, each on its own slot and with its own CUDA graphs: no forward pass mixes
+versions. A migration shadow (`NewRequestData.shadow_of`) shares its request's token list and
+never samples.
 """
 
 from __future__ import annotations
@@ -18,27 +24,26 @@ from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.cuda_graphs import DecodeGraphs
 from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, StepInputs
 from sitsd.runtime.sampler import sample_on_device
+from sitsd.runtime.weight_slots import WeightSlots
 
 
 class ModelRunner:
-    """Runs steps of one model over one KV pool."""
+    """Runs steps of one model over one KV pool, on the weight slot of each request's version."""
 
     def __init__(
         self,
         model: LlamaModel,
-        weights: LlamaWeights,
+        slots: WeightSlots,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         builder: StepInputBuilder,
-        weights_version: str,
     ) -> None:
         self.model = model
-        self.weights = weights
+        self.slots = slots
         self.kv_caches = kv_caches
         self.builder = builder
         self.block_size = builder.block_size
         self.device = builder.device
-        self.weights_version = weights_version
-        self.graphs: DecodeGraphs | None = None
+        self.slot_graphs: dict[int, DecodeGraphs] = {}  # slot index -> its captured graphs
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
         self._tokens_host = (
@@ -47,11 +52,32 @@ class ModelRunner:
         )  # fmt: skip
         self._tokens_ready = torch.cuda.Event() if on_cuda else None
 
+    @property
+    def weights_version(self) -> str:
+        """The version new requests run on (the active slot's)."""
+        return self.slots.active_version
+
+    @property
+    def weights(self) -> LlamaWeights:
+        """The active slot's weights."""
+        return self.slots.weights(self.slots.active)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The active slot's decode graphs (None when eager)."""
+        return self.slot_graphs.get(self.slots.active)
+
     def capture_graphs(self, buckets: list[int]) -> float:
-        """Capture decode CUDA graphs for the current weights; returns the seconds it took."""
-        graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
-        seconds = graphs.capture(self.weights)
-        self.graphs = graphs
+        """Capture decode CUDA graphs for every slot; returns the seconds it took.
+
+        A slot's tensors never move (staging copies into them), so its graphs stay valid for
+        every version it will hold: a commit flips an index and copies nothing.
+        """
+        seconds = 0.0
+        for index in range(self.slots.num_slots):
+            graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
+            seconds += graphs.capture(self.slots.weights(index))
+            self.slot_graphs[index] = graphs
         return seconds
 
     @property
@@ -69,17 +95,23 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         if sched_out.is_empty:
             return PendingStep(self, req_ids, [], None)
-        states = [self.requests[r] for r in req_ids]
-        logits, inputs = self._forward(states, sched_out.num_scheduled_tokens)
-        rows = [self.requests[r] for r in inputs.sampled_req_ids]
+        groups: dict[str, list[CachedRequestState]] = {}  # version -> its sub-batch
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            groups.setdefault(state.weights_version, []).append(state)
+        rows: list[CachedRequestState] = []
+        sampled: list[torch.Tensor] = []  # per sub-batch: [num_sampled] int64
+        for version, states in groups.items():
+            # One sub-batch per version, in turn: on CUDA they queue on one stream, so the next
+            # one's input copies wait for this one's forward, and its sampling is queued first.
+            logits, inputs = self._forward(version, states, sched_out.num_scheduled_tokens)
+            group_rows = [self.requests[r] for r in inputs.sampled_req_ids]
+            if group_rows:
+                rows += group_rows
+                sampled.append(self._sample(logits, group_rows))
         if not rows:
             return PendingStep(self, req_ids, [], None)
-        tokens = sample_on_device(
-            logits,
-            [s.params for s in rows],
-            [s.seed for s in rows],
-            [s.num_output_tokens for s in rows],
-        )
+        tokens = sampled[0] if len(sampled) == 1 else torch.cat(sampled)
         if self._tokens_host is not None:  # CUDA: copy into pinned memory, sync later
             host = self._tokens_host[: len(rows)]
             host.copy_(tokens, non_blocking=True)
@@ -88,16 +120,30 @@ class ModelRunner:
             tokens = host
         return PendingStep(self, req_ids, rows, tokens)
 
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[CachedRequestState]) -> torch.Tensor:
+        return sample_on_device(
+            logits,
+            [s.params for s in rows],
+            [s.seed for s in rows],
+            [s.num_output_tokens for s in rows],
+        )
+
     def _forward(
-        self, states: list[CachedRequestState], num_sched: dict[str, int]
+        self, version: str, states: list[CachedRequestState], num_sched: dict[str, int]
     ) -> tuple[torch.Tensor, StepInputs]:
-        """Logits of the rows to sample ([num_sampled, vocab] float32) and the step's inputs."""
-        graphs = self.graphs
+        """Logits of the rows to sample ([num_sampled, vocab] float32) and the inputs, for a
+        sub-batch of one version, on that version's slot."""
+        index = self.slots.index_of(version)
+        if index is None:
+            raise RuntimeError(f"weights version {version!r} is in no slot ({self.slots.versions})")
+        weights = self.slots.weights(index)
+        graphs = self.slot_graphs.get(index)
         if (
             graphs is not None
             and len(states) <= graphs.max_batch
-            and all(num_sched[s.req_id] == 1 and s.num_computed_tokens + 1 == len(s.token_ids)
-                    for s in states)
+            and all(num_sched[s.req_id] == 1 and s.samples
+                    and s.num_computed_tokens + 1 == len(s.token_ids) for s in states)
         ):  # fmt: skip
             bucket = graphs.bucket_for(len(states))
             inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
@@ -105,23 +151,36 @@ class ModelRunner:
             return graphs.replay(bucket)[: len(states)], inputs
         inputs = self.builder.build(states, num_sched)
         hidden = self.model.forward(
-            self.weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
+            weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
         )
-        return self.model.compute_logits(self.weights, hidden[inputs.logits_indices]), inputs
+        return self.model.compute_logits(weights, hidden[inputs.logits_indices]), inputs
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
             self.requests.pop(req_id, None)
-        for new in sched_out.new_reqs:
+        # Requests first, then shadows, which share their request's token list: the tokens it
+        # samples show in the shadow's rows too.
+        for new in sorted(sched_out.new_reqs, key=lambda n: n.shadow_of is not None):
+            token_ids = list(new.token_ids)
+            if new.shadow_of is not None:
+                token_ids = self.requests[new.shadow_of].token_ids
+                assert token_ids[: len(new.token_ids)] == new.token_ids, "shadow tokens differ"
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=list(new.token_ids),
+                token_ids=token_ids,
                 num_prompt_tokens=new.num_prompt_tokens,
                 params=new.params,
                 seed=new.seed,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                weights_version=new.weights_version,
+                samples=new.shadow_of is None,
             )
+        for migrated in sched_out.migrated:  # took its shadow's KV: new table, new version
+            state = self.requests[migrated.req_id]
+            state.block_ids = list(migrated.block_ids)
+            state.num_computed_tokens = migrated.num_computed_tokens
+            state.weights_version = migrated.weights_version
         for cached in sched_out.cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

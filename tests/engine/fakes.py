@@ -5,60 +5,168 @@ from __future__ import annotations
 from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 
-class FakeRunner:
-    """Tracks request state like the real runner and emits `(last token + 1) % vocab`.
+class FakeSlots:
+    """Weight slots without tensors: which version each slot holds, and which is active."""
 
-    It asserts the scheduler's protocol as it goes: known requests only, block tables long
-    enough for every scheduled token, no block shared by two requests unless both reached it
-    through the prefix cache.
+    def __init__(self, version: str = "fake@0", num_slots: int = 2) -> None:
+        self.versions: list[str | None] = [version] + [None] * (num_slots - 1)
+        self.active = 0
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.versions)
+
+    @property
+    def standby(self) -> int | None:
+        return 1 - self.active if len(self.versions) == 2 else None
+
+    @property
+    def active_version(self) -> str:
+        version = self.versions[self.active]
+        assert version is not None
+        return version
+
+    @property
+    def standby_version(self) -> str | None:
+        return None if self.standby is None else self.versions[self.standby]
+
+    def index_of(self, version: str) -> int | None:
+        return self.versions.index(version) if version in self.versions else None
+
+    def activate(self, version: str) -> None:
+        index = self.index_of(version)
+        assert index is not None, f"{version} is in no slot"
+        self.active = index
+
+    def release(self, index: int) -> None:
+        assert index != self.active or len(self.versions) == 1
+        self.versions[index] = None
+
+    def fill(self, index: int, version: str) -> None:
+        self.versions[index] = version
+
+    def load(self, version: str) -> None:
+        """Test helper: put `version` in the standby slot, as staging would."""
+        standby = self.standby
+        assert standby is not None
+        self.release(standby)
+        self.fill(standby, version)
+
+
+def next_token(last: int, version: str, vocab_size: int) -> int:
+    """What the fake model samples after `last` under version `fake@N`: `last + 1 + N`."""
+    return (last + 1 + int(version.rsplit("@", 1)[1])) % vocab_size
+
+
+class FakeRunner:
+    """Tracks request state like the real runner and emits `next_token(last, version)`.
+
+    It asserts the scheduler's protocol as it goes: known requests only, at least one token
+    per scheduled request, block tables long enough for every scheduled token, computed counts
+    in step with the scheduler's, every request on a loaded version, no KV slot written by two
+    requests in one step, and no forward pass mixing versions: every KV slot a request reads
+    holds its own token, written under its own weights version.
     """
 
-    weights_version = "fake@0"
-
-    def __init__(self, block_size: int, vocab_size: int = 1000, overlaps: bool = False) -> None:
+    def __init__(
+        self, block_size: int, vocab_size: int = 1000, overlaps: bool = False, num_slots: int = 2
+    ) -> None:
         self.overlaps_host_work = overlaps  # like the CUDA runner: the engine defers detok
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.slots = FakeSlots(num_slots=num_slots)
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.versions: dict[str, str] = {}
+        self.samples: dict[str, bool] = {}
+        # KV slot (block * size + offset) -> (version, token) of what was written there.
+        self.kv_writer: dict[int, tuple[str, int]] = {}
         self.num_steps = 0
+        self.max_versions_in_step = 0
         self.fail_next = False
+
+    @property
+    def weights_version(self) -> str:
+        return self.slots.active_version
 
     def launch(self, so: SchedulerOutput) -> _Done:
         return _Done(self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            for d in (self.tokens, self.blocks, self.computed):
-                d.pop(req_id, None)
-        for new in so.new_reqs:
-            assert new.req_id not in self.tokens, "new request already known to the runner"
-            self.tokens[new.req_id] = list(new.token_ids)
-            self.blocks[new.req_id] = list(new.block_ids)
-            self.computed[new.req_id] = new.num_computed_tokens
-        for cached in so.cached_reqs:
-            assert cached.req_id in self.tokens, "cached request unknown to the runner"
-            assert cached.num_computed_tokens == self.computed[cached.req_id]
-            self.blocks[cached.req_id] += cached.new_block_ids
+        self._update(so)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected model failure")
         self.num_steps += 1
+        versions = {self.versions[r] for r in so.num_scheduled_tokens}
+        assert versions <= set(self.slots.versions), f"{versions} not all in {self.slots.versions}"
+        self.max_versions_in_step = max(self.max_versions_in_step, len(versions))
         req_ids, sampled = [], []
+        written: set[int] = set()
         for req_id, n in so.num_scheduled_tokens.items():
-            end = self.computed[req_id] + n
-            assert end <= len(self.tokens[req_id])
-            assert len(self.blocks[req_id]) * self.block_size >= end, "block table too short"
-            self.computed[req_id] = end
+            assert n > 0, f"{req_id!r} scheduled with no token"
             req_ids.append(req_id)
-            if end == len(self.tokens[req_id]):
-                token = (self.tokens[req_id][-1] + 1) % self.vocab_size
-                self.tokens[req_id].append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
+            sampled.append(self._compute(req_id, n, written))
         return ModelRunnerOutput(req_ids, sampled)
+
+    def _update(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            for d in (self.tokens, self.blocks, self.computed, self.versions, self.samples):
+                d.pop(req_id, None)
+        for new in sorted(so.new_reqs, key=lambda n: n.shadow_of is not None):
+            assert new.req_id not in self.tokens, "new request already known to the runner"
+            if new.shadow_of is None:
+                self.tokens[new.req_id] = list(new.token_ids)
+            else:  # shares its request's token list, like the real runner
+                self.tokens[new.req_id] = self.tokens[new.shadow_of]
+                assert self.tokens[new.req_id][: len(new.token_ids)] == new.token_ids
+            self.blocks[new.req_id] = list(new.block_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+            self.versions[new.req_id] = new.weights_version
+            self.samples[new.req_id] = new.shadow_of is None
+            self._check_reads(new.req_id, new.num_computed_tokens)  # prefix-cache hits
+        for migrated in so.migrated:
+            assert migrated.req_id in self.tokens, "migrated request unknown to the runner"
+            self.blocks[migrated.req_id] = list(migrated.block_ids)
+            self.computed[migrated.req_id] = migrated.num_computed_tokens
+            self.versions[migrated.req_id] = migrated.weights_version
+            self._check_reads(migrated.req_id, migrated.num_computed_tokens)
+        for cached in so.cached_reqs:
+            assert cached.req_id in self.tokens, "cached request unknown to the runner"
+            assert cached.num_computed_tokens == self.computed[cached.req_id]
+            self.blocks[cached.req_id] += cached.new_block_ids
+
+    def _compute(self, req_id: str, n: int, written: set[int]) -> list[int]:
+        start = self.computed[req_id]
+        end = start + n
+        tokens, version = self.tokens[req_id], self.versions[req_id]
+        assert end <= len(tokens)
+        assert len(self.blocks[req_id]) * self.block_size >= end, "block table too short"
+        self._check_reads(req_id, start)
+        for pos in range(start, end):
+            slot = self._slot(req_id, pos)
+            assert slot not in written, f"{req_id!r} writes KV slot {slot} another request writes"
+            written.add(slot)
+            self.kv_writer[slot] = (version, tokens[pos])
+        self.computed[req_id] = end
+        if end == len(tokens) and self.samples[req_id]:
+            token = next_token(tokens[-1], version, self.vocab_size)
+            tokens.append(token)
+            return [token]
+        return []
+
+    def _check_reads(self, req_id: str, num_tokens: int) -> None:
+        """The KV of positions [0, num_tokens) must be its own tokens', under its own version."""
+        version, tokens = self.versions[req_id], self.tokens[req_id]
+        for pos in range(num_tokens):
+            found = self.kv_writer.get(self._slot(req_id, pos))
+            assert found == (version, tokens[pos]), (
+                f"{req_id!r} on {version} reads position {pos} holding {found}"
+            )
+
+    def _slot(self, req_id: str, pos: int) -> int:
+        return self.blocks[req_id][pos // self.block_size] * self.block_size + pos % self.block_size
 
 
 class _Done:

@@ -76,7 +76,8 @@ def greedy(runner, prompts, num_new):
     reqs = {f"r{i}": p for i, p in enumerate(prompts)}
     blocks = {r: [next(block_ids) for _ in range(-(-(len(p) + num_new) // BLOCK))]
               for r, p in reqs.items()}  # fmt: skip
-    new = [NewRequestData(r, list(p), len(p), params, 0, blocks[r], 0) for r, p in reqs.items()]
+    new = [NewRequestData(r, list(p), len(p), params, 0, blocks[r], 0, runner.weights_version)
+           for r, p in reqs.items()]  # fmt: skip
     out = runner.execute(SchedulerOutput(
         new_reqs=new, num_scheduled_tokens={r: len(p) for r, p in reqs.items()},
         total_num_scheduled_tokens=sum(map(len, reqs.values()))))  # fmt: skip

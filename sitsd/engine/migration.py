@@ -1,0 +1,183 @@
+"""The `migrate` swap policy: shadow requests recompute in-flight KV under the new weights.
+
+When a swap commits with `migrate`, every running request that has produced tokens gets a
+shadow: a `Request` that shares its token lists (so it sees every token decoding appends), has
+blocks of its own and the new weights version. The scheduler runs shadows as prefill work on
+the new slot, under a per-step token allowance, next to the decodes that go on on the old slot;
+a shadow never samples. A shadow's target in a step is every known token when its original
+computes its last token in the same step, else all but the last one: a flipped request always
+has a token left to compute, and so samples at once.
+
+When, at the start of a step, every shadow has computed at least as many tokens as its
+original, all migrating requests flip in that step: each takes its shadow's blocks, computed
+count and version, and its old blocks are freed. Nothing ever mixes versions: originals run on
+the old slot over blocks the old weights wrote, shadows on the new slot over blocks the new
+weights wrote (prefix-cache hits included: hashes are keyed by version).
+
+A request that finishes or is preempted mid-migration drops its shadow (a preempted one comes
+back on the new weights); a shadow that finds no free block is given up and its request is
+recomputed on the new weights instead (`restart`, for that request only).
+
+The scheduler owns a `Migration` and is its only caller; this module writes only shadows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from sitsd.engine.request import Request, RequestStatus
+
+_SHADOW_SUFFIX = "\x00shadow"  # request ids with a NUL are refused at the API: no collision
+
+
+@dataclass(slots=True, eq=False)
+class Shadow:
+    """One migrating request and its shadow."""
+
+    original: Request
+    request: Request  # the shadow: same token lists, its own blocks, the new version
+    started: float  # time.monotonic() when the migration of this request began
+    known_to_runner: bool = False  # sent once as NewRequestData, then as CachedRequestData
+
+
+class Migration:
+    """The requests migrating from one weights version to another; see the module docstring."""
+
+    def __init__(self, from_version: str, to_version: str, started: float, tokens_per_step: int):
+        self.from_version = from_version
+        self.to_version = to_version
+        self.started = started
+        self.tokens_per_step = max(1, tokens_per_step)
+        self.shadows: dict[str, Shadow] = {}  # by the original's req_id
+        self.num_restarted = 0  # requests whose shadow found no blocks (recomputed instead)
+        self.flip_s = 0.0  # how long the flip took (set by the scheduler)
+
+    @staticmethod
+    def shadow_id(req_id: str) -> str:
+        return req_id + _SHADOW_SUFFIX
+
+    def add(self, original: Request, now: float) -> None:
+        """Start migrating a running request."""
+        shadow = Request(
+            req_id=self.shadow_id(original.req_id),
+            prompt_token_ids=original.prompt_token_ids,  # shared lists, not copies
+            params=original.params,
+            seed=original.seed,
+            tier=original.tier,
+            arrival_time=original.arrival_time,
+            output_token_ids=original.output_token_ids,
+            status=RequestStatus.RUNNING,
+            weights_version=self.to_version,
+        )
+        self.shadows[original.req_id] = Shadow(original, shadow, now)
+
+    def drop(self, req_id: str, kv: KVCacheManager) -> str | None:
+        """Stop migrating `req_id`: free its shadow's blocks. The shadow's id if the runner
+        holds state for it (to be told it finished), else None."""
+        entry = self.shadows.pop(req_id, None)
+        if entry is None:
+            return None
+        kv.free(entry.request)
+        return entry.request.req_id if entry.known_to_runner else None
+
+    @property
+    def ready(self) -> bool:
+        """Every shadow has caught up with its original: flip now (start of a step)."""
+        return all(
+            s.request.num_computed_tokens >= s.original.num_computed_tokens
+            for s in self.shadows.values()
+        )
+
+    @property
+    def num_caught_up(self) -> int:
+        return sum(
+            s.request.num_computed_tokens >= s.original.num_computed_tokens
+            for s in self.shadows.values()
+        )
+
+    def schedule(self, out: SchedulerOutput, budget: int, kv: KVCacheManager) -> list[Request]:
+        """Schedule shadow chunks into `out` within `budget` tokens (after the running requests).
+
+        Returns:
+            Originals whose shadow found no free block: the caller recomputes them instead.
+        """
+        allowance = min(budget, self.tokens_per_step)
+        starved = []
+        # Nearly caught-up shadows first: keeping them in step is cheap, and then the flip
+        # waits only for the ones far behind.
+        for entry in sorted(self.shadows.values(), key=self._deficit):
+            if allowance <= 0:
+                break
+            num_new = min(self._target(entry, out) - entry.request.num_computed_tokens, allowance)
+            if num_new <= 0:
+                continue
+            if self._schedule_one(entry, num_new, out, kv):
+                allowance -= num_new
+            else:
+                starved.append(entry.original)
+        return starved
+
+    def advance(self, sched_out: SchedulerOutput, kv: KVCacheManager) -> None:
+        """After a successful step: count the shadows' computed tokens, cache their full blocks."""
+        for entry in self.shadows.values():
+            shadow = entry.request
+            num = sched_out.num_scheduled_tokens.get(shadow.req_id)
+            if num:
+                shadow.num_computed_tokens += num
+                kv.cache_full_blocks(shadow)
+
+    # ------------------------------------------------------------------------------ internal
+
+    @staticmethod
+    def _deficit(entry: Shadow) -> int:
+        return entry.original.num_tokens - entry.request.num_computed_tokens
+
+    @staticmethod
+    def _target(entry: Shadow, out: SchedulerOutput) -> int:
+        """Tokens the shadow may have computed after this step (see the module docstring).
+
+        (With running requests scheduled before shadows, an original that does not reach its
+        end has used up the step's budget; the rule keeps the flip safe whatever the order.)
+        """
+        original = entry.original
+        num_scheduled = out.num_scheduled_tokens.get(original.req_id, 0)
+        reaches_end = original.num_computed_tokens + num_scheduled == original.num_tokens
+        return original.num_tokens if reaches_end else original.num_tokens - 1
+
+    def _schedule_one(
+        self, entry: Shadow, num_new: int, out: SchedulerOutput, kv: KVCacheManager
+    ) -> bool:
+        shadow = entry.request
+        if entry.known_to_runner:
+            computed = shadow.num_computed_tokens
+            new_block_ids = kv.allocate_slots(shadow, num_new)
+            if new_block_ids is None:
+                return False
+            out.cached_reqs.append(CachedRequestData(shadow.req_id, new_block_ids, computed))
+        else:
+            hits = kv.get_computed_blocks(shadow)  # KV the new weights wrote for this prefix
+            num_hit = len(hits) * kv.block_size
+            num_new = min(num_new, max(0, self._target(entry, out) - num_hit))
+            if num_new <= 0 or kv.allocate_slots(shadow, num_new, hits) is None:
+                kv.free(shadow)  # hits taken by a failed allocation are given back
+                return num_new <= 0
+            shadow.num_computed_tokens = num_hit
+            entry.known_to_runner = True
+            out.new_reqs.append(
+                NewRequestData(
+                    req_id=shadow.req_id,
+                    token_ids=shadow.all_token_ids,
+                    num_prompt_tokens=shadow.num_prompt_tokens,
+                    params=shadow.params,
+                    seed=shadow.seed,
+                    block_ids=kv.block_ids(shadow),
+                    num_computed_tokens=num_hit,
+                    weights_version=self.to_version,
+                    shadow_of=entry.original.req_id,
+                )
+            )
+        out.num_scheduled_tokens[shadow.req_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        return True

@@ -1,0 +1,154 @@
+"""EngineCore commits: a SwapCommand between two steps, its events, and deltas that carry the
+weights version that computed their tokens (sync runner and overlapping runner)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from sitsd.config import SchedulerConfig
+from sitsd.engine.core import EngineCore
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.messages import AddRequest, EngineCall, SwapCommand
+from sitsd.engine.scheduler import Scheduler
+from sitsd.types import SamplingParams
+from tests.engine.fakes import FakeRunner, next_token
+from tests.engine.test_core import Collector, wait_for
+from tests.engine.test_detokenizer import ByteTokenizer
+
+BLOCK = 4
+V0, V1 = "fake@0", "fake@1"
+
+
+def make_core(overlaps: bool, num_slots: int = 2, slow_s: float = 0.0):
+    tok = ByteTokenizer()
+    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=overlaps, num_slots=num_slots)
+    if slow_s:  # steps that take time, so requests are in flight when the command comes
+        execute = runner.execute
+        runner.execute = lambda so: (time.sleep(slow_s), execute(so))[1]
+    kv = KVCacheManager(64, BLOCK)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs")
+    core = EngineCore(Scheduler(cfg, kv, 256, migration_tokens_per_step=8), runner, tok, "fake")
+    sink = Collector()
+    core.start(sink)
+    return core, runner, sink
+
+
+@pytest.fixture(params=[False, True], ids=["sync-runner", "overlapping-runner"])
+def overlaps(request):
+    return request.param
+
+
+class Events:
+    def __init__(self):
+        self.q = queue.Queue()
+
+    def __call__(self, event):
+        self.q.put((event, threading.current_thread().name))
+
+    def until_done(self, timeout=10.0):
+        events = []
+        while True:
+            event, thread = self.q.get(timeout=timeout)
+            assert thread == "sitsd-engine"  # reported from the engine thread
+            events.append(event)
+            if event.kind in ("committed", "failed"):
+                return events
+
+
+def add(core, req_id, prompt, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    core.submit(AddRequest(req_id, list(prompt), params, None, None, time.monotonic()))
+
+
+def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_tokens(overlaps):
+    core, runner, sink = make_core(overlaps, slow_s=0.002)
+    try:
+        prompts = {f"r{i}": bytes(range(10 + i, 30 + i)) for i in range(3)}
+        for r, p in prompts.items():
+            add(core, r, p, 40)
+        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 22 for r in prompts))
+        runner.slots.load(V1)
+        events = Events()
+        core.submit(SwapCommand(V1, "migrate", events))
+        done = events.until_done()
+        assert done[0].kind == "migrating"
+        assert done[-1].kind == "committed"
+        assert done[-1].num_migrating == 3
+        assert done[-1].pause_s >= done[-1].flip_s > 0
+        deltas = sink.until_finished(set(prompts))
+        for r, p in prompts.items():
+            prev = p[-1]
+            versions = []
+            for d in deltas[r]:
+                for token in d.new_token_ids:
+                    assert token == next_token(prev, d.weights_version, 256)
+                    prev = token
+                    versions.append(d.weights_version)
+            cut = versions.index(V1)
+            assert versions == [V0] * cut + [V1] * (len(versions) - cut)
+        assert wait_for(lambda: core.status().num_blocks_used == 0)
+        status = core.status()
+        assert (status.weights_version, status.slot_versions, status.swapping) == (
+            V1,
+            (V0, V1),
+            False,
+        )
+    finally:
+        core.stop()
+
+
+def test_commit_of_a_version_in_no_slot_fails_and_changes_nothing(overlaps):
+    core, _, _ = make_core(overlaps)
+    try:
+        events = Events()
+        core.submit(SwapCommand("fake@7", "migrate", events))
+        (event,) = events.until_done()
+        assert event.kind == "failed"
+        assert "not in a weight slot" in event.message
+        assert core.status().weights_version == V0
+    finally:
+        core.stop()
+
+
+def test_with_one_slot_the_commit_copies_in_place_and_recomputes_requests(overlaps):
+    core, runner, sink = make_core(overlaps, num_slots=1, slow_s=0.002)
+    try:
+        add(core, "a", b"abcdefgh", 40)
+        assert wait_for(lambda: len(runner.tokens.get("a", ())) > 12)
+        copied_on = []
+
+        def copy_in_place():
+            copied_on.append((threading.current_thread().name, list(runner.slots.versions)))
+
+        events = Events()
+        core.submit(SwapCommand(V1, "migrate", events, copy_in_place=copy_in_place))
+        (event,) = events.until_done()
+        assert event.kind == "committed"
+        assert event.policy == "restart"  # one slot: the old weights are gone
+        assert event.num_restarted == 1
+        assert copied_on == [("sitsd-engine", [None])]  # released while copying
+        deltas = sink.until_finished({"a"})["a"]
+        assert deltas[-1].weights_version == V1
+        assert core.status().slot_versions == (V1,)
+    finally:
+        core.stop()
+
+
+def test_an_engine_call_runs_on_the_engine_thread_and_replies():
+    core, _, _ = make_core(False)
+    try:
+        replies = queue.Queue()
+        core.submit(EngineCall(lambda c: (threading.current_thread().name, c.num_steps),
+                               lambda result, exc: replies.put((result, exc))))  # fmt: skip
+        core.submit(EngineCall(lambda c: 1 / 0, lambda result, exc: replies.put((result, exc))))
+        (name, _), exc = replies.get(timeout=10)
+        assert (name, exc) == ("sitsd-engine", None)
+        result, exc = replies.get(timeout=10)
+        assert result is None
+        assert isinstance(exc, ZeroDivisionError)
+    finally:
+        core.stop()
