@@ -5,10 +5,11 @@
 
 `write_manifest(dir)` writes one (what `sitsctl manifest DIR` runs); `verify_version_dir(dir)`
 decides whether a directory is a complete version: its manifest is present and every file
-matches it. It tells a version still being written (`IncompleteVersion`: a file missing or
-shorter than listed; try again later) from one that never will be right (`ManifestError`: a
-checksum mismatch, a file longer than listed, a file the manifest does not list, a pickle, a
-path that escapes the directory or, with `root`, a symlink resolving outside `root`).
+matches it (`check_complete` is the same without the hashes, for every file event). It tells
+a version still being written (`IncompleteVersion`: a file missing or shorter than listed; try
+again later) from one that never will be right (`ManifestError`: a checksum mismatch, a file
+longer than listed, a file the manifest does not list, a pickle, a path that escapes the
+directory or, with `root`, a symlink resolving outside `root`).
 
 Loading and validating the tensors is the stager's business (`sitsd.weights.stager`).
 """
@@ -189,6 +190,21 @@ def _check_name(name: str, path: Path) -> None:
         raise ManifestError(f"{path} must not list itself")
 
 
+def check_complete(directory: Path, *, root: Path | None = None) -> Manifest:
+    """`verify_version_dir` without the hashes: cheap enough to run on every file event.
+
+    Raises:
+        IncompleteVersion: no manifest yet, or a listed file is missing or shorter.
+        ManifestError: the version is wrong and stays wrong (a size, an unlisted file, a
+            pickle, a path outside `root`).
+    """
+    if root is not None:
+        _check_inside(directory, root)
+    manifest = read_manifest(directory)
+    _check_contents(directory, manifest, root)
+    return manifest
+
+
 def verify_version_dir(
     directory: Path, *, root: Path | None = None, on_progress: Progress | None = None
 ) -> Manifest:
@@ -205,10 +221,7 @@ def verify_version_dir(
         IncompleteVersion: no manifest yet, or a listed file is missing or shorter.
         ManifestError: the version is wrong and stays wrong (see the module docstring).
     """
-    if root is not None:
-        _check_inside(directory, root)
-    manifest = read_manifest(directory)
-    _check_contents(directory, manifest, root)
+    manifest = check_complete(directory, root=root)
     total, done = manifest.total_bytes, 0
 
     def advance(n: int) -> None:

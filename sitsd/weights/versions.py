@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sitsd.weights.errors import UnknownVersionError, VersionConflictError, VersionError
+
 ACTIVE_STATE_FILE = "active-weights.json"
 _STATE_FORMAT = 1
 
@@ -49,14 +51,6 @@ _TRANSITIONS: dict[VersionState, frozenset[VersionState]] = {
     ),
     VersionState.REJECTED: frozenset({VersionState.STAGED}),
 }
-
-
-class VersionError(Exception):
-    """A version operation that cannot be done (unknown id, conflicting registration)."""
-
-
-class UnknownVersionError(VersionError):
-    """No version has this id (gRPC NOT_FOUND)."""
 
 
 @dataclass
@@ -93,7 +87,7 @@ class VersionRegistry:
         changes). A rejected version whose manifest changed is staged again.
 
         Raises:
-            VersionError: the id is taken by other content.
+            VersionConflictError: the id is taken by other content.
         """
         now = time.time()
         with self._lock:
@@ -101,12 +95,13 @@ class VersionRegistry:
             if known is not None and known.manifest_digest == digest:
                 return dataclasses.replace(known), False
             if known is not None and known.state is not VersionState.REJECTED:
-                raise VersionError(
+                raise VersionConflictError(
                     f"version {version!r} exists already ({known.path}, {known.state}) with "
                     "other content; give the new one another name"
                 )
-            record = WeightVersion(self.model, version, path, digest, state, source,
-                                   created_at=now, updated_at=now)  # fmt: skip
+            record = WeightVersion(
+                self.model, version, path, digest, state, source, created_at=now, updated_at=now
+            )
             self._versions[version] = record
             if state is VersionState.ACTIVE:
                 self._active = version
@@ -183,6 +178,17 @@ class VersionRegistry:
 
 
 @dataclass(frozen=True)
+class VersionsView:
+    """Every version, with where the weight slots stand (for ListVersions)."""
+
+    versions: list[WeightVersion]  # oldest first
+    slots: dict[str, str]  # version -> "active" | "standby", for versions in a slot
+    active: str
+    previous: str  # the rollback target ("" when none)
+    num_slots: int
+
+
+@dataclass(frozen=True)
 class PersistedVersion:
     """What the state file remembers of a version."""
 
@@ -226,8 +232,9 @@ def _persisted(entry: object) -> PersistedVersion | None:
     if not isinstance(entry, dict):
         return None
     try:
-        return PersistedVersion(str(entry["version"]), str(entry["path"]),
-                                str(entry.get("manifest_digest", "")))  # fmt: skip
+        return PersistedVersion(
+            str(entry["version"]), str(entry["path"]), str(entry.get("manifest_digest", ""))
+        )
     except KeyError:
         return None
 

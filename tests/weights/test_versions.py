@@ -10,12 +10,11 @@ import time
 
 import pytest
 
+from sitsd.weights.errors import UnknownVersionError, VersionConflictError, VersionError
 from sitsd.weights.versions import (
     ACTIVE_STATE_FILE,
     ActiveVersionStore,
     PersistedVersion,
-    UnknownVersionError,
-    VersionError,
     VersionRegistry,
     VersionState,
 )
@@ -49,7 +48,7 @@ def test_an_id_taken_by_other_content_is_refused_but_a_fixed_rejected_one_restag
     reg.register("v2", "/w/v2", "d1", "watch", VersionState.STAGED)
     _, new = reg.register("v2", "/w/v2", "d1", "deploy", VersionState.STAGED)
     assert not new
-    with pytest.raises(VersionError, match="exists already"):
+    with pytest.raises(VersionConflictError, match="exists already"):
         reg.register("v2", "/w/v2", "other", "deploy", VersionState.STAGED)
     reg.set_state("v2", VersionState.REJECTED, "NaN")
     record, new = reg.register("v2", "/w/v2", "fixed", "watch", VersionState.STAGED)

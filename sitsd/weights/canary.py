@@ -1,0 +1,146 @@
+"""The canary gate: on fixed prompts, a new version's logits must stay close to the active one's.
+
+`--canary-file FILE` holds prompts, one per line, or JSON lines `{"prompt": "..."}` or
+`{"token_ids": [...]}` (cut to `canary_max_tokens`). Before a staged version may commit, each
+prompt runs through the active slot and the standby slot: two prefills on the engine thread,
+between two steps, one prompt per engine turn (serving waits at most one prompt's two forward
+passes), over a small KV pool of the canary's own. Per prompt: the mean over its positions of
+KL(active || new) of the next-token distributions, and each version's perplexity on the
+prompt's own tokens. The version is rejected when the mean KL over the prompts exceeds
+`--canary-max-kl` (nats), with the measured values in the reason.
+
+When to run it is `sitsd.weights.swap`'s business.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
+from sitsd.runtime.kv_cache import allocate_kv_caches
+from sitsd.types import SamplingParams
+
+
+class CanaryFileError(ValueError):
+    """The canary file cannot be used; the message says where and why."""
+
+
+def read_canary_prompts(path: str | Path, tokenizer: Any, max_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt in the canary file (each at least 2 tokens, cut to `max_tokens`).
+
+    Raises:
+        CanaryFileError: unreadable, empty, or a line that is neither text nor a JSON prompt.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CanaryFileError(f"cannot read the canary file {path}: {exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        ids = _prompt_ids(line, tokenizer)
+        if ids is None or len(ids) < 2:
+            raise CanaryFileError(f"{path}:{number}: a canary prompt needs at least 2 tokens")
+        prompts.append(ids[:max_tokens])
+    if not prompts:
+        raise CanaryFileError(f"the canary file {path} holds no prompt")
+    return prompts
+
+
+def _prompt_ids(line: str, tokenizer: Any) -> list[int] | None:
+    text = line.strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError:
+            entry = None
+        if isinstance(entry, dict):
+            if isinstance(entry.get("token_ids"), list):
+                return [int(t) for t in entry["token_ids"]]
+            if isinstance(entry.get("prompt"), str):
+                return list(tokenizer.encode(entry["prompt"], add_special_tokens=True))
+            return None
+    return list(tokenizer.encode(line, add_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class CanaryScore:
+    """One prompt under both versions."""
+
+    kl: float  # mean KL(active || new) per position, nats
+    nll_active: float  # mean negative log-likelihood of the prompt's tokens, active version
+    nll_new: float  # the same under the new version
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CanaryResult:
+    """Every prompt's score, and the verdict."""
+
+    scores: tuple[CanaryScore, ...]
+    max_kl: float  # the bound
+
+    @property
+    def mean_kl(self) -> float:
+        return sum(s.kl for s in self.scores) / len(self.scores)
+
+    @property
+    def ppl_ratio(self) -> float:
+        """Perplexity of the new version over the active one's, on the prompts' tokens."""
+        n = sum(s.num_tokens - 1 for s in self.scores)
+        delta = sum((s.nll_new - s.nll_active) * (s.num_tokens - 1) for s in self.scores)
+        return math.exp(delta / max(n, 1))
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.mean_kl) and self.mean_kl <= self.max_kl
+
+    def describe(self) -> str:
+        return (
+            f"canary: mean KL {self.mean_kl:.4f} nats (bound {self.max_kl:g}), perplexity "
+            f"ratio {self.ppl_ratio:.3f} over {len(self.scores)} prompts"
+        )
+
+
+class CanaryRunner:
+    """Scores canary prompts on two weight slots; its private KV pool lives on the engine's
+    device and is used on the engine thread only."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.inference_mode()
+    def score(self, runner: Any, token_ids: list[int], new_slot: int) -> CanaryScore:
+        """One prompt through the active slot and slot `new_slot` (engine thread)."""
+        slots, model, block_size = runner.slots, runner.model, runner.block_size
+        num_blocks = -(-self.max_tokens // block_size)
+        if self._kv is None:  # allocated once, at the first canary
+            self._kv = allocate_kv_caches(
+                slots.arch, num_blocks, block_size, slots.dtype, slots.device
+            )
+        n = len(token_ids)
+        state = CachedRequestState(
+            "canary", token_ids, n, SamplingParams(), 0, list(range(num_blocks)), 0
+        )
+        inputs = build_step_inputs([state], {"canary": n}, block_size, slots.device)
+        logprobs = []
+        for weights in (slots.weights(slots.active), slots.weights(new_slot)):
+            # Each prefill writes all its positions' KV before reading them: the pool is reused.
+            hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta,
+                                   self._kv)  # fmt: skip  # [n, hidden]
+            logprobs.append(torch.log_softmax(model.compute_logits(weights, hidden), -1))
+        active, new = logprobs  # [n, vocab] each
+        kl = (active.exp() * (active - new)).sum(-1).mean()
+        targets = inputs.input_ids[1:n].unsqueeze(-1)  # [n - 1, 1]
+        nll_active = -active[: n - 1].gather(-1, targets).mean()
+        nll_new = -new[: n - 1].gather(-1, targets).mean()
+        # Host syncs: off the serving path (between two steps, once per canary prompt).
+        return CanaryScore(kl.item(), nll_active.item(), nll_new.item(), n)

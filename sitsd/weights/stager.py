@@ -1,0 +1,215 @@
+"""Staging a weights version: read its checkpoint and check it against the serving model.
+
+`load_version(path)` verifies the manifest (sizes and sha256 of every file) and opens the
+checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles are refused).
+`validate(loaded, serving)` checks, before any weight slot is touched, that the version can
+replace the serving one: the same architecture (every `LlamaArch` field but `extra`), the same
+tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer),
+every tensor's name, shape and floating dtype, and finite values in the serving dtype (read in
+chunks, so memory stays bounded; on CUDA on a side stream). A failure raises
+`VersionRejected` with the reason. Copying into the standby slot is
+`sitsd.runtime.weight_slots.WeightSlots.copy_into`; when and where is `sitsd.weights.swap`'s.
+
+All of it runs on the stager's own thread, never the engine's (`run_off_engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from sitsd.model.arch import LlamaArch
+from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
+from sitsd.runtime.weight_slots import row_chunks
+from sitsd.weights.formats import Checkpoint, CheckpointError, load_checkpoint
+from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
+
+T = TypeVar("T")
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class VersionRejected(Exception):
+    """The version cannot serve; the message is the reason shown to operators."""
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    """What a new version must match: the architecture, tokenizer and slot format serving."""
+
+    arch: LlamaArch
+    vocab: dict[str, int]  # the tokenizer's token -> id map
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class LoadedVersion:
+    """A version read from disk (tensors memory-mapped) and its manifest."""
+
+    checkpoint: Checkpoint
+    manifest: Manifest | None  # None for the start-up model, which may have none
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.checkpoint.tensors.values())
+
+
+def serving_model_of(
+    arch: LlamaArch, tokenizer: Any, dtype: torch.dtype, device: torch.device
+) -> ServingModel:
+    """The `ServingModel` of the engine's architecture, tokenizer and weights format."""
+    return ServingModel(
+        arch,
+        dict(tokenizer.backend.get_vocab()),
+        tuple(sorted(tokenizer.eos_token_ids)),
+        dtype,
+        device,
+    )
+
+
+def load_version(
+    path: Path, *, root: Path | None = None, on_progress: Progress | None = None
+) -> LoadedVersion:
+    """Verify a version directory against its manifest and open its checkpoint.
+
+    Args:
+        path: the version directory (it must hold `manifest.json`).
+        root: the watched directory, for versions found there: every file must resolve in it.
+        on_progress: called with (bytes hashed, bytes total).
+
+    Raises:
+        VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
+            checkpoint (the message says which).
+    """
+    if not path.is_dir():
+        raise VersionRejected(f"{path} is not a directory (a version is a directory)")
+    try:
+        manifest = verify_version_dir(path, root=root, on_progress=on_progress)
+    except IncompleteVersion as exc:
+        raise VersionRejected(f"incomplete: {exc}") from None
+    except ManifestError as exc:
+        raise VersionRejected(str(exc)) from None
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointError as exc:
+        raise VersionRejected(str(exc)) from None
+    return LoadedVersion(checkpoint, manifest)
+
+
+def validate(
+    loaded: LoadedVersion,
+    serving: ServingModel,
+    *,
+    chunk_bytes: int,
+    on_progress: Progress | None = None,
+) -> None:
+    """Check a loaded version against the serving model (see the module docstring).
+
+    Raises:
+        VersionRejected: with the first problem found.
+    """
+    ckpt = loaded.checkpoint
+    if ckpt.arch != serving.arch:
+        raise VersionRejected(
+            f"architecture differs from the serving one: {_arch_diff(ckpt.arch, serving.arch)}"
+        )
+    tokenizer = ckpt.tokenizer
+    if dict(tokenizer.backend.get_vocab()) != serving.vocab:
+        raise VersionRejected("the tokenizer's vocabulary differs from the serving one")
+    if tuple(sorted(tokenizer.eos_token_ids)) != serving.eos_token_ids:
+        raise VersionRejected(
+            f"end-of-generation ids differ: {sorted(tokenizer.eos_token_ids)} vs "
+            f"{list(serving.eos_token_ids)}"
+        )
+    try:
+        check_tensors(serving.arch, ckpt.tensors)
+    except WeightsError as exc:
+        raise VersionRejected(str(exc)) from None
+    check_finite(
+        ckpt.tensors,
+        list(expected_shapes(serving.arch)),
+        serving,
+        chunk_bytes=chunk_bytes,
+        on_progress=on_progress,
+    )
+
+
+def check_finite(
+    tensors: Any,
+    names: Sequence[str],
+    serving: ServingModel,
+    *,
+    chunk_bytes: int,
+    on_progress: Progress | None = None,
+) -> None:
+    """Every value finite once cast to the serving dtype (a float32 1e38 is inf in float16).
+
+    Raises:
+        VersionRejected: naming the first tensor holding NaN or Inf.
+    """
+    total = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    done = 0
+    on_cuda = serving.device.type == "cuda"
+    side = torch.cuda.stream(torch.cuda.Stream(serving.device)) if on_cuda else None
+    with torch.inference_mode(), side or contextlib.nullcontext():
+        for name in names:
+            src = tensors[name]
+            finite = True
+            for rows in row_chunks(src, chunk_bytes):
+                piece = src[rows].to(device=serving.device, dtype=serving.dtype)  # [rows, ...]
+                finite = finite and bool(torch.isfinite(piece).all())  # host sync, this thread
+                done += piece.numel() * src.element_size()
+                if on_progress is not None:
+                    on_progress(done, total)
+            if not finite:
+                dtype = str(serving.dtype).removeprefix("torch.")
+                raise VersionRejected(f"{name} holds NaN or Inf values (in {dtype})")
+
+
+def _arch_diff(new: LlamaArch, serving: LlamaArch) -> str:
+    diffs = [
+        f"{f.name} {getattr(new, f.name)!r} (serving: {getattr(serving, f.name)!r})"
+        for f in dataclasses.fields(LlamaArch)
+        if f.compare and getattr(new, f.name) != getattr(serving, f.name)
+    ]
+    return "; ".join(diffs)
+
+
+async def run_off_engine(fn: Callable[[], T], name: str = "sitsd-stager") -> T:
+    """Run `fn` on a new daemon thread and await its result.
+
+    Not the default executor: `asyncio.run` joins its threads at exit, so a shutdown would wait
+    for a long staging copy. On the CPU the thread uses one torch thread: OpenMP keeps a team
+    per calling thread, and a second full team would slow every engine step down.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
+
+    def body() -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP team only
+        try:
+            result, exc = fn(), None
+        except BaseException as error:
+            result, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return await done

@@ -1,0 +1,175 @@
+"""The staging pipeline of a swap: verify, load, validate, copy into the standby slot, canary.
+
+`StandbyStager.stage(record)` takes a registered version to "ready to commit":
+
+    verify + load  the manifest against every file, then the checkpoint     stager thread
+    validate       against the serving model (`stager.validate`)           stager thread
+    stage          take the standby slot from the engine (once no request
+                   runs on it: a drain may still hold it), copy into it     stager thread
+    canary         prompts through both slots (`canary.py`)                 engine thread
+
+Each stage is timed in the swap's trace. A failed check raises `stager.VersionRejected`; the
+caller (`sitsd.weights.swap.SwapManager`) records it. With one weight slot only verify, load
+and validate run: the commit copies the loaded version in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sitsd.engine.async_engine import AsyncEngine
+from sitsd.weights.canary import CanaryResult, CanaryRunner
+from sitsd.weights.errors import SwapRefusedError
+from sitsd.weights.formats import CheckpointError, load_checkpoint
+from sitsd.weights.progress import ByteProgress, ProgressSink, SwapProgress
+from sitsd.weights.stager import (
+    LoadedVersion,
+    ServingModel,
+    VersionRejected,
+    load_version,
+    run_off_engine,
+    validate,
+)
+from sitsd.weights.versions import WeightVersion
+
+log = logging.getLogger("sitsd.swap")
+
+_SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
+
+
+@dataclass(frozen=True)
+class StagingSettings:
+    """Limits of staging (from `WeightsConfig` and `SwapConfig`)."""
+
+    chunk_bytes: int = 64 * 2**20  # the most a copy or check moves at once
+    slot_wait_s: float = 600.0  # how long to wait for the standby slot to drain
+    canary_prompts: tuple[tuple[int, ...], ...] = ()  # token ids; empty: no canary
+    canary_max_kl: float = 0.5  # nats
+    canary_max_tokens: int = 256
+    watch_root: str = ""  # versions the watcher found must resolve inside it
+
+
+class StandbyStager:
+    """Stages versions for one engine; see the module docstring."""
+
+    def __init__(self, engine: AsyncEngine, serving: ServingModel, settings: StagingSettings):
+        self.engine = engine
+        self.serving = serving
+        self.settings = settings
+        self._canary = CanaryRunner(settings.canary_max_tokens)
+
+    @property
+    def slots(self) -> Any:
+        return self.engine.core.runner.slots
+
+    async def stage(
+        self, record: WeightVersion, progress: ProgressSink, trace: Any
+    ) -> LoadedVersion:
+        """Verify, load and validate `record`; with two slots, copy it into the standby slot
+        and run the canary. Returns the loaded version (one slot: the commit copies it).
+
+        Raises:
+            VersionRejected: a check failed (the reason).
+            SwapRefusedError: the standby slot did not drain in time.
+        """
+        loop = asyncio.get_running_loop()
+        with trace.stage("verify"):
+            loaded = await run_off_engine(lambda: self._load(record, loop, progress))
+        with trace.stage("validate"):
+            on_bytes = ByteProgress(loop, progress, "validate", record.version)
+            chunk = self.settings.chunk_bytes
+            await run_off_engine(
+                lambda: validate(loaded, self.serving, chunk_bytes=chunk, on_progress=on_bytes)
+            )
+        if self.slots.num_slots == 2:
+            await self._copy_to_standby(loaded, record.version, progress, trace)
+        return loaded
+
+    def _load(
+        self, record: WeightVersion, loop: asyncio.AbstractEventLoop, progress: ProgressSink
+    ) -> LoadedVersion:
+        """The version's checkpoint, checked against its manifest (stager thread)."""
+        path = Path(record.path)
+        if not record.manifest_digest:  # the start-up model: a checkpoint without a manifest
+            try:
+                return LoadedVersion(load_checkpoint(path), manifest=None)
+            except CheckpointError as exc:
+                raise VersionRejected(str(exc)) from None
+        root = Path(self.settings.watch_root) if record.source == "watch" else None
+        on_bytes = ByteProgress(loop, progress, "verify", record.version)
+        loaded = load_version(path, root=root, on_progress=on_bytes)
+        assert loaded.manifest is not None
+        if loaded.manifest.digest != record.manifest_digest:
+            raise VersionRejected("manifest.json changed since the version was registered")
+        return loaded
+
+    async def _copy_to_standby(
+        self, loaded: LoadedVersion, version: str, progress: ProgressSink, trace: Any
+    ) -> None:
+        index = await self._reserve_standby(version, progress)
+        on_bytes = ByteProgress(asyncio.get_running_loop(), progress, "stage", version)
+        tensors, chunk = loaded.checkpoint.tensors, self.settings.chunk_bytes
+        with trace.stage("stage"):
+            await run_off_engine(
+                lambda: self.slots.copy_into(
+                    index, tensors, chunk_bytes=chunk, on_progress=on_bytes
+                )
+            )
+        await self.engine.call(lambda core: core.runner.slots.fill(index, version))
+        if self.settings.canary_prompts:
+            with trace.stage("canary"):
+                result = await self._run_canary(index, version, progress)
+            if not result.passed:  # nothing may run on rejected weights
+                await self.engine.call(lambda core: core.runner.slots.release(index))
+                raise VersionRejected(result.describe())
+
+    async def _reserve_standby(self, version: str, progress: ProgressSink) -> int:
+        """Take the standby slot from the engine once no request runs on it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.slot_wait_s
+        while True:
+            index, held, num = await self.engine.call(release_standby)
+            if index is not None:
+                return index
+            if loop.time() > deadline:
+                raise SwapRefusedError(
+                    f"the standby slot still serves {num} requests on version {held} (drain); "
+                    "try again when they have finished"
+                )
+            message = f"waiting for {num} requests on {held} to finish (drain)"
+            progress(SwapProgress("stage", version, message=message))
+            await asyncio.sleep(_SLOT_POLL_S)
+
+    async def _run_canary(self, index: int, version: str, progress: ProgressSink) -> CanaryResult:
+        scores = []
+        for ids in self.settings.canary_prompts:  # one prompt per engine turn
+            prompt = list(ids)
+            score = await self.engine.call(
+                lambda core, prompt=prompt: self._canary.score(core.runner, prompt, index)
+            )
+            scores.append(score)
+        result = CanaryResult(tuple(scores), self.settings.canary_max_kl)
+        message = result.describe()
+        progress(SwapProgress("canary", version, message=message, canary_kl=result.mean_kl,
+                              canary_ppl_ratio=result.ppl_ratio))  # fmt: skip
+        log.info("%s", message, extra={"weights_version": version})
+        return result
+
+
+def release_standby(core: Any) -> tuple[int | None, str, int]:
+    """Engine thread: release the standby slot to the stager if no request runs on it.
+
+    Returns (slot index, "", 0), or (None, the version still there, requests on it).
+    """
+    slots = core.runner.slots
+    index = slots.standby
+    held = slots.versions[index]
+    num = core.scheduler.num_on_version(held) if held else 0
+    if num or core.commits.busy:
+        return None, held or "", num
+    slots.release(index)
+    return index, "", 0
