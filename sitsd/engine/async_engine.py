@@ -2,18 +2,23 @@
 
 `AsyncEngine` lives on the asyncio event loop of the API layer. It validates a request, puts an
 `AddRequest` on the engine core's inbox and hands back a `RequestStream`; the engine thread
-posts each step's deltas back with `loop.call_soon_threadsafe`. Model execution and scheduling
-are `EngineCore`'s business (`sitsd.engine.core`); this module only crosses threads.
+posts each step's deltas back with `loop.call_soon_threadsafe`. `call(fn)` runs short work on
+the engine thread between two steps, `commit(...)` streams the events of a weight swap's
+commit. Model execution and scheduling are `EngineCore`'s business (`sitsd.engine.core`); this
+module only crosses threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
+from sitsd.engine.commit import SwapEvent
 from sitsd.engine.core import EngineCore
 from sitsd.engine.errors import (
     EngineStoppedError,
@@ -21,9 +26,11 @@ from sitsd.engine.errors import (
     OverloadedError,
     QueueFullError,
 )
-from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
 from sitsd.engine.outputs import EngineStatus, ModelInfo
 from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
+
+T = TypeVar("T")
 
 
 class RequestStream:
@@ -153,6 +160,8 @@ class AsyncEngine:
             req_id = f"{self._id_prefix}-{next(self._ids)}"
         elif req_id in self._streams:
             raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
+        elif "\x00" in req_id:  # the engine names migration shadows with it
+            raise InvalidRequestError("request_id", "must not contain a NUL character")
         arrival_time = time.monotonic()
         refusal = self.core.admission_refusal(tier, arrival_time)
         if refusal is not None:
@@ -209,6 +218,45 @@ class AsyncEngine:
             if delta.finished:
                 del self._streams[delta.req_id]
             stream._put(delta)
+
+    # ---------------------------------------------------------------------------- hot-swap
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: Any, exc: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(result) if exc is None else done.set_exception(exc)
+
+        def reply(result: Any, exc: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, result, exc)
+
+        self.core.submit(EngineCall(fn, reply))
+        return await done
+
+    async def commit(
+        self, version: str, policy: str, copy_in_place: Callable[[], None] | None = None
+    ) -> AsyncIterator[SwapEvent]:
+        """Commit `version` between two steps; yields its events until "committed" or "failed".
+
+        See `sitsd.engine.commit` (and `SwapCommand` for `copy_in_place`, one slot only).
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[SwapEvent] = asyncio.Queue()
+
+        def on_event(event: SwapEvent) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self.core.submit(SwapCommand(version, policy, on_event, copy_in_place))
+        while True:
+            event = await events.get()
+            yield event
+            if event.kind in ("committed", "failed"):
+                return
 
     # -------------------------------------------------------------------------------- status
 

@@ -219,6 +219,13 @@ class Metrics:
             ("model", "outcome"),
             registry=r,
         )
+        self.version_events = Counter(
+            "sitsd_weight_versions",
+            "Weight versions seen in the watched directory, by event (detected, rejected, "
+            "staged, committed, failed).",
+            ("model", "event"),
+            registry=r,
+        )
 
     def _init_tier_scheduler(self, r: CollectorRegistry) -> None:
         """Metrics: tier scheduler (set by it later)."""
@@ -252,6 +259,10 @@ class Metrics:
     def record_swap(self, outcome: str) -> None:
         """Count a finished weight swap by its outcome."""
         self.swaps.labels(self.model, outcome).inc()
+
+    def record_version_event(self, event: str) -> None:
+        """Count what the watcher did with a version it saw."""
+        self.version_events.labels(self.model, event).inc()
 
     def set_tier_batch_cap(self, tier: str, cap: int) -> None:
         """For the tier scheduler: the batch cap it now applies to `tier`."""

@@ -1,0 +1,140 @@
+"""The weights subsystem at daemon start-up: restart recovery, the registry, the swap manager.
+
+After every commit the daemon persists its model's active version (`versions.
+ActiveVersionStore`, in the state directory). `choose_startup` serves that version when its
+directory still holds the manifest recorded at commit (files are hashed again only when swapped
+to), else the `--model` checkpoint, saying why. The served model keeps the name `--model` gives
+it (or `--served-model-name`), whatever version serves. `create_swap_manager` then registers
+what serves as the active version and the persisted previous one as the rollback target, reads
+the canary prompts, and builds the `SwapManager`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sitsd.config import SitsdConfig
+from sitsd.weights.formats import resolve_model_path
+from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
+from sitsd.weights.versions import (
+    ActiveVersionStore,
+    PersistedVersion,
+    VersionRegistry,
+    VersionState,
+)
+
+log = logging.getLogger("sitsd.swap")
+
+
+@dataclass(frozen=True)
+class StartupChoice:
+    """What a starting daemon serves."""
+
+    served_name: str  # the model's name for clients, whatever version serves
+    model_path: Path  # the checkpoint to load
+    version: str | None  # its version id (None: derived from its files by the builder)
+    restored: PersistedVersion | None  # the persisted version, when it is what serves
+    previous: PersistedVersion | None  # the persisted rollback target
+
+    def config_for(self, config: SitsdConfig) -> SitsdConfig:
+        """`config` with the checkpoint to load and the served name filled in."""
+        model = dataclasses.replace(
+            config.model, model=str(self.model_path), served_model_name=self.served_name
+        )
+        return dataclasses.replace(config, model=model)
+
+
+def checkpoint_name(path: Path) -> str:
+    """The name a checkpoint path gives the model (as the loaders name it)."""
+    return path.stem if path.is_file() else path.name
+
+
+def manifest_digest(path: Path) -> str:
+    """sha256 of the manifest in directory `path`; "" when there is none (or it is invalid)."""
+    try:
+        return read_manifest(path).digest if path.is_dir() else ""
+    except (IncompleteVersion, ManifestError):
+        return ""
+
+
+def choose_startup(config: SitsdConfig) -> StartupChoice:
+    """The persisted active version if it is still there unchanged, else `--model`.
+
+    Raises:
+        CheckpointError: the `--model` path does not exist (and nothing was restored).
+    """
+    name = config.model.served_model_name
+    state_dir = config.server.state_dir
+    model_path = None
+    if not name:
+        model_path = resolve_model_path(config.model.model)
+        name = checkpoint_name(model_path)
+    active, previous = (None, None)
+    if state_dir:
+        active, previous = ActiveVersionStore(state_dir).load(name)
+    if active is not None:
+        path = Path(active.path)
+        if manifest_digest(path) == active.manifest_digest and path.exists():
+            log.info("restoring weights version %s of %s from %s", active.version, name, path)
+            return StartupChoice(name, path, active.version, active, previous)
+        log.warning(
+            "the persisted weights version %s of %s is gone or changed at %s; serving --model",
+            active.version, name, path,
+        )  # fmt: skip
+    model_path = model_path or resolve_model_path(config.model.model)
+    return StartupChoice(name, model_path, None, None, previous)
+
+
+def startup_registry(choice: StartupChoice, serving_version: str) -> VersionRegistry:
+    """The registry a daemon starts with: what serves (active) and the rollback target."""
+    registry = VersionRegistry(choice.served_name)
+    source = "restored" if choice.restored else "startup"
+    path = choice.model_path.resolve()
+    registry.register(serving_version, str(path), manifest_digest(path), source,
+                      VersionState.ACTIVE)  # fmt: skip
+    previous = choice.previous
+    if previous and previous.version != serving_version and Path(previous.path).exists():
+        registry.register(previous.version, previous.path, previous.manifest_digest,
+                          "restored", VersionState.RETIRED)  # fmt: skip
+        registry.set_previous(previous.version)
+    return registry
+
+
+def create_swap_manager(engine: Any, config: SitsdConfig, choice: StartupChoice,
+                        telemetry: Any | None) -> Any:  # fmt: skip
+    """The daemon's `SwapManager` for a running `engine`.
+
+    Raises:
+        CanaryFileError: the canary file cannot be used.
+    """
+    # Imported here: torch and the model code; the daemon calls this once the engine runs.
+    from sitsd.weights.canary import read_canary_prompts
+    from sitsd.weights.stager import serving_model_of
+    from sitsd.weights.staging import StagingSettings
+    from sitsd.weights.swap import SwapManager, SwapSettings
+
+    wcfg = config.weights
+    slots = engine.core.runner.slots
+    prompts: list[list[int]] = []
+    if wcfg.canary_file:
+        prompts = read_canary_prompts(wcfg.canary_file, engine.tokenizer, wcfg.canary_max_tokens)
+        if slots.num_slots == 1:
+            log.warning("--canary-file: with one weight slot there is no canary (it compares "
+                        "both slots); versions commit after validation alone")  # fmt: skip
+    staging = StagingSettings(
+        chunk_bytes=wcfg.chunk_bytes,
+        slot_wait_s=config.swap.slot_wait_s,
+        canary_prompts=tuple(tuple(p) for p in prompts) if slots.num_slots == 2 else (),
+        canary_max_kl=wcfg.canary_max_kl,
+        canary_max_tokens=wcfg.canary_max_tokens,
+        watch_root=wcfg.watch_dir,
+    )
+    serving = serving_model_of(slots.arch, engine.tokenizer, slots.dtype, slots.device)
+    registry = startup_registry(choice, slots.active_version)
+    store = ActiveVersionStore(config.server.state_dir) if config.server.state_dir else None
+    settings = SwapSettings(default_policy=config.swap.policy, staging=staging)
+    return SwapManager(engine, registry, serving, settings, store, telemetry)

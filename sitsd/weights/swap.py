@@ -1,0 +1,380 @@
+"""Hot-swap: deploy, swap and roll back weight versions of the served model while it serves.
+
+`SwapManager` lives on the daemon's event loop; one operation runs at a time (a second one is
+refused, `SwapRefusedError`; the watcher waits its turn). A swap's stages, each timed
+(`sitsd_swap_stage_duration_seconds{stage}`, one span each in the swap's own trace) and
+reported as `SwapProgress`:
+
+    verify    manifest.json against every file (sizes, sha256)           stager thread
+    load      open the checkpoint (memory-mapped; pickles refused)       stager thread
+    validate  architecture, tokenizer, names, shapes, dtypes, finite     stager thread
+    stage     copy into the standby slot (a side stream on CUDA)         stager thread
+    canary    prompts on both slots, within a KL bound                   engine thread, per step
+    commit    flip the active slot; in-flight requests per the policy    engine thread, per step
+
+A version failing any check is rejected with the reason (log, `sitsd_swaps_total{outcome=
+"rejected"}`, `ListVersions`) and serving never notices: the standby slot is released to the
+stager only when no request runs on it, and only after every check that needs no slot passed.
+After a commit the previous version stays in the standby slot: a rollback commits it again (or
+restages it from disk when the slot was reused). The active version is persisted before a
+commit is reported, so a restarted daemon comes back on it. With one weight slot, staging only
+validates; the commit copies the version over the slot between two steps (a pause; requests in
+flight are recomputed, `drain` is refused, and there is no canary: it needs a second slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sitsd.engine.async_engine import AsyncEngine
+from sitsd.engine.errors import InvalidRequestError
+from sitsd.engine.swap_phases import SWAP_POLICIES
+from sitsd.weights.errors import SwapFailedError, SwapRefusedError, VersionRejectedError
+from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
+from sitsd.weights.progress import ProgressSink, SwapProgress, ignore_progress
+from sitsd.weights.stager import LoadedVersion, ServingModel, VersionRejected
+from sitsd.weights.staging import StagingSettings, StandbyStager
+from sitsd.weights.versions import (
+    ActiveVersionStore,
+    PersistedVersion,
+    VersionRegistry,
+    VersionState,
+    VersionsView,
+    WeightVersion,
+)
+
+log = logging.getLogger("sitsd.swap")
+
+
+@dataclass(frozen=True)
+class SwapSettings:
+    """What the manager needs of the configuration (`WeightsConfig`, `SwapConfig`)."""
+
+    default_policy: str = "migrate"  # for swaps that name none
+    staging: StagingSettings = field(default_factory=StagingSettings)
+
+
+class _NoTrace:
+    """Stands in for `SwapTrace` when there is no telemetry."""
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        yield
+
+    def finish(self, outcome: str, error: str = "") -> None:
+        pass
+
+
+class SwapManager:
+    """Deploy / swap / rollback / list for one served model (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        registry: VersionRegistry,
+        serving: ServingModel,
+        settings: SwapSettings,
+        store: ActiveVersionStore | None = None,
+        telemetry: Any | None = None,
+    ) -> None:
+        """Args:
+        engine: the running engine.
+        registry: the versions, the serving one registered active.
+        serving: what a new version must match.
+        settings: policies, limits, canary prompts.
+        store: where the active version is persisted (None: not persisted).
+        telemetry: an `Observability` (swap traces, metrics), or None.
+        """
+        self.engine = engine
+        self.registry = registry
+        self.serving = serving
+        self.settings = settings
+        self.store = store
+        self.telemetry = telemetry
+        self.stager = StandbyStager(engine, serving, settings.staging)
+        self._lock = asyncio.Lock()
+        self._operation = ""
+        self._in_place: dict[str, LoadedVersion] = {}  # one slot: validated, awaiting commit
+
+    @property
+    def slots(self) -> Any:
+        return self.engine.core.runner.slots
+
+    @property
+    def busy(self) -> str:
+        """The operation in progress ("" when none)."""
+        return self._operation if self._lock.locked() else ""
+
+    # ----------------------------------------------------------------------------- the API
+
+    def register(self, path: str, version: str = "", source: str = "deploy") -> WeightVersion:
+        """Register the version in directory `path` (staged); its id defaults to the dir name.
+
+        Raises:
+            InvalidRequestError: not a directory, or no readable manifest.
+            VersionConflictError: the id is taken by other content.
+        """
+        directory = Path(path).expanduser()
+        if not directory.is_dir():
+            raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
+        try:
+            digest = read_manifest(directory).digest
+        except (IncompleteVersion, ManifestError) as exc:
+            raise InvalidRequestError(
+                "path", f"{exc}; write one with `sitsctl manifest {path}`"
+            ) from None
+        record, _ = self.registry.register(
+            version or directory.name, str(directory.resolve()), digest, source, VersionState.STAGED
+        )
+        return record
+
+    async def deploy(
+        self, path: str, version: str = "", progress: ProgressSink = ignore_progress
+    ) -> WeightVersion:
+        """Register and stage a version (into the standby slot); it is not committed."""
+        record = self.register(path, version)
+        return await self.stage(record.version, progress)
+
+    async def stage(
+        self, version: str, progress: ProgressSink = ignore_progress, *, wait: bool = False
+    ) -> WeightVersion:
+        """Stage a registered version (into the standby slot) without committing it."""
+        self.registry.get(version)  # NOT_FOUND at once
+        async with self._exclusive(f"deploy of {version}", wait=wait):
+            record = self.registry.get(version)
+            if record.state is VersionState.REJECTED:
+                raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
+            if version not in self._loaded_versions():
+                trace = self._trace(version)
+                await self._stage(record, progress, trace)
+                trace.finish("staged")
+        progress(SwapProgress("staged", version, message="validated; ready to commit"))
+        return self.registry.get(version)
+
+    async def swap(
+        self,
+        version: str,
+        policy: str = "",
+        progress: ProgressSink = ignore_progress,
+        *,
+        wait: bool = False,
+        outcome: str = "committed",
+    ) -> SwapProgress:
+        """Stage `version` if needed, then commit it; returns the "committed" progress.
+
+        Args:
+            version: a registered version.
+            policy: migrate, drain or restart ("" = the daemon's default).
+            progress: told of each step.
+            wait: wait for an operation in progress instead of refusing (the watcher).
+            outcome: the swap's outcome label (rolled_back for a rollback).
+
+        Raises:
+            UnknownVersionError, InvalidRequestError, SwapRefusedError, VersionRejectedError,
+            SwapFailedError.
+        """
+        policy = self._policy(policy)
+        self.registry.get(version)  # NOT_FOUND at once, not after waiting for the lock
+        async with self._exclusive(f"swap to {version}", wait=wait):
+            record = self.registry.get(version)
+            if record.version == self.registry.active:
+                done = SwapProgress("committed", version, policy=policy, message="already active")
+                progress(done)
+                return done
+            if record.state is VersionState.REJECTED:
+                raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
+            trace = self._trace(version)
+            if version not in self._loaded_versions():
+                await self._stage(record, progress, trace)
+            return await self._commit(version, policy, progress, trace, outcome)
+
+    async def rollback(
+        self, policy: str = "", progress: ProgressSink = ignore_progress
+    ) -> SwapProgress:
+        """Commit the version that was active before the current one.
+
+        Raises:
+            SwapRefusedError: there is none (FAILED_PRECONDITION).
+        """
+        previous = self.registry.previous
+        if not previous:
+            raise SwapRefusedError("nothing to roll back to: no version was active before this one")
+        return await self.swap(previous, policy, progress, outcome="rolled_back")
+
+    def versions(self) -> VersionsView:
+        """Every version, and which slot holds which."""
+        status = self.engine.status()
+        where = {}
+        for index, held in enumerate(status.slot_versions):
+            if held:
+                where[held] = "active" if index == status.active_slot else "standby"
+        return VersionsView(
+            self.registry.list(),
+            where,
+            self.registry.active,
+            self.registry.previous,
+            len(status.slot_versions),
+        )
+
+    # ---------------------------------------------------------------------------- staging
+
+    async def _stage(self, record: WeightVersion, progress: ProgressSink, trace: Any) -> None:
+        """Verify, load, validate and (two slots) copy into the standby slot, then canary."""
+        version = record.version
+        if record.state is not VersionState.STAGED:
+            self.registry.set_state(version, VersionState.STAGED)  # restaged from disk
+        try:
+            loaded = await self.stager.stage(record, progress, trace)
+            if self.slots.num_slots == 1:
+                self._in_place[version] = loaded  # copied over the slot by the commit
+        except VersionRejected as exc:
+            self._reject(version, str(exc), progress, trace)
+            raise VersionRejectedError(f"version {version} rejected: {exc}") from None
+        except SwapRefusedError as exc:  # not the version's fault (a drain holds the slot)
+            trace.finish("failed", str(exc))
+            raise
+        except Exception as exc:
+            self._reject(
+                version,
+                f"staging failed: {type(exc).__name__}: {exc}",
+                progress,
+                trace,
+                outcome="failed",
+            )
+            raise
+        self.registry.set_state(version, VersionState.VALIDATED)
+        log.info("weights version %s validated", version, extra={"weights_version": version})
+
+    def _reject(
+        self,
+        version: str,
+        reason: str,
+        progress: ProgressSink,
+        trace: Any,
+        outcome: str = "rejected",
+    ) -> None:
+        self.registry.set_state(version, VersionState.REJECTED, reason)
+        trace.finish(outcome, reason)
+        log.warning(
+            "weights version %s %s: %s",
+            version,
+            outcome,
+            reason,
+            extra={"weights_version": version, "reason": reason},
+        )
+        progress(SwapProgress(outcome, version, message=reason))
+
+    # ----------------------------------------------------------------------------- commit
+
+    async def _commit(
+        self, version: str, policy: str, progress: ProgressSink, trace: Any, outcome: str
+    ) -> SwapProgress:
+        copy_in_place: Callable[[], None] | None = None
+        if self.slots.num_slots == 1:
+            if policy == "drain":
+                raise SwapRefusedError(
+                    "drain needs two weight slots; this daemon has one "
+                    "(--weight-slots): use migrate or restart"
+                )
+            loaded = self._in_place.pop(version)
+            chunk = self.settings.staging.chunk_bytes
+            copy_in_place = lambda: self.slots.copy_into(
+                0, loaded.checkpoint.tensors, chunk_bytes=chunk
+            )
+        with trace.stage("commit"):
+            async for event in self.engine.commit(version, policy, copy_in_place):
+                update = _progress_of(event)
+                if event.kind == "failed":
+                    trace.finish("failed", event.message)
+                    progress(update)
+                    raise SwapFailedError(f"commit of {version} failed: {event.message}")
+                if event.kind == "committed":
+                    break
+                progress(update)
+        self._persist(version)
+        if self.telemetry is not None:
+            self.telemetry.metrics.record_swap_stage("pause", event.pause_s)
+            self.telemetry.metrics.set_weights_version(version)  # rollbacks too
+        trace.finish(outcome)
+        log.info(
+            "weights version %s committed (%s): pause %.2f ms, %d migrated, %d restarted, "
+            "%d draining",
+            version,
+            event.policy,
+            event.pause_s * 1e3,
+            event.num_migrating,
+            event.num_restarted,
+            event.num_draining,
+            extra={"weights_version": version, "pause_ms": round(event.pause_s * 1e3, 3)},
+        )
+        progress(update)
+        return update
+
+    def _persist(self, version: str) -> None:
+        """Record the commit, and persist it (before it is reported)."""
+        self.registry.activate(version)
+        if self.store is None:
+            return
+        active = self.registry.get(version)
+        previous = self.registry.find(self.registry.previous)
+        try:
+            self.store.save(
+                self.registry.model, _persisted(active), _persisted(previous) if previous else None
+            )
+        except OSError as exc:  # the swap stands; a restart would come back on the old one
+            log.error("could not persist the active weights version %s: %s", version, exc)
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _policy(self, policy: str) -> str:
+        policy = policy or self.settings.default_policy
+        if policy not in SWAP_POLICIES:
+            raise InvalidRequestError("policy", f"must be one of {', '.join(SWAP_POLICIES)}")
+        return policy
+
+    def _loaded_versions(self) -> set[str]:
+        return {v for v in self.engine.status().slot_versions if v} | set(self._in_place)
+
+    def _trace(self, version: str) -> Any:
+        if self.telemetry is None:
+            return _NoTrace()
+        return self.telemetry.swap_trace(self.registry.active, version)
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, operation: str, *, wait: bool) -> AsyncIterator[None]:
+        if self._lock.locked() and not wait:
+            raise SwapRefusedError(f"a {self._operation} is in progress; try again when it ends")
+        async with self._lock:
+            self._operation = operation
+            try:
+                yield
+            finally:
+                self._operation = ""
+
+
+def _progress_of(event: Any) -> SwapProgress:
+    stage = "committed" if event.kind == "committed" else "commit"
+    if event.kind == "failed":
+        stage = "failed"
+    return SwapProgress(
+        stage,
+        event.version,
+        message=event.message,
+        policy=event.policy,
+        num_migrating=event.num_migrating,
+        num_caught_up=event.num_caught_up,
+        num_restarted=event.num_restarted,
+        num_draining=event.num_draining,
+        pause_s=event.pause_s,
+        flip_s=event.flip_s,
+    )
+
+
+def _persisted(record: WeightVersion) -> PersistedVersion:
+    return PersistedVersion(record.version, record.path, record.manifest_digest)
