@@ -22,13 +22,18 @@ from urllib.parse import unquote
 
 from sitsd import __version__
 from sitsd.config import (
+    SWAP_POLICIES,
+    WATCH_COMMIT_MODES,
+    WEIGHT_SLOT_MODES,
     CacheConfig,
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
     ServerConfig,
     SitsdConfig,
+    SwapConfig,
     TiersConfig,
+    WeightsConfig,
     parse_size,
 )
 
@@ -119,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_flags(serve.add_argument_group("KV cache"))
     _add_scheduler_flags(serve.add_argument_group("scheduler"))
     _add_tier_flags(serve.add_argument_group("SLA tiers"))
+    _add_weights_flags(serve.add_argument_group("weights and hot-swap"))
     _add_server_flags(serve.add_argument_group("server"))
     _add_observability_flags(serve.add_argument_group("observability"))
     return parser
@@ -297,6 +303,74 @@ def _tiers_from_args(args: argparse.Namespace) -> TiersConfig:
     if args.plugin_dir:
         changes["plugin_dirs"] = (*tiers.plugin_dirs, *args.plugin_dir)
     return dataclasses.replace(tiers, **changes) if changes else tiers
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0.0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
+    w, sw = WeightsConfig(), SwapConfig()
+    group.add_argument(
+        "--watch-dir",
+        default=w.watch_dir,
+        metavar="DIR",
+        help="pick up new weight versions dropped into DIR/<model>/<version>/ once their "
+        "manifest.json is present and every file matches it (default: no watched directory)",
+    )
+    group.add_argument(
+        "--watch-commit",
+        default=w.watch_commit,
+        choices=WATCH_COMMIT_MODES,
+        help="auto: commit a new valid version from the watched directory; stage-only: stage "
+        "it and wait for `sitsctl swap` (default: %(default)s)",
+    )
+    group.add_argument(
+        "--weight-slots",
+        default=w.weight_slots,
+        choices=WEIGHT_SLOT_MODES,
+        help="2: a standby weight slot (a commit flips slots, no pause); 1: a commit copies the "
+        "new weights in place between two steps (a pause); auto: 2 when it fits in memory "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--swap-policy",
+        default=sw.policy,
+        choices=SWAP_POLICIES,
+        help="what a commit does with requests in flight: migrate (recompute their KV under "
+        "the new weights while they decode, then flip), drain (finish on the old weights), "
+        "restart (recompute them on the new ones) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--migration-tokens-per-step",
+        type=_int_at_least(1),
+        default=sw.migration_tokens_per_step,
+        metavar="N",
+        help="KV tokens recomputed for migrating requests per engine step at most "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--canary-file",
+        default=w.canary_file,
+        metavar="FILE",
+        help='prompts (one per line, or JSON lines {"prompt": ...}) whose next-token '
+        "distributions under a new version must stay within --canary-max-kl of the active "
+        "one's before it commits (default: no canary)",
+    )
+    group.add_argument(
+        "--canary-max-kl",
+        type=_positive_float,
+        default=w.canary_max_kl,
+        metavar="NATS",
+        help="mean KL(active || new) per prompt token above which a version is rejected "
+        "(default: %(default)s)",
+    )
 
 
 def _add_server_flags(group: argparse._ArgumentGroup) -> None:
@@ -484,6 +558,16 @@ def config_from_args(
             state_dir=args.state_dir or default_state_dir(environ),
         ),
         observability=observability_config(args, environ, stdout_is_tty=stdout_is_tty),
+        weights=WeightsConfig(
+            watch_dir=args.watch_dir,
+            watch_commit=args.watch_commit,
+            weight_slots=args.weight_slots,
+            canary_file=args.canary_file,
+            canary_max_kl=args.canary_max_kl,
+        ),
+        swap=SwapConfig(
+            policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step
+        ),
     )
 
 

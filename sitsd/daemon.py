@@ -2,14 +2,17 @@
 
 Start-up:  observability (logs, tracer/logger providers, metrics registry) -> admin token
            -> gRPC server up (health NOT_SERVING, Admin answers "loading") -> /metrics up
-           -> engine built on a thread (load, allocate, warm up) -> engine started -> SERVING.
-Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE -> in-flight
-           requests finish (up to the grace period, then aborted) -> engine stopped -> server
-           stopped -> /metrics stopped, spans and logs flushed -> exit 0. A second signal exits
-           at once.
+           -> which weights to serve (the persisted active version, else --model) -> engine
+           built on a thread (load, allocate, warm up) -> engine started -> swap manager and
+           watched directory -> SERVING.
+Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE -> watcher
+           stopped -> in-flight requests finish (up to the grace period, then aborted) -> engine
+           stopped -> server stopped -> /metrics stopped, spans and logs flushed -> exit 0. A
+           second signal exits at once.
 A model that fails to load is logged and the process exits 1, never hangs.
 
 What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (the engine),
+`sitsd.weights.startup` (restart recovery, the swap manager), `sitsd.weights.watcher`,
 `sitsd.observability` (metrics, traces, logs; it is the one place logging is configured).
 """
 
@@ -22,7 +25,7 @@ import secrets
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sitsd.api.server import ApiServer
 from sitsd.cli import ADMIN_TOKEN_FILE_NAME
@@ -118,24 +121,62 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         await server.stop(0)
         return _EXIT_LOAD_FAILED
     stop = _install_signal_handlers()
-    engine = await _load_engine(config, stop, obs)
-    if engine is None:
+    started = await _start_weights(config, stop, obs)
+    if started is None:
         await server.stop(0)
         return 0 if stop.is_set() else _EXIT_LOAD_FAILED
-    await server.attach_engine(engine)
+    engine, swaps, watcher = started
+    await server.attach_engine(engine, swaps)
     log.info("serving %s on port %d", engine.model_info.name, server.port)
     await stop.wait()
+    if watcher is not None:
+        await watcher.stop()
     await _shutdown(server, engine, config.server.shutdown_grace_s)
     return 0
 
 
-async def _load_engine(
+async def _start_weights(
     config: SitsdConfig, stop: asyncio.Event, obs: Observability
+) -> tuple[AsyncEngine, Any, Any] | None:
+    """The engine on the weights to serve, its swap manager, and the watcher (or None).
+
+    None if something failed (logged) or a signal came first.
+    """
+    from sitsd.weights.startup import choose_startup, create_swap_manager
+
+    try:
+        choice = choose_startup(config)
+    except Exception as exc:  # a --model path that does not exist, an unreadable state file
+        log.error("failed to load model %s: %s: %s", config.model.model, type(exc).__name__, exc)
+        return None
+    engine = await _load_engine(choice.config_for(config), stop, obs, choice.version)
+    if engine is None:
+        return None
+    try:
+        swaps = create_swap_manager(engine, config, choice, obs)
+        watcher = None
+        if config.weights.watch_dir:
+            from sitsd.weights.watcher import VersionWatcher
+
+            watcher = VersionWatcher(
+                config.weights.watch_dir, swaps, commit=config.weights.watch_commit,
+                debounce_s=config.weights.watch_debounce_s, metrics=obs.metrics,
+            )  # fmt: skip
+            await watcher.start()
+    except Exception as exc:  # a bad canary file, an unusable watch directory
+        log.error("cannot set up hot-swap: %s: %s", type(exc).__name__, exc)
+        await engine.shutdown(0)
+        return None
+    return engine, swaps, watcher
+
+
+async def _load_engine(
+    config: SitsdConfig, stop: asyncio.Event, obs: Observability, version: str | None
 ) -> AsyncEngine | None:
     """The built engine; None if loading failed (logged) or a signal came first."""
     started = time.monotonic()
     log.info("loading model %s", config.model.model)
-    build = asyncio.ensure_future(_launch_engine(config, obs))
+    build = asyncio.ensure_future(_launch_engine(config, obs, version))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait((build, stopped), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
@@ -157,7 +198,9 @@ async def _load_engine(
     return engine
 
 
-async def _launch_engine(config: SitsdConfig, obs: Observability) -> AsyncEngine:
+async def _launch_engine(
+    config: SitsdConfig, obs: Observability, version: str | None
+) -> AsyncEngine:
     """Build the engine on its own daemon thread, which then runs the step loop.
 
     Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
@@ -166,7 +209,7 @@ async def _launch_engine(config: SitsdConfig, obs: Observability) -> AsyncEngine
     # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
     from sitsd.engine.builder import launch_engine
 
-    return await launch_engine(config, observer=obs.telemetry)
+    return await launch_engine(config, observer=obs.telemetry, weights_version=version)
 
 
 def _install_signal_handlers() -> asyncio.Event:

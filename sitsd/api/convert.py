@@ -10,6 +10,8 @@ from __future__ import annotations
 from sitsd.api.v1 import admin_pb2, inference_pb2
 from sitsd.engine.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
+from sitsd.weights.progress import SwapProgress
+from sitsd.weights.versions import VersionState, WeightVersion
 
 TIER_FROM_PROTO: dict[int, Tier | None] = {
     inference_pb2.TIER_UNSPECIFIED: None,
@@ -31,6 +33,21 @@ DAEMON_STATE_TO_PROTO: dict[str, admin_pb2.DaemonState] = {
     "loading": admin_pb2.DAEMON_STATE_LOADING,
     "serving": admin_pb2.DAEMON_STATE_SERVING,
     "draining": admin_pb2.DAEMON_STATE_DRAINING,
+}
+
+POLICY_FROM_PROTO: dict[int, str] = {
+    admin_pb2.SWAP_POLICY_UNSPECIFIED: "",  # the daemon's default
+    admin_pb2.SWAP_POLICY_MIGRATE: "migrate",
+    admin_pb2.SWAP_POLICY_DRAIN: "drain",
+    admin_pb2.SWAP_POLICY_RESTART: "restart",
+}
+
+VERSION_STATE_TO_PROTO: dict[VersionState, admin_pb2.VersionState] = {
+    VersionState.STAGED: admin_pb2.VERSION_STATE_STAGED,
+    VersionState.VALIDATED: admin_pb2.VERSION_STATE_VALIDATED,
+    VersionState.ACTIVE: admin_pb2.VERSION_STATE_ACTIVE,
+    VersionState.RETIRED: admin_pb2.VERSION_STATE_RETIRED,
+    VersionState.REJECTED: admin_pb2.VERSION_STATE_REJECTED,
 }
 
 # The proto defaults of unset sampling fields (documented in inference.proto).
@@ -170,3 +187,46 @@ def tier_status(stats: TierStats) -> admin_pb2.TierStatus:
     if stats.itl_p99_s is not None:
         message.itl_p99_s = stats.itl_p99_s
     return message
+
+
+def policy_from_proto(value: int) -> str:
+    """The swap policy name of a proto enum value ("" = the daemon's default)."""
+    return POLICY_FROM_PROTO.get(value, "")
+
+
+def swap_progress(progress: SwapProgress) -> admin_pb2.SwapProgress:
+    """One message of a Deploy / Swap / Rollback stream."""
+    message = admin_pb2.SwapProgress(
+        stage=progress.stage,
+        version=progress.version,
+        bytes_done=progress.bytes_done,
+        bytes_total=progress.bytes_total,
+        message=progress.message,
+        policy=progress.policy,
+        num_migrating=progress.num_migrating,
+        num_caught_up=progress.num_caught_up,
+        num_restarted=progress.num_restarted,
+        num_draining=progress.num_draining,
+        pause_ms=progress.pause_s * 1e3,
+        flip_ms=progress.flip_s * 1e3,
+    )
+    if progress.canary_kl >= 0:
+        message.canary_kl = progress.canary_kl
+        message.canary_ppl_ratio = progress.canary_ppl_ratio
+    return message
+
+
+def weight_version(record: WeightVersion, slot: str) -> admin_pb2.WeightVersion:
+    """One version of `ListVersions`; `slot` is "active", "standby" or ""."""
+    return admin_pb2.WeightVersion(
+        version=record.version,
+        path=record.path,
+        state=VERSION_STATE_TO_PROTO[record.state],
+        reason=record.reason,
+        manifest_sha256=record.manifest_digest,
+        source=record.source,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+        active=record.state is VersionState.ACTIVE,
+        slot=slot,
+    )

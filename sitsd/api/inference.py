@@ -81,11 +81,13 @@ class EngineRef:
     def __init__(self) -> None:
         self.started_at = time.monotonic()
         self._engine: EngineLike | None = None
+        self.swaps: Any | None = None  # the weight-version manager, once the engine serves
         self._draining = False
 
-    def attach(self, engine: EngineLike) -> None:
-        """Serve requests with `engine` from now on."""
+    def attach(self, engine: EngineLike, swaps: Any | None = None) -> None:
+        """Serve requests with `engine` (and weight operations with `swaps`) from now on."""
         self._engine = engine
+        self.swaps = swaps
 
     def drain(self) -> None:
         """Refuse new requests from now on (UNAVAILABLE); in-flight ones continue."""

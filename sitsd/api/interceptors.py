@@ -29,6 +29,12 @@ from sitsd.engine.errors import (
     QueueFullError,
 )
 from sitsd.types import AbortCause, FinishReason, RequestDelta
+from sitsd.weights.errors import (
+    SwapFailedError,
+    SwapRefusedError,
+    UnknownVersionError,
+    VersionConflictError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,10 @@ _EXCEPTION_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),  # loading, or shutting down
+    (UnknownVersionError, grpc.StatusCode.NOT_FOUND),
+    (VersionConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (SwapRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # rejected versions too
+    (SwapFailedError, grpc.StatusCode.ABORTED),
 )
 
 

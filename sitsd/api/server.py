@@ -95,9 +95,10 @@ class ApiServer:
         log.info("listening on %s:%d", shown_host, self.port)
         return self.port
 
-    async def attach_engine(self, engine: EngineLike) -> None:
-        """Serve requests with `engine` (loaded and warm) and report SERVING."""
-        self.engines.attach(engine)
+    async def attach_engine(self, engine: EngineLike, swaps: object | None = None) -> None:
+        """Serve requests with `engine` (loaded and warm) and report SERVING; `swaps` (a
+        `sitsd.weights.swap.SwapManager`) serves the Admin weight RPCs."""
+        self.engines.attach(engine, swaps)
         for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
             await self._health.set(service, _SERVING)
 

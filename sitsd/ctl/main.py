@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from sitsd import __version__
-from sitsd.ctl import bench, generate, health, models, status
+from sitsd.ctl import bench, generate, health, models, status, versions
 from sitsd.ctl.client import ADDRESS_ENV, DEFAULT_ADDRESS, TOKEN_ENV, Client, CtlError
 
 COMMANDS = (
@@ -27,6 +27,7 @@ COMMANDS = (
     models,  # models, tokenize
     health,  # health
     bench,  # bench
+    versions,  # manifest, deploy, swap, rollback, versions
 )
 
 

@@ -297,7 +297,11 @@ def _profile_peak_memory(
     return peak
 
 
-async def launch_engine(config: SitsdConfig, observer: EngineObserver | None = None) -> AsyncEngine:
+async def launch_engine(
+    config: SitsdConfig,
+    observer: EngineObserver | None = None,
+    weights_version: str | None = None,
+) -> AsyncEngine:
     """Build the engine on a new thread that then runs its step loop; returns once it serves.
 
     Every torch operation of the daemon thus happens on one thread: on the CPU, a model built
@@ -320,7 +324,7 @@ async def launch_engine(config: SitsdConfig, observer: EngineObserver | None = N
 
     def build_and_run() -> None:
         try:
-            engine = build_engine(config, observer=observer)
+            engine = build_engine(config, observer=observer, weights_version=weights_version)
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(settle, None, exc)

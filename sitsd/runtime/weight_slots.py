@@ -16,6 +16,7 @@ whole version. Which version goes where, and when, is `sitsd.weights.swap`'s bus
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -153,7 +154,7 @@ class WeightSlots:
         total = sum(dst.numel() * dst.element_size() for dst, _ in plan)
         done = 0
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for dst, name in plan:
                 src = tensors[name]
                 for rows in row_chunks(dst, chunk_bytes):
@@ -164,13 +165,3 @@ class WeightSlots:
         if stream is not None:
             stream.synchronize()  # every later step (any stream) sees the whole version
         return total
-
-
-class _no_stream:
-    """A do-nothing context manager standing in for `torch.cuda.stream` on the CPU."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

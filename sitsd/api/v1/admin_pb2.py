@@ -24,21 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sitsd/api/v1/admin.proto\x12\x0csitsd.api.v1\"\x0f\n\rStatusRequest\"\x9f\x03\n\x0eStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.sitsd.api.v1.DaemonState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x19\n\x11scheduling_policy\x18\x0f \x01(\t\x12\'\n\x05tiers\x18\x10 \x03(\x0b\x32\x18.sitsd.api.v1.TierStatus\"\xc7\x02\n\nTierStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x19\n\x11ttft_p99_target_s\x18\x02 \x01(\x01\x12\x18\n\x10itl_p99_target_s\x18\x03 \x01(\x01\x12\x18\n\x10max_queue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tbatch_cap\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\nttft_p99_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\titl_p99_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\n \x01(\r\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x10\n\x08num_shed\x18\x0c \x01(\x04\x12\x15\n\rnum_preempted\x18\r \x01(\x04\x42\r\n\x0b_ttft_p99_sB\x0c\n\n_itl_p99_s*z\n\x0b\x44\x61\x65monState\x12\x1c\n\x18\x44\x41\x45MON_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x41\x45MON_STATE_LOADING\x10\x01\x12\x18\n\x14\x44\x41\x45MON_STATE_SERVING\x10\x02\x12\x19\n\x15\x44\x41\x45MON_STATE_DRAINING\x10\x03\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.sitsd.api.v1.StatusRequest\x1a\x1c.sitsd.api.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sitsd/api/v1/admin.proto\x12\x0csitsd.api.v1\".\n\rDeployRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"H\n\x0bSwapRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x06policy\x18\x02 \x01(\x0e\x32\x18.sitsd.api.v1.SwapPolicy\";\n\x0fRollbackRequest\x12(\n\x06policy\x18\x01 \x01(\x0e\x32\x18.sitsd.api.v1.SwapPolicy\"\xd0\x02\n\x0cSwapProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x04\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x15\n\rnum_migrating\x18\x07 \x01(\r\x12\x15\n\rnum_caught_up\x18\x08 \x01(\r\x12\x15\n\rnum_restarted\x18\t \x01(\r\x12\x14\n\x0cnum_draining\x18\n \x01(\r\x12\x10\n\x08pause_ms\x18\x0b \x01(\x01\x12\x0f\n\x07\x66lip_ms\x18\x0c \x01(\x01\x12\x16\n\tcanary_kl\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x63\x61nary_ppl_ratio\x18\x0e \x01(\x01H\x01\x88\x01\x01\x42\x0c\n\n_canary_klB\x13\n\x11_canary_ppl_ratio\"\x15\n\x13ListVersionsRequest\"\xd8\x01\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.sitsd.api.v1.VersionState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x12\n\nupdated_at\x18\x08 \x01(\x01\x12\x0e\n\x06\x61\x63tive\x18\t \x01(\x08\x12\x0c\n\x04slot\x18\n \x01(\t\"\xbf\x01\n\x14ListVersionsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x08versions\x18\x02 \x03(\x0b\x32\x1b.sitsd.api.v1.WeightVersion\x12\x16\n\x0e\x61\x63tive_version\x18\x03 \x01(\t\x12\x18\n\x10previous_version\x18\x04 \x01(\t\x12\x18\n\x10num_weight_slots\x18\x05 \x01(\r\x12\x1d\n\x15operation_in_progress\x18\x06 \x01(\t\"\x0f\n\rStatusRequest\"\x9f\x03\n\x0eStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.sitsd.api.v1.DaemonState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x19\n\x11scheduling_policy\x18\x0f \x01(\t\x12\'\n\x05tiers\x18\x10 \x03(\x0b\x32\x18.sitsd.api.v1.TierStatus\"\xc7\x02\n\nTierStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x19\n\x11ttft_p99_target_s\x18\x02 \x01(\x01\x12\x18\n\x10itl_p99_target_s\x18\x03 \x01(\x01\x12\x18\n\x10max_queue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tbatch_cap\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\nttft_p99_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\titl_p99_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\n \x01(\r\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x10\n\x08num_shed\x18\x0c \x01(\x04\x12\x15\n\rnum_preempted\x18\r \x01(\x04\x42\r\n\x0b_ttft_p99_sB\x0c\n\n_itl_p99_s*r\n\nSwapPolicy\x12\x1b\n\x17SWAP_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13SWAP_POLICY_MIGRATE\x10\x01\x12\x15\n\x11SWAP_POLICY_DRAIN\x10\x02\x12\x17\n\x13SWAP_POLICY_RESTART\x10\x03*\xb5\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14VERSION_STATE_STAGED\x10\x01\x12\x1b\n\x17VERSION_STATE_VALIDATED\x10\x02\x12\x18\n\x14VERSION_STATE_ACTIVE\x10\x03\x12\x19\n\x15VERSION_STATE_RETIRED\x10\x04\x12\x1a\n\x16VERSION_STATE_REJECTED\x10\x05*z\n\x0b\x44\x61\x65monState\x12\x1c\n\x18\x44\x41\x45MON_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x41\x45MON_STATE_LOADING\x10\x01\x12\x18\n\x14\x44\x41\x45MON_STATE_SERVING\x10\x02\x12\x19\n\x15\x44\x41\x45MON_STATE_DRAINING\x10\x03\x32\xf2\x02\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.sitsd.api.v1.StatusRequest\x1a\x1c.sitsd.api.v1.StatusResponse\x12\x43\n\x06\x44\x65ploy\x12\x1b.sitsd.api.v1.DeployRequest\x1a\x1a.sitsd.api.v1.SwapProgress0\x01\x12?\n\x04Swap\x12\x19.sitsd.api.v1.SwapRequest\x1a\x1a.sitsd.api.v1.SwapProgress0\x01\x12G\n\x08Rollback\x12\x1d.sitsd.api.v1.RollbackRequest\x1a\x1a.sitsd.api.v1.SwapProgress0\x01\x12U\n\x0cListVersions\x12!.sitsd.api.v1.ListVersionsRequest\x1a\".sitsd.api.v1.ListVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sitsd.api.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DAEMONSTATE']._serialized_start=807
-  _globals['_DAEMONSTATE']._serialized_end=929
-  _globals['_STATUSREQUEST']._serialized_start=42
-  _globals['_STATUSREQUEST']._serialized_end=57
-  _globals['_STATUSRESPONSE']._serialized_start=60
-  _globals['_STATUSRESPONSE']._serialized_end=475
-  _globals['_TIERSTATUS']._serialized_start=478
-  _globals['_TIERSTATUS']._serialized_end=805
-  _globals['_ADMIN']._serialized_start=931
-  _globals['_ADMIN']._serialized_end=1007
+  _globals['_SWAPPOLICY']._serialized_start=1765
+  _globals['_SWAPPOLICY']._serialized_end=1879
+  _globals['_VERSIONSTATE']._serialized_start=1882
+  _globals['_VERSIONSTATE']._serialized_end=2063
+  _globals['_DAEMONSTATE']._serialized_start=2065
+  _globals['_DAEMONSTATE']._serialized_end=2187
+  _globals['_DEPLOYREQUEST']._serialized_start=42
+  _globals['_DEPLOYREQUEST']._serialized_end=88
+  _globals['_SWAPREQUEST']._serialized_start=90
+  _globals['_SWAPREQUEST']._serialized_end=162
+  _globals['_ROLLBACKREQUEST']._serialized_start=164
+  _globals['_ROLLBACKREQUEST']._serialized_end=223
+  _globals['_SWAPPROGRESS']._serialized_start=226
+  _globals['_SWAPPROGRESS']._serialized_end=562
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=564
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=585
+  _globals['_WEIGHTVERSION']._serialized_start=588
+  _globals['_WEIGHTVERSION']._serialized_end=804
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=807
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=998
+  _globals['_STATUSREQUEST']._serialized_start=1000
+  _globals['_STATUSREQUEST']._serialized_end=1015
+  _globals['_STATUSRESPONSE']._serialized_start=1018
+  _globals['_STATUSRESPONSE']._serialized_end=1433
+  _globals['_TIERSTATUS']._serialized_start=1436
+  _globals['_TIERSTATUS']._serialized_end=1763
+  _globals['_ADMIN']._serialized_start=2190
+  _globals['_ADMIN']._serialized_end=2560
 # @@protoc_insertion_point(module_scope)

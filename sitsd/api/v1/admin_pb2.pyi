@@ -7,16 +7,140 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SwapPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWAP_POLICY_UNSPECIFIED: _ClassVar[SwapPolicy]
+    SWAP_POLICY_MIGRATE: _ClassVar[SwapPolicy]
+    SWAP_POLICY_DRAIN: _ClassVar[SwapPolicy]
+    SWAP_POLICY_RESTART: _ClassVar[SwapPolicy]
+
+class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERSION_STATE_UNSPECIFIED: _ClassVar[VersionState]
+    VERSION_STATE_STAGED: _ClassVar[VersionState]
+    VERSION_STATE_VALIDATED: _ClassVar[VersionState]
+    VERSION_STATE_ACTIVE: _ClassVar[VersionState]
+    VERSION_STATE_RETIRED: _ClassVar[VersionState]
+    VERSION_STATE_REJECTED: _ClassVar[VersionState]
+
 class DaemonState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DAEMON_STATE_UNSPECIFIED: _ClassVar[DaemonState]
     DAEMON_STATE_LOADING: _ClassVar[DaemonState]
     DAEMON_STATE_SERVING: _ClassVar[DaemonState]
     DAEMON_STATE_DRAINING: _ClassVar[DaemonState]
+SWAP_POLICY_UNSPECIFIED: SwapPolicy
+SWAP_POLICY_MIGRATE: SwapPolicy
+SWAP_POLICY_DRAIN: SwapPolicy
+SWAP_POLICY_RESTART: SwapPolicy
+VERSION_STATE_UNSPECIFIED: VersionState
+VERSION_STATE_STAGED: VersionState
+VERSION_STATE_VALIDATED: VersionState
+VERSION_STATE_ACTIVE: VersionState
+VERSION_STATE_RETIRED: VersionState
+VERSION_STATE_REJECTED: VersionState
 DAEMON_STATE_UNSPECIFIED: DaemonState
 DAEMON_STATE_LOADING: DaemonState
 DAEMON_STATE_SERVING: DaemonState
 DAEMON_STATE_DRAINING: DaemonState
+
+class DeployRequest(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: str
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class SwapRequest(_message.Message):
+    __slots__ = ("version", "policy")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    policy: SwapPolicy
+    def __init__(self, version: _Optional[str] = ..., policy: _Optional[_Union[SwapPolicy, str]] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: SwapPolicy
+    def __init__(self, policy: _Optional[_Union[SwapPolicy, str]] = ...) -> None: ...
+
+class SwapProgress(_message.Message):
+    __slots__ = ("stage", "version", "bytes_done", "bytes_total", "message", "policy", "num_migrating", "num_caught_up", "num_restarted", "num_draining", "pause_ms", "flip_ms", "canary_kl", "canary_ppl_ratio")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
+    FLIP_MS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_KL_FIELD_NUMBER: _ClassVar[int]
+    CANARY_PPL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    version: str
+    bytes_done: int
+    bytes_total: int
+    message: str
+    policy: str
+    num_migrating: int
+    num_caught_up: int
+    num_restarted: int
+    num_draining: int
+    pause_ms: float
+    flip_ms: float
+    canary_kl: float
+    canary_ppl_ratio: float
+    def __init__(self, stage: _Optional[str] = ..., version: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., policy: _Optional[str] = ..., num_migrating: _Optional[int] = ..., num_caught_up: _Optional[int] = ..., num_restarted: _Optional[int] = ..., num_draining: _Optional[int] = ..., pause_ms: _Optional[float] = ..., flip_ms: _Optional[float] = ..., canary_kl: _Optional[float] = ..., canary_ppl_ratio: _Optional[float] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WeightVersion(_message.Message):
+    __slots__ = ("version", "path", "state", "reason", "manifest_sha256", "source", "created_at", "updated_at", "active", "slot")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    path: str
+    state: VersionState
+    reason: str
+    manifest_sha256: str
+    source: str
+    created_at: float
+    updated_at: float
+    active: bool
+    slot: str
+    def __init__(self, version: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., reason: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., active: _Optional[bool] = ..., slot: _Optional[str] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("model", "versions", "active_version", "previous_version", "num_weight_slots", "operation_in_progress")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WEIGHT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    versions: _containers.RepeatedCompositeFieldContainer[WeightVersion]
+    active_version: str
+    previous_version: str
+    num_weight_slots: int
+    operation_in_progress: str
+    def __init__(self, model: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[WeightVersion, _Mapping]]] = ..., active_version: _Optional[str] = ..., previous_version: _Optional[str] = ..., num_weight_slots: _Optional[int] = ..., operation_in_progress: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

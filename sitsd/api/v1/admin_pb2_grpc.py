@@ -26,7 +26,22 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Daemon state and, in later versions, weight management.
+    """Daemon state and weight management (hot-swap).
+
+    Weight versions: a version is a directory (Hugging Face safetensors or GGUF) with a
+    `manifest.json` listing every file's name, size and sha256 (`sitsctl manifest DIR` writes
+    one); its id is the directory name unless Deploy names it. States: staged -> validated ->
+    active -> retired, or rejected with the reason. Two weight slots: a version is staged into
+    the standby slot while the active one serves, and a commit flips them between two engine
+    steps; the previous version stays in the standby slot, so a rollback is another flip.
+
+    The weight RPCs run one at a time: a second one while one runs is FAILED_PRECONDITION. They
+    stream `SwapProgress`; a client that goes away does not stop the operation. Errors:
+    NOT_FOUND (unknown version), INVALID_ARGUMENT (a path that is not a directory, no manifest,
+    an unknown policy), ALREADY_EXISTS (the id names other content), FAILED_PRECONDITION (the
+    version was rejected: the reason; another operation runs; nothing to roll back to; the
+    standby slot still drains; drain with one weight slot), ABORTED (the engine failed the
+    commit; the old version keeps serving).
     """
 
     def __init__(self, channel):
@@ -40,16 +55,86 @@ class AdminStub:
                 request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
                 response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Deploy = channel.unary_stream(
+                '/sitsd.api.v1.Admin/Deploy',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.DeployRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+                _registered_method=True)
+        self.Swap = channel.unary_stream(
+                '/sitsd.api.v1.Admin/Swap',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_stream(
+                '/sitsd.api.v1.Admin/Rollback',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+                _registered_method=True)
+        self.ListVersions = channel.unary_unary(
+                '/sitsd.api.v1.Admin/ListVersions',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """Daemon state and, in later versions, weight management.
+    """Daemon state and weight management (hot-swap).
+
+    Weight versions: a version is a directory (Hugging Face safetensors or GGUF) with a
+    `manifest.json` listing every file's name, size and sha256 (`sitsctl manifest DIR` writes
+    one); its id is the directory name unless Deploy names it. States: staged -> validated ->
+    active -> retired, or rejected with the reason. Two weight slots: a version is staged into
+    the standby slot while the active one serves, and a commit flips them between two engine
+    steps; the previous version stays in the standby slot, so a rollback is another flip.
+
+    The weight RPCs run one at a time: a second one while one runs is FAILED_PRECONDITION. They
+    stream `SwapProgress`; a client that goes away does not stop the operation. Errors:
+    NOT_FOUND (unknown version), INVALID_ARGUMENT (a path that is not a directory, no manifest,
+    an unknown policy), ALREADY_EXISTS (the id names other content), FAILED_PRECONDITION (the
+    version was rejected: the reason; another operation runs; nothing to roll back to; the
+    standby slot still drains; drain with one weight slot), ABORTED (the engine failed the
+    commit; the old version keeps serving).
     """
 
     def Status(self, request, context):
         """A snapshot of the engine: requests, KV cache, prefix cache, model and weights version, and
         each SLA tier's targets, batch cap and live P99 latencies.
         Answers while the model is still loading (state LOADING, engine counters zero).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deploy(self, request, context):
+        """Register the version in directory `path` (read on the daemon's host; any readable path: the
+        watched directory's containment rule is the watcher's) and stage it: verify the manifest,
+        load, validate (architecture, tokenizer, names, shapes, dtypes, finite values), copy into
+        the standby slot, run the canary prompts. Not committed: the last message's stage is
+        "staged".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Swap(self, request, context):
+        """Make `version` (registered by Deploy or the watcher) active: stage it unless it is in a
+        slot already, then commit it between two engine steps; requests in flight follow `policy`.
+        The last message's stage is "committed", with the serving pause.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Commit the version that was active before the current one (a flip when it is still in the
+        standby slot, else restaged from its directory). FAILED_PRECONDITION when there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVersions(self, request, context):
+        """Every version the daemon knows: state, reason if rejected, slot, manifest digest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -63,6 +148,26 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.StatusRequest.FromString,
                     response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.StatusResponse.SerializeToString,
             ),
+            'Deploy': grpc.unary_stream_rpc_method_handler(
+                    servicer.Deploy,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.DeployRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.SerializeToString,
+            ),
+            'Swap': grpc.unary_stream_rpc_method_handler(
+                    servicer.Swap,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.SerializeToString,
+            ),
+            'Rollback': grpc.unary_stream_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.RollbackRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.SerializeToString,
+            ),
+            'ListVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVersions,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'sitsd.api.v1.Admin', rpc_method_handlers)
@@ -72,7 +177,22 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Daemon state and, in later versions, weight management.
+    """Daemon state and weight management (hot-swap).
+
+    Weight versions: a version is a directory (Hugging Face safetensors or GGUF) with a
+    `manifest.json` listing every file's name, size and sha256 (`sitsctl manifest DIR` writes
+    one); its id is the directory name unless Deploy names it. States: staged -> validated ->
+    active -> retired, or rejected with the reason. Two weight slots: a version is staged into
+    the standby slot while the active one serves, and a commit flips them between two engine
+    steps; the previous version stays in the standby slot, so a rollback is another flip.
+
+    The weight RPCs run one at a time: a second one while one runs is FAILED_PRECONDITION. They
+    stream `SwapProgress`; a client that goes away does not stop the operation. Errors:
+    NOT_FOUND (unknown version), INVALID_ARGUMENT (a path that is not a directory, no manifest,
+    an unknown policy), ALREADY_EXISTS (the id names other content), FAILED_PRECONDITION (the
+    version was rejected: the reason; another operation runs; nothing to roll back to; the
+    standby slot still drains; drain with one weight slot), ABORTED (the engine failed the
+    commit; the old version keeps serving).
     """
 
     @staticmethod
@@ -92,6 +212,114 @@ class Admin:
             '/sitsd.api.v1.Admin/Status',
             sitsd_dot_api_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
             sitsd_dot_api_dot_v1_dot_admin__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/Deploy',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.DeployRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Swap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/Swap',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.SwapRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/Rollback',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.SwapProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/ListVersions',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
