@@ -171,6 +171,9 @@ class VersionWatcher:
 
     def _reject(self, version: str, directory: Path, digest: str, reason: str) -> None:
         registry = self.manager.registry
+        known = registry.find(version)
+        if known is not None and known.state is VersionState.REJECTED and known.reason == reason:
+            return  # seen again (more file events): rejected once, counted once
         with contextlib.suppress(VersionConflictError):
             registry.register(version, str(directory), digest or f"rejected:{reason}", "watch",
                               VersionState.STAGED)  # fmt: skip
