@@ -36,7 +36,8 @@ class StartupChoice:
 
     served_name: str  # the model's name for clients, whatever version serves
     model_path: Path  # the checkpoint to load
-    version: str | None  # its version id (None: derived from its files by the builder)
+    version: str | None  # its id: the directory's name for a version directory; None: the
+    # builder derives one from the checkpoint's files (a checkpoint without a manifest)
     restored: PersistedVersion | None  # the persisted version, when it is what serves
     previous: PersistedVersion | None  # the persisted rollback target
 
@@ -86,7 +87,9 @@ def choose_startup(config: SitsdConfig) -> StartupChoice:
             active.version, name, path,
         )  # fmt: skip
     model_path = model_path or resolve_model_path(config.model.model)
-    return StartupChoice(name, model_path, None, None, previous)
+    # A version directory (it has a manifest) is named like any version: by the directory.
+    version = model_path.name if manifest_digest(model_path) else None
+    return StartupChoice(name, model_path, version, None, previous)
 
 
 def startup_registry(choice: StartupChoice, serving_version: str) -> VersionRegistry:

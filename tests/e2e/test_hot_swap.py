@@ -260,7 +260,7 @@ def test_rollback_restores_old_outputs_and_a_sigkilled_daemon_restarts_on_the_co
     try:
         listed = versions_of(daemon)
         assert listed.active_version == "v2"
-        assert listed.previous_version.startswith("v1@")  # the start-up version, persisted
+        assert listed.previous_version == "v1"  # the start-up version directory, persisted
         assert greedy(daemon, prompt) == (new, {"v2"})
         assert "restoring weights version v2" in daemon.log
         rolled = sitsctl(daemon, "rollback", "--no-progress")
