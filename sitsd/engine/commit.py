@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,10 +87,23 @@ class _InFlight:
 class CommitControl:
     """Handles swap commands for the engine core; engine thread only."""
 
-    def __init__(self, scheduler: Scheduler, slots: WeightSlotsLike, observer: EngineObserver):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        slots: WeightSlotsLike,
+        observer: EngineObserver,
+        refresh_status: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Args:
+        scheduler: applies the policy to the requests in flight.
+        slots: the runner's weight slots.
+        observer: told of each migrated request.
+        refresh_status: called before each event, so the engine's status shows its effect.
+        """
         self.scheduler = scheduler
         self.slots = slots
         self.observer = observer
+        self._refresh_status = refresh_status
         self._inflight: _InFlight | None = None
         self._last_step_end = time.monotonic()
 
@@ -205,9 +219,9 @@ class CommitControl:
     def _fail(self, command: SwapCommand, message: str) -> None:
         self._send(command, SwapEvent("failed", command.version, command.policy, message=message))
 
-    @staticmethod
-    def _send(command: SwapCommand, event: SwapEvent) -> None:
+    def _send(self, command: SwapCommand, event: SwapEvent) -> None:
         try:
+            self._refresh_status()
             command.on_event(event)
         except Exception:  # the caller's problem; never the engine thread's
             log.exception("swap event callback failed")

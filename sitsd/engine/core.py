@@ -57,7 +57,10 @@ class PendingStepLike(Protocol):
 class ModelRunnerLike(Protocol):
     """What the core needs of a model runner (see `sitsd.runtime.model_runner.ModelRunner`)."""
 
-    slots: WeightSlotsLike
+    @property
+    def slots(self) -> WeightSlotsLike:
+        """The weight slots: which version each holds, which one is active."""
+        ...
 
     @property
     def overlaps_host_work(self) -> bool:
@@ -94,7 +97,8 @@ class EngineCore:
         self._stopping = threading.Event()
         # Told of requests and steps; a failing hook is logged, never costs a request.
         self.observer = GuardedObserver(observer or NullObserver())
-        self.commits = CommitControl(scheduler, runner.slots, self.observer)
+        # Replies and swap events go out after the status snapshot shows their effect.
+        self.commits = CommitControl(scheduler, runner.slots, self.observer, self._refresh)
         self.num_steps = 0
         # Refusals by `admission_refusal` (the API's thread; read here for the status).
         self._early_refusals: dict[str, int] = {}
@@ -219,7 +223,11 @@ class EngineCore:
         except Exception as exc:  # the caller's failure, reported to it; the loop goes on
             message.reply(None, exc)
         else:
+            self._refresh()  # the caller may read `status()` next: it shows what fn did
             message.reply(result, None)
+
+    def _refresh(self) -> None:
+        self._status = self._snapshot()
 
     def _add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a new request; the finishing delta instead if admission control refuses it."""

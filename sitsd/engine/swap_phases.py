@@ -18,6 +18,7 @@ Which slot holds which version is the runner's business (`sitsd.runtime.weight_s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,8 @@ from sitsd.engine.outputs import MigratedRequest, SchedulerOutput
 from sitsd.engine.request import Request
 
 if TYPE_CHECKING:
-    from sitsd.engine.scheduler import Scheduler
+    from sitsd.engine.kv_cache_manager import KVCacheManager
+    from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
 
 SWAP_POLICIES = ("migrate", "drain", "restart")
 
@@ -44,7 +46,23 @@ class VersionSwitch:
 class SwapPhases:
     """Scheduler methods for weights versions (see the module docstring)."""
 
-    def switch_weights(self: Scheduler, version: str, policy: str) -> VersionSwitch:
+    if TYPE_CHECKING:  # the Scheduler state these methods work on
+        requests: dict[str, Request]
+        running: list[Request]
+        waiting: FcfsQueue | TierQueue
+        kv_cache: KVCacheManager
+        migration: Migration | None
+        last_migration: Migration | None
+        migration_tokens_per_step: int
+        _finished_req_ids: set[str]
+        _now: Callable[[], float]
+
+        def _budget(self, out: SchedulerOutput) -> int: ...
+        def _take_back(self, request: Request, out: SchedulerOutput | None) -> None: ...
+        def _unschedule(self, request: Request, out: SchedulerOutput) -> None: ...
+        def _unschedule_id(self, req_id: str, out: SchedulerOutput) -> None: ...
+
+    def switch_weights(self, version: str, policy: str) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`.
 
         Raises:
@@ -78,14 +96,14 @@ class SwapPhases:
         num_draining = sum(1 for r in self.requests.values() if r.weights_version != version)
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
 
-    def num_on_version(self: Scheduler, version: str) -> int:
+    def num_on_version(self, version: str) -> int:
         """Live requests (shadows included) that run on `version`: its slot is in use."""
         num = sum(1 for r in self.requests.values() if r.weights_version == version)
         if self.migration is not None and self.migration.to_version == version:
             num += len(self.migration.shadows)
         return num
 
-    def _flip_migration(self: Scheduler, out: SchedulerOutput) -> None:
+    def _flip_migration(self, out: SchedulerOutput) -> None:
         """Phase 0: every shadow caught up: its request takes the shadow's KV and version."""
         migration = self.migration
         assert migration is not None
@@ -106,7 +124,7 @@ class SwapPhases:
         migration.flip_s = time.perf_counter() - started
         self.last_migration, self.migration = migration, None
 
-    def _schedule_shadows(self: Scheduler, out: SchedulerOutput) -> None:
+    def _schedule_shadows(self, out: SchedulerOutput) -> None:
         """Phase 2b: shadow chunks; a shadow without blocks: its request is recomputed."""
         migration = self.migration
         assert migration is not None
@@ -115,7 +133,7 @@ class SwapPhases:
             self._take_back(request, out)  # drops the shadow, moves it to the new version
             migration.num_restarted += 1
 
-    def _drop_shadow(self: Scheduler, request: Request, out: SchedulerOutput | None) -> None:
+    def _drop_shadow(self, request: Request, out: SchedulerOutput | None) -> None:
         """Stop migrating `request` (finished or preempted); its shadow's blocks are freed."""
         migration = self.migration
         if migration is None:

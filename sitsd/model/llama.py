@@ -187,7 +187,15 @@ def empty_weights_like(weights: LlamaWeights, *, zero: bool = False) -> LlamaWei
     """A second set of tensors shaped like `weights` (tied embeddings stay tied)."""
     make = torch.zeros_like if zero else torch.empty_like
     layers = [
-        LayerWeights(**{k: None if t is None else make(t) for k, t in vars(layer).items()})
+        LayerWeights(
+            input_norm=make(layer.input_norm),
+            qkv_proj=make(layer.qkv_proj),
+            qkv_bias=None if layer.qkv_bias is None else make(layer.qkv_bias),
+            o_proj=make(layer.o_proj),
+            post_attn_norm=make(layer.post_attn_norm),
+            gate_up_proj=make(layer.gate_up_proj),
+            down_proj=make(layer.down_proj),
+        )
         for layer in weights.layers
     ]
     embed = make(weights.embed_tokens)

@@ -118,7 +118,7 @@ class CanaryRunner:
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @torch.inference_mode()
-    def score(self, runner: Any, token_ids: list[int], new_slot: int) -> CanaryScore:
+    def score(self, runner: Any, prompt: list[int], new_slot: int) -> CanaryScore:
         """One prompt through the active slot and slot `new_slot` (engine thread)."""
         slots, model, block_size = runner.slots, runner.model, runner.block_size
         num_blocks = -(-self.max_tokens // block_size)
@@ -126,9 +126,9 @@ class CanaryRunner:
             self._kv = allocate_kv_caches(
                 slots.arch, num_blocks, block_size, slots.dtype, slots.device
             )
-        n = len(token_ids)
+        n = len(prompt)
         state = CachedRequestState(
-            "canary", token_ids, n, SamplingParams(), 0, list(range(num_blocks)), 0
+            "canary", prompt, n, SamplingParams(), 0, list(range(num_blocks)), 0
         )
         inputs = build_step_inputs([state], {"canary": n}, block_size, slots.device)
         logprobs = []

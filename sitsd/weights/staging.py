@@ -16,13 +16,14 @@ and validate run: the commit copies the loaded version in place.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sitsd.engine.async_engine import AsyncEngine
-from sitsd.weights.canary import CanaryResult, CanaryRunner
+from sitsd.weights.canary import CanaryResult, CanaryRunner, CanaryScore
 from sitsd.weights.errors import SwapRefusedError
 from sitsd.weights.formats import CheckpointError, load_checkpoint
 from sitsd.weights.progress import ByteProgress, ProgressSink, SwapProgress
@@ -145,19 +146,21 @@ class StandbyStager:
             await asyncio.sleep(_SLOT_POLL_S)
 
     async def _run_canary(self, index: int, version: str, progress: ProgressSink) -> CanaryResult:
-        scores = []
+        scores: list[CanaryScore] = []
         for ids in self.settings.canary_prompts:  # one prompt per engine turn
-            prompt = list(ids)
-            score = await self.engine.call(
-                lambda core, prompt=prompt: self._canary.score(core.runner, prompt, index)
-            )
-            scores.append(score)
+            run = functools.partial(_score_on_engine, self._canary, list(ids), index)
+            scores.append(await self.engine.call(run))
         result = CanaryResult(tuple(scores), self.settings.canary_max_kl)
         message = result.describe()
         progress(SwapProgress("canary", version, message=message, canary_kl=result.mean_kl,
                               canary_ppl_ratio=result.ppl_ratio))  # fmt: skip
         log.info("%s", message, extra={"weights_version": version})
         return result
+
+
+def _score_on_engine(canary: CanaryRunner, prompt: list[int], slot: int, core: Any) -> CanaryScore:
+    """Engine thread: one canary prompt through the active slot and `slot`."""
+    return canary.score(core.runner, prompt, slot)
 
 
 def release_standby(core: Any) -> tuple[int | None, str, int]:

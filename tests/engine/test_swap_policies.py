@@ -148,9 +148,10 @@ def test_restart_recomputes_in_flight_requests_on_the_new_version():
     e.assert_all_free()
 
 
-def run_migration(e, prompts, steps_before=4):
+def run_migration(e, prompts, steps_before=4, max_tokens=80):
+    """Requests long enough to outlast the migration; a swap to V1 after `steps_before`."""
     for r, p in prompts.items():
-        e.add(r, p)
+        e.add(r, p, max_tokens=max_tokens)
     for _ in range(steps_before):
         e.step()
     switch = e.swap(V1, "migrate")
@@ -172,7 +173,7 @@ def test_migrate_recomputes_kv_in_shadows_then_flips_every_request_in_one_step()
     for r, p in prompts.items():
         versions = [v for _, v in e.tokens[r]]
         switch_at = versions.index(V1)
-        assert versions == [V0] * switch_at + [V1] * (20 - switch_at)
+        assert versions == [V0] * switch_at + [V1] * (80 - switch_at)
         consistent(e.tokens[r], p)  # after the flip: exactly what V1 makes of that prefix
     assert e.runner.max_versions_in_step == 2  # decodes on V0 next to shadows on V1
     e.assert_all_free()
