@@ -356,6 +356,14 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--staging-cpu-share",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="CPU device: the most of one core staging a new version may use (it sleeps between "
+        "chunks, so decoding keeps its cores); 1 = as fast as it can (default: 0.1)",
+    )
+    group.add_argument(
         "--canary-file",
         default=w.canary_file,
         metavar="FILE",
@@ -564,6 +572,7 @@ def config_from_args(
             weight_slots=args.weight_slots,
             canary_file=args.canary_file,
             canary_max_kl=args.canary_max_kl,
+            staging_cpu_share=args.staging_cpu_share or 0.0,
         ),
         swap=SwapConfig(
             policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step

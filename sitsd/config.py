@@ -145,7 +145,11 @@ class WeightsConfig:
     # Mean KL(active || new) per prompt token, in nats, above which a version is rejected.
     canary_max_kl: float = 0.5
     canary_max_tokens: int = 256  # canary prompts are cut to this many tokens
-    chunk_bytes: int = 64 * 2**20  # staging copies and checks move at most this much at once
+    # Staging copies and checks move at most this much at once (4 MiB on a CPU device).
+    chunk_bytes: int = 64 * 2**20
+    # Of one core, the most staging uses on a CPU device (it sleeps between chunks, so serving
+    # keeps its cores); 0 = 0.1. With CUDA the copies are the GPU's and staging runs unpaced.
+    staging_cpu_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ class SwapConfig:
     policy: str = "migrate"  # migrate, drain or restart; an Admin.Swap call may choose another
     # KV tokens recomputed for migrating requests per engine step at most (the rest of the
     # step's token budget stays with decodes and new requests).
-    migration_tokens_per_step: int = 256
+    migration_tokens_per_step: int = 128
     slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
 
 

@@ -3,7 +3,8 @@
 When a swap commits with `migrate`, every running request that has produced tokens gets a
 shadow: a `Request` that shares its token lists (so it sees every token decoding appends), has
 blocks of its own and the new weights version. The scheduler runs shadows as prefill work on
-the new slot, under a per-step token allowance, next to the decodes that go on on the old slot;
+the new slot, under a per-step token allowance (less the prefill already in the step), next to
+the decodes that go on on the old slot;
 a shadow never samples. A shadow's target in a step is every known token when its original
 computes its last token in the same step, else all but the last one: a flipped request always
 has a token left to compute, and so samples at once.
@@ -98,12 +99,18 @@ class Migration:
         )
 
     def schedule(self, out: SchedulerOutput, budget: int, kv: KVCacheManager) -> list[Request]:
-        """Schedule shadow chunks into `out` within `budget` tokens (after the running requests).
+        """Schedule shadow chunks into `out`, last in the step, within `budget` tokens.
+
+        A step's extra cost is its prefill: shadows get `tokens_per_step` less the prefill
+        tokens already scheduled (a new prompt, a chunk), and at least an eighth of it, so a
+        migration always moves.
 
         Returns:
             Originals whose shadow found no free block: the caller recomputes them instead.
         """
-        allowance = min(budget, self.tokens_per_step)
+        prefill = out.total_num_scheduled_tokens - len(out.num_scheduled_tokens)
+        floor = max(1, self.tokens_per_step // 8)
+        allowance = min(budget, max(floor, self.tokens_per_step - prefill))
         starved = []
         # Nearly caught-up shadows first: keeping them in step is cheap, and then the flip
         # waits only for the ones far behind.

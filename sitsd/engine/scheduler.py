@@ -27,10 +27,10 @@ Weights versions (hot-swap): every request runs on one version, and a step's bat
 (the runner runs one sub-batch per version). `switch_weights`, called by the engine core between
 steps when a swap commits, applies the swap policy to the requests in flight: `drain` leaves
 those that started on the old version, `restart` preempts them onto the new one, `migrate` gives
-each a shadow (`sitsd.engine.migration`) that the `shadows` phase, between the running requests
-and admission, schedules under a per-step allowance; the `flip` phase, first in a step, moves
-them all to their shadows' blocks once every shadow has caught up. Requests that have not
-started yet move to the new version at once.
+each a shadow (`sitsd.engine.migration`) that the `shadows` phase, last in a step, schedules
+under a per-step allowance less the prefill already in the step; the `flip` phase, first in a
+step, moves them all to their shadows' blocks once every shadow has caught up. Requests that
+have not started yet move to the new version at once.
 
 What the model computes is the runner's business; stop strings and text are the detokenizer's;
 the engine core (`core.py`) drives one `schedule()` -> execute -> `update_from_output()` cycle
@@ -90,7 +90,7 @@ class Scheduler(SwapPhases):
         clock: Callable[[], float] = time.monotonic,
         tiers: TiersConfig | None = None,
         controller: BatchController | None = None,
-        migration_tokens_per_step: int = 256,
+        migration_tokens_per_step: int = 128,
     ) -> None:
         """Args:
         config: batch limits and the policy ("tiers" or "fcfs").
@@ -181,8 +181,6 @@ class Scheduler(SwapPhases):
         if self.tiered:
             self.running.sort(key=lambda r: r.tier.rank)  # stable: oldest first within a tier
         preempted = self._schedule_running(out)  # phase 2
-        if self.migration is not None and not preempted:
-            self._schedule_shadows(out)  # phase 2b: migration shadows, before new requests
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
         if not preempted:
@@ -190,6 +188,8 @@ class Scheduler(SwapPhases):
                 self._admit_by_tier(out)  # phase 3
             else:
                 self._admit_fcfs(out)
+            if self.migration is not None:
+                self._schedule_shadows(out)  # phase 4: migration shadows, in what is left
         return out
 
     def _budget(self, out: SchedulerOutput) -> int:

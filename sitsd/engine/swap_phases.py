@@ -9,8 +9,9 @@ the scheduler stays the single writer of request state. It adds
     the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - the `flip` phase (first in a step): once every shadow has caught up, each migrating request
     takes its shadow's blocks and version, and its old blocks are freed;
-  - the `shadows` phase (after the running requests, before admission): shadow chunks under
-    the migration's per-step allowance; a starved shadow's request is recomputed instead.
+  - the `shadows` phase (last in a step, after admission): shadow chunks under the
+    migration's per-step allowance less the step's prefill; a starved shadow's request is
+    recomputed instead.
 
 Which slot holds which version is the runner's business (`sitsd.runtime.weight_slots`).
 """
@@ -93,7 +94,8 @@ class SwapPhases:
                 num_restarted += 1
         if migration.shadows:
             self.migration = migration
-        num_draining = sum(1 for r in self.requests.values() if r.weights_version != version)
+        others = [r for r in self.requests.values() if r.weights_version != version]
+        num_draining = len(others) - len(migration.shadows) if policy == "drain" else 0
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
 
     def num_on_version(self, version: str) -> int:
@@ -125,7 +127,7 @@ class SwapPhases:
         self.last_migration, self.migration = migration, None
 
     def _schedule_shadows(self, out: SchedulerOutput) -> None:
-        """Phase 2b: shadow chunks; a shadow without blocks: its request is recomputed."""
+        """Phase 4: shadow chunks; a shadow without blocks: its request is recomputed."""
         migration = self.migration
         assert migration is not None
         for request in migration.schedule(out, self._budget(out), self.kv_cache):

@@ -3,8 +3,9 @@
 `--canary-file FILE` holds prompts, one per line, or JSON lines `{"prompt": "..."}` or
 `{"token_ids": [...]}` (cut to `canary_max_tokens`). Before a staged version may commit, each
 prompt runs through the active slot and the standby slot: two prefills on the engine thread,
-between two steps, one prompt per engine turn (serving waits at most one prompt's two forward
-passes), over a small KV pool of the canary's own. Per prompt: the mean over its positions of
+one per engine turn (so serving waits at most one short prefill at a time; heavy compute
+stays on the engine thread, see `stager.run_off_engine`), over a small KV pool of the
+canary's own. Per prompt: the mean over its positions of
 KL(active || new) of the next-token distributions, and each version's perplexity on the
 prompt's own tokens. The version is rejected when the mean KL over the prompts exceeds
 `--canary-max-kl` (nats), with the measured values in the reason.
@@ -110,19 +111,20 @@ class CanaryResult:
 
 
 class CanaryRunner:
-    """Scores canary prompts on two weight slots; its private KV pool lives on the engine's
-    device and is used on the engine thread only."""
+    """Canary forward passes over a KV pool of its own (allocated at the first one), on the
+    engine's device; called on the engine thread only."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @torch.inference_mode()
-    def score(self, runner: Any, prompt: list[int], new_slot: int) -> CanaryScore:
-        """One prompt through the active slot and slot `new_slot` (engine thread)."""
+    def logprobs(self, runner: Any, prompt: list[int], slot: int) -> torch.Tensor:
+        """Next-token log-probabilities of every prompt position under slot `slot`'s weights:
+        one prefill ([len(prompt), vocab] float32, left on the device)."""
         slots, model, block_size = runner.slots, runner.model, runner.block_size
         num_blocks = -(-self.max_tokens // block_size)
-        if self._kv is None:  # allocated once, at the first canary
+        if self._kv is None:
             self._kv = allocate_kv_caches(
                 slots.arch, num_blocks, block_size, slots.dtype, slots.device
             )
@@ -131,16 +133,19 @@ class CanaryRunner:
             "canary", prompt, n, SamplingParams(), 0, list(range(num_blocks)), 0
         )
         inputs = build_step_inputs([state], {"canary": n}, block_size, slots.device)
-        logprobs = []
-        for weights in (slots.weights(slots.active), slots.weights(new_slot)):
-            # Each prefill writes all its positions' KV before reading them: the pool is reused.
-            hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta,
-                                   self._kv)  # fmt: skip  # [n, hidden]
-            logprobs.append(torch.log_softmax(model.compute_logits(weights, hidden), -1))
-        active, new = logprobs  # [n, vocab] each
-        kl = (active.exp() * (active - new)).sum(-1).mean()
-        targets = inputs.input_ids[1:n].unsqueeze(-1)  # [n - 1, 1]
-        nll_active = -active[: n - 1].gather(-1, targets).mean()
-        nll_new = -new[: n - 1].gather(-1, targets).mean()
-        # Host syncs: off the serving path (between two steps, once per canary prompt).
-        return CanaryScore(kl.item(), nll_active.item(), nll_new.item(), n)
+        weights = slots.weights(slot)
+        # The prefill writes every position's KV before reading it: the pool is reused.
+        hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, self._kv)
+        return torch.log_softmax(model.compute_logits(weights, hidden), -1)  # [n, vocab]
+
+
+@torch.inference_mode()
+def compare(active: torch.Tensor, new: torch.Tensor, prompt: list[int]) -> CanaryScore:
+    """One prompt's score from its two `CanaryRunner.logprobs` ([n, vocab] each)."""
+    n = len(prompt)
+    kl = (active.exp() * (active - new)).sum(-1).mean()
+    targets = torch.tensor(prompt[1:], device=active.device).unsqueeze(-1)  # [n - 1, 1]
+    nll_active = -active[: n - 1].gather(-1, targets).mean()
+    nll_new = -new[: n - 1].gather(-1, targets).mean()
+    # Host syncs: once per canary prompt, while staging, never in a step.
+    return CanaryScore(kl.item(), nll_active.item(), nll_new.item(), n)

@@ -28,7 +28,7 @@ from sitsd.weights.formats import PICKLE_SUFFIXES
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
-_HASH_CHUNK = 8 * 2**20
+_HASH_CHUNK = 4 * 2**20
 
 # Called with (bytes done, bytes total) while files are hashed.
 Progress = Callable[[int, int], None]

@@ -188,8 +188,9 @@ async def run_off_engine(fn: Callable[[], T], name: str = "sitsd-stager") -> T:
     """Run `fn` on a new daemon thread and await its result.
 
     Not the default executor: `asyncio.run` joins its threads at exit, so a shutdown would wait
-    for a long staging copy. On the CPU the thread uses one torch thread: OpenMP keeps a team
-    per calling thread, and a second full team would slow every engine step down.
+    for a long staging copy. The thread uses one torch thread (OpenMP keeps a team per calling
+    thread; a second full team would fight the engine's for every core). Pacing the work is
+    the caller's (`progress.Pacer`).
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()

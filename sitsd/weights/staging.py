@@ -6,7 +6,8 @@
     validate       against the serving model (`stager.validate`)           stager thread
     stage          take the standby slot from the engine (once no request
                    runs on it: a drain may still hold it), copy into it     stager thread
-    canary         prompts through both slots (`canary.py`)                 engine thread
+    canary         prompts through both slots (`canary.py`), one prefill
+                   per engine turn                                          engine thread
 
 Each stage is timed in the swap's trace. A failed check raises `stager.VersionRejected`; the
 caller (`sitsd.weights.swap.SwapManager`) records it. With one weight slot only verify, load
@@ -23,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from sitsd.engine.async_engine import AsyncEngine
-from sitsd.weights.canary import CanaryResult, CanaryRunner, CanaryScore
+from sitsd.weights.canary import CanaryResult, CanaryRunner, compare
 from sitsd.weights.errors import SwapRefusedError
 from sitsd.weights.formats import CheckpointError, load_checkpoint
-from sitsd.weights.progress import ByteProgress, ProgressSink, SwapProgress
+from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress
 from sitsd.weights.stager import (
     LoadedVersion,
     ServingModel,
@@ -47,6 +48,7 @@ class StagingSettings:
     """Limits of staging (from `WeightsConfig` and `SwapConfig`)."""
 
     chunk_bytes: int = 64 * 2**20  # the most a copy or check moves at once
+    cpu_share: float = 1.0  # of one core, the most the stager uses (it sleeps between chunks)
     slot_wait_s: float = 600.0  # how long to wait for the standby slot to drain
     canary_prompts: tuple[tuple[int, ...], ...] = ()  # token ids; empty: no canary
     canary_max_kl: float = 0.5  # nats
@@ -81,7 +83,9 @@ class StandbyStager:
         with trace.stage("verify"):
             loaded = await run_off_engine(lambda: self._load(record, loop, progress))
         with trace.stage("validate"):
-            on_bytes = ByteProgress(loop, progress, "validate", record.version)
+            on_bytes = ByteProgress(
+                loop, progress, "validate", record.version, pace=Pacer(self.settings.cpu_share)
+            )
             chunk = self.settings.chunk_bytes
             await run_off_engine(
                 lambda: validate(loaded, self.serving, chunk_bytes=chunk, on_progress=on_bytes)
@@ -101,7 +105,9 @@ class StandbyStager:
             except CheckpointError as exc:
                 raise VersionRejected(str(exc)) from None
         root = Path(self.settings.watch_root) if record.source == "watch" else None
-        on_bytes = ByteProgress(loop, progress, "verify", record.version)
+        on_bytes = ByteProgress(
+            loop, progress, "verify", record.version, pace=Pacer(self.settings.cpu_share)
+        )
         loaded = load_version(path, root=root, on_progress=on_bytes)
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
@@ -112,7 +118,10 @@ class StandbyStager:
         self, loaded: LoadedVersion, version: str, progress: ProgressSink, trace: Any
     ) -> None:
         index = await self._reserve_standby(version, progress)
-        on_bytes = ByteProgress(asyncio.get_running_loop(), progress, "stage", version)
+        loop = asyncio.get_running_loop()
+        on_bytes = ByteProgress(
+            loop, progress, "stage", version, pace=Pacer(self.settings.cpu_share)
+        )
         tensors, chunk = loaded.checkpoint.tensors, self.settings.chunk_bytes
         with trace.stage("stage"):
             await run_off_engine(
@@ -145,22 +154,24 @@ class StandbyStager:
             progress(SwapProgress("stage", version, message=message))
             await asyncio.sleep(_SLOT_POLL_S)
 
+    def _logprobs(self, prompt: list[int], slot: int | None, core: Any) -> Any:
+        """Engine thread: one canary prefill on `slot` (None: the active one)."""
+        runner = core.runner
+        return self._canary.logprobs(runner, prompt, runner.slots.active if slot is None else slot)
+
     async def _run_canary(self, index: int, version: str, progress: ProgressSink) -> CanaryResult:
-        scores: list[CanaryScore] = []
-        for ids in self.settings.canary_prompts:  # one prompt per engine turn
-            run = functools.partial(_score_on_engine, self._canary, list(ids), index)
-            scores.append(await self.engine.call(run))
+        scores = []
+        for ids in self.settings.canary_prompts:  # one prefill per engine turn
+            prompt = list(ids)
+            active = await self.engine.call(functools.partial(self._logprobs, prompt, None))
+            new = await self.engine.call(functools.partial(self._logprobs, prompt, index))
+            scores.append(compare(active, new, prompt))
         result = CanaryResult(tuple(scores), self.settings.canary_max_kl)
         message = result.describe()
         progress(SwapProgress("canary", version, message=message, canary_kl=result.mean_kl,
                               canary_ppl_ratio=result.ppl_ratio))  # fmt: skip
         log.info("%s", message, extra={"weights_version": version})
         return result
-
-
-def _score_on_engine(canary: CanaryRunner, prompt: list[int], slot: int, core: Any) -> CanaryScore:
-    """Engine thread: one canary prompt through the active slot and `slot`."""
-    return canary.score(core.runner, prompt, slot)
 
 
 def release_standby(core: Any) -> tuple[int | None, str, int]:

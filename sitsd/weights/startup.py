@@ -29,6 +29,11 @@ from sitsd.weights.versions import (
 
 log = logging.getLogger("sitsd.swap")
 
+# On a CPU device staging shares the cores with the engine's OpenMP team: small pieces, and
+# at most a tenth of one core (bench/bench_swap.py measured what more costs).
+_CPU_CHUNK_BYTES = 4 * 2**20
+_CPU_SHARE = 0.1
+
 
 @dataclass(frozen=True)
 class StartupChoice:
@@ -128,8 +133,10 @@ def create_swap_manager(engine: Any, config: SitsdConfig, choice: StartupChoice,
         if slots.num_slots == 1:
             log.warning("--canary-file: with one weight slot there is no canary (it compares "
                         "both slots); versions commit after validation alone")  # fmt: skip
+    on_cpu = slots.device.type == "cpu"
     staging = StagingSettings(
-        chunk_bytes=wcfg.chunk_bytes,
+        chunk_bytes=min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes,
+        cpu_share=(wcfg.staging_cpu_share or _CPU_SHARE) if on_cpu else 1.0,
         slot_wait_s=config.swap.slot_wait_s,
         canary_prompts=tuple(tuple(p) for p in prompts) if slots.num_slots == 2 else (),
         canary_max_kl=wcfg.canary_max_kl,
