@@ -43,7 +43,8 @@ class Daemon:
     """`sitsd serve --port 0` in a subprocess, until `stop()`."""
 
     def __init__(self, state_dir: str, flags: list[str]) -> None:
-        self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SITSD_STATE_DIR": state_dir}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": state_dir}
         self.log_path = Path(state_dir) / f"daemon-{time.monotonic_ns()}.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
@@ -58,8 +59,8 @@ class Daemon:
                 state_dir,
                 *flags,
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log,
+            stdout=self.log,  # the daemon logs JSON lines to stdout
+            stderr=subprocess.STDOUT,
             env=self.env,
             cwd=REPO_ROOT,
         )
@@ -115,7 +116,13 @@ def main() -> int:
         help="skip the capacity run and use this many requests/s",
     )
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / capacity")
-    parser.add_argument("--tiers", default=str(REPO_ROOT / "bench" / "tiers-cpu.yaml"))
+    parser.add_argument(
+        "--tiers",
+        default=str(REPO_ROOT / "bench" / "tiers-cpu.yaml"),
+        help="tiers file; 'builtin' = the daemon's default (the SITS table, GPU targets)",
+    )
+    parser.add_argument("--model", default="default", help="the daemon's --model")
+    parser.add_argument("--device", default="cpu", help="the daemon's --device")
     parser.add_argument("--prompt-tokens", default="32:128")
     parser.add_argument("--max-tokens", default="16:64")
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -127,9 +134,13 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens]
+    tiers = [] if args.tiers == "builtin" else ["--tiers", args.tiers]
     serve = [
-        "--tiers",
-        args.tiers,
+        *tiers,
+        "--model",
+        args.model,
+        "--device",
+        args.device,
         "--max-num-seqs",
         str(args.max_num_seqs),
         "--max-num-batched-tokens",
@@ -151,8 +162,7 @@ def main() -> int:
                         "--no-progress",
                         "--seed",
                         str(args.seed),
-                        "--tiers",
-                        args.tiers,
+                        *tiers,
                         *lengths,
                     ],
                 )
@@ -174,8 +184,7 @@ def main() -> int:
                         str(args.duration),
                         "--seed",
                         str(args.seed),
-                        "--tiers",
-                        args.tiers,
+                        *tiers,
                         "--deadline",
                         str(args.deadline),
                         "--no-progress",

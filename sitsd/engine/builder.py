@@ -29,7 +29,7 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, build_weights
-from sitsd.model.ops import KernelSet, reference_kernels, triton_kernels
+from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
 from sitsd.runtime.cuda_graphs import decode_buckets
 from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, build_step_inputs
 from sitsd.runtime.kv_cache import (
@@ -76,7 +76,7 @@ def weights_version_of(ckpt: Checkpoint) -> str:
 
 
 def kernels_for(device: torch.device) -> KernelSet:
-    return reference_kernels() if device.type == "cpu" else triton_kernels()
+    return cpu_kernels() if device.type == "cpu" else triton_kernels()
 
 
 @dataclass(frozen=True)

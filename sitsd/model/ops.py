@@ -1,8 +1,9 @@
 """The set of kernels a model runs with, chosen once per runner and passed in explicitly.
 
-On the CPU the model runs the plain-PyTorch references of `sitsd.kernels.reference`; on CUDA,
-the Triton kernels of `sitsd.kernels`. Both take and return the same tensors, so the model code
-is one code path. No module-level switch: a `KernelSet` belongs to the object that uses it.
+On the CPU the model runs `sitsd.model.cpu_kernels` (the plain-PyTorch references of
+`sitsd.kernels.reference`, with fewer torch ops where dispatch cost shows); on CUDA, the Triton
+kernels of `sitsd.kernels`. All take and return the same tensors, so the model code is one
+code path. No module-level switch: a `KernelSet` belongs to the object that uses it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def reference_kernels() -> KernelSet:
         fused_add_rms_norm=reference.fused_add_rms_norm_ref,
         rotary_embedding=reference.rotary_embedding_ref,
         silu_and_mul=reference.silu_and_mul_ref,
+    )
+
+
+def cpu_kernels() -> KernelSet:
+    """The kernels the CPU runner uses: the references' results, fewer torch ops."""
+    from sitsd.model import cpu_kernels as k
+
+    return KernelSet(
+        name="cpu",
+        reshape_and_cache=k.reshape_and_cache,
+        decode_attention=k.decode_attention,
+        prefill_attention=k.prefill_attention,
+        rms_norm=k.rms_norm,
+        fused_add_rms_norm=k.fused_add_rms_norm,
+        rotary_embedding=k.rotary_embedding,
+        silu_and_mul=k.silu_and_mul,
     )
 
 

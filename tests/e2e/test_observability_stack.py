@@ -45,7 +45,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 def daemon(tmp_path_factory, receiver) -> Iterator[DaemonProcess]:
     process = DaemonProcess(
         tmp_path_factory.mktemp("state"),
-        "--model", "default", "--kv-cache-memory", "256MiB", "--max-num-seqs", "4",
+        "--model", "default", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8",
         "--otlp-endpoint", receiver.endpoint,
         # The tier scheduler would refuse part of this burst on a CPU (the SITS targets are
         # GPU targets); this test is about telemetry, so every request must be served.
@@ -139,23 +139,38 @@ def generate(stub, tier: str, max_tokens: int, metadata=()) -> list:
 
 @pytest.fixture(scope="module")
 def load(daemon, prometheus) -> Load:
-    """A traced gold request among concurrent silver and bronze ones, and one bad request."""
+    """A traced gold request among concurrent silver and bronze ones, and one bad request.
+
+    The silver and bronze requests start first and run four times longer, and the traced one
+    starts once they stream, so it shares its steps with them even on a slow two-core machine."""
     load = Load(os.urandom(16).hex(), os.urandom(8).hex())
+    streaming = threading.Event()
     with grpc.insecure_channel(daemon.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         traceparent = [("traceparent", f"00-{load.trace_id}-{load.parent_span_id}-01")]
 
-        def run(name: str, tier: str, metadata=()) -> None:
-            load.responses[name] = generate(stub, tier, MAX_TOKENS, metadata)
+        def background(name: str, tier: str) -> None:
+            request = pb.GenerateRequest(
+                text=f"Tell me about the {tier} tier.",
+                tier=TIERS[tier],
+                ignore_eos=True,
+                sampling=pb.SamplingParams(max_tokens=4 * MAX_TOKENS, temperature=0),
+            )
+            responses = []
+            for response in stub.Generate(request, timeout=120):
+                responses.append(response)
+                streaming.set()
+            load.responses[name] = responses
 
-        threads = [threading.Thread(target=run, args=("traced", "gold", traceparent))]
-        threads += [
-            threading.Thread(target=run, args=(f"{tier}-{i}", tier))
+        threads = [
+            threading.Thread(target=background, args=(f"{tier}-{i}", tier))
             for tier in ("silver", "bronze")
             for i in range(2)
         ]
         for t in threads:
             t.start()
+        assert streaming.wait(120), "no background request streamed"
+        load.responses["traced"] = generate(stub, "gold", MAX_TOKENS, traceparent)
         for t in threads:
             t.join(180)
         with pytest.raises(grpc.RpcError):

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, WeightsError, build_weights
-from sitsd.model.ops import reference_kernels
+from sitsd.model.ops import cpu_kernels, reference_kernels
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
 from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.types import SamplingParams
@@ -47,7 +47,7 @@ CONFIGS = {
 }
 
 
-def build_pair(name):
+def build_pair(name, kernels=reference_kernels):
     cfg = CONFIGS[name]
     for key, value in dict(
         hidden_size=cfg.hidden_size if name == "llama-gqa4-hd32" else 64,
@@ -68,7 +68,7 @@ def build_pair(name):
                     proj.bias.normal_()
     arch = arch_from_hf_config(cfg.to_dict())
     weights = build_weights(arch, hf.state_dict(), "cpu", torch.float32)
-    model = LlamaModel(arch, reference_kernels(), 256, "cpu")
+    model = LlamaModel(arch, kernels(), 256, "cpu")
     return hf, arch, weights, model
 
 
@@ -111,9 +111,10 @@ def test_prefill_logits_match_transformers(name):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", [reference_kernels, cpu_kernels])
 @pytest.mark.parametrize("name", ["llama-gqa2", "llama3-rope-scaling"])
-def test_chunked_prefill_then_decode_match_transformers(name):
-    hf, arch, weights, model = build_pair(name)
+def test_chunked_prefill_then_decode_match_transformers(name, kernels):
+    hf, arch, weights, model = build_pair(name, kernels)
     kv = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
     ids = [random.randrange(arch.vocab_size) for _ in range(40)]
     state = CachedRequestState("a", ids, len(ids), SamplingParams(), 0, shuffled_blocks(11), 0)

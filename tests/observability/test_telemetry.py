@@ -276,7 +276,9 @@ def test_a_failing_observer_never_costs_a_request():
     deltas: queue.Queue[RequestDelta] = queue.Queue()
     core.start(lambda ds: [deltas.put(d) for d in ds])
     try:
-        core.submit(AddRequest("a", [1, 2], SamplingParams(max_tokens=4), None, None, time.monotonic()))
+        core.submit(
+            AddRequest("a", [1, 2], SamplingParams(max_tokens=4), None, None, time.monotonic())
+        )
         got = []
         while not (got and got[-1].finished):
             got.append(deltas.get(timeout=TIMEOUT))
@@ -320,3 +322,25 @@ def test_a_migration_is_a_child_span_of_the_live_request():
     assert migration.parent.span_id == server.get_span_context().span_id
     assert migration.end_time - migration.start_time == pytest.approx(0.25e9, abs=1e3)
     assert migration.attributes["sitsd.weights_version.to"] == "m@2"
+
+
+def test_tier_batch_caps_and_p99_estimates_are_exported_from_the_scheduler(rig):
+    status = rig.core.status()
+    assert status.tiers, "the tiers policy reports each tier"
+    assert wait_for(lambda: rig.value("sitsd_tier_batch_cap", tier="gold") > 0)
+    for tier in status.tiers:
+        assert rig.value("sitsd_tier_batch_cap", tier=tier.tier) == tier.batch_cap
+
+    # The scheduler refreshes its P99s once per control interval while it schedules work.
+    def gold_estimate() -> float:
+        return rig.value("sitsd_tier_p99_estimate_seconds", tier="gold", kind="ttft")
+
+    deadline = time.monotonic() + TIMEOUT
+    n = 0
+    while gold_estimate() == 0 and time.monotonic() < deadline:
+        req_id = f"g{n}"
+        rig.core.submit(AddRequest(req_id, prompt(5), SamplingParams(max_tokens=3), Tier.GOLD,
+                                   None, time.monotonic()))  # fmt: skip
+        rig.until_finished({req_id})
+        n += 1
+    assert gold_estimate() > 0
