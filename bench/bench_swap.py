@@ -2,7 +2,8 @@
 
 1. Write two versions as Hugging Face directories with manifests: CPU: SmolLM2 (the embedded
    weights) and a copy with 1% relative noise; `--device cuda`: random bf16 weights in
-   Llama-3-8B shapes, two seeds (about 16 GB each on disk, under `--work-dir`).
+   Llama-3-8B shapes and a copy with 1% relative noise (about 16 GB each on disk, under
+   `--work-dir`).
 2. Start `sitsd serve` on v1 (fcfs, two weight slots, a canary file) and keep `--clients`
    streaming greedy requests going (a new one as soon as one ends).
 3. After `--steady` seconds, `Admin.Swap` to v2 (staged, validated, canary, committed with
@@ -77,44 +78,18 @@ def write_cpu_versions(work: Path) -> tuple[Path, Path]:
 
 
 def write_gpu_versions(work: Path) -> tuple[Path, Path]:
-    """Random bf16 weights in Llama-3-8B shapes, written once per seed (reused if present)."""
-    import tokenizers
-    import torch
+    """Random bf16 weights in Llama-3-8B shapes (about 16 GB each on disk), generated on the GPU:
+    v1, and v2 = v1 with 1% relative noise; written once (reused when their manifests exist)."""
+    from bench.make_random_model import write
+    from sitsd.weights.manifest import write_manifest
 
-    from bench.bench_gpu import LLAMA3_8B
-    from sitsd.model.llama import expected_shapes
-    from sitsd.weights.export import write_version
-    from sitsd.weights.formats import Checkpoint
-    from sitsd.weights.tokenizer import Tokenizer
-
-    arch = LLAMA3_8B
-    vocab = {f"w{i}": i for i in range(arch.vocab_size)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer = Tokenizer(backend, vocab_size=arch.vocab_size, bos_token_id=1, eos_token_ids=[2])
-    paths = []
-    for seed, name in ((0, "v1"), (1, "v2")):
-        if (work / name / "manifest.json").exists():
-            paths.append(work / name)
-            continue
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        tensors = {}
-        for key, shape in expected_shapes(arch).items():
-            t = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-            if not key.endswith("norm.weight"):
-                t.normal_(0.0, 0.02, generator=gen)
-            tensors[key] = t.cpu()
-        ckpt = Checkpoint(
-            arch=arch,
-            tensors=tensors,
-            tokenizer=tokenizer,
-            name=name,
-            path=work / name,
-            format="hf",
-        )
-        write_version(ckpt, work / name)
-        paths.append(work / name)
-    return paths[0], paths[1]
+    for name, noise in (("v1", 0.0), ("v2", 0.01)):
+        if not (work / name / "manifest.json").exists():
+            started = time.monotonic()
+            write(work / name, "llama-3-8b", seed=0, noise=noise)
+            write_manifest(work / name)
+            print(f"wrote {name} in {time.monotonic() - started:.0f} s", flush=True)
+    return work / "v1", work / "v2"
 
 
 # --------------------------------------------------------------------------------- daemon

@@ -63,13 +63,16 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write(out: Path, shape: str, seed: int = 0) -> None:
+def write(out: Path, shape: str, seed: int = 0, noise: float = 0.0, noise_seed: int = 1) -> None:
+    """`noise` > 0: each random weight w becomes w * (1 + noise * N(0, 1)) (a second version
+    of the same model, as a fine-tune would be)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
            "torch_dtype": "bfloat16", **SHAPES[shape]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
+    noise_gen = torch.Generator(device=device).manual_seed(noise_seed)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, index = 0, 0
     for name, dims in tensor_shapes(cfg).items():
@@ -77,7 +80,12 @@ def write(out: Path, shape: str, seed: int = 0) -> None:
             t = torch.ones(dims, dtype=torch.bfloat16)
         else:
             t = torch.empty(dims, dtype=torch.bfloat16, device=device)
-            t = t.normal_(0.0, 0.02, generator=gen).cpu()
+            t = t.normal_(0.0, 0.02, generator=gen)
+            if noise:
+                jitter = torch.empty(dims, dtype=torch.float32, device=device)
+                jitter.normal_(0.0, noise, generator=noise_gen)
+                t = (t.float() * (1 + jitter)).to(torch.bfloat16)
+            t = t.cpu()
         shard[name] = t
         shard_bytes += t.numel() * 2
         if shard_bytes >= SHARD_BYTES:
