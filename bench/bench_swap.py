@@ -87,7 +87,7 @@ def write_gpu_versions(work: Path) -> tuple[Path, Path]:
         if not (work / name / "manifest.json").exists():
             started = time.monotonic()
             write(work / name, "llama-3-8b", seed=0, noise=noise)
-            write_manifest(work / name)
+            write_manifest(work / name, workers=8)
             print(f"wrote {name} in {time.monotonic() - started:.0f} s", flush=True)
     return work / "v1", work / "v2"
 

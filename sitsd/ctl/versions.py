@@ -11,6 +11,7 @@ rejected version or a refused swap is an error line and exit 1, like every sitsc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -99,7 +100,10 @@ def run_manifest(args: argparse.Namespace, client: Client) -> int:
     bar = _bar(args, "hash")
     try:
         manifest = write_manifest(
-            args.directory, model=args.model, on_progress=bar.bytes if bar else None
+            args.directory,
+            model=args.model,
+            on_progress=bar.bytes if bar else None,
+            workers=min(4, os.cpu_count() or 1),
         )
     except (ManifestError, OSError) as exc:
         raise CtlError(str(exc)) from None

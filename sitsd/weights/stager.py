@@ -77,7 +77,11 @@ def serving_model_of(
 
 
 def load_version(
-    path: Path, *, root: Path | None = None, on_progress: Progress | None = None
+    path: Path,
+    *,
+    root: Path | None = None,
+    on_progress: Progress | None = None,
+    hash_workers: int = 1,
 ) -> LoadedVersion:
     """Verify a version directory against its manifest and open its checkpoint.
 
@@ -85,6 +89,7 @@ def load_version(
         path: the version directory (it must hold `manifest.json`).
         root: the watched directory, for versions found there: every file must resolve in it.
         on_progress: called with (bytes hashed, bytes total).
+        hash_workers: files hashed at once.
 
     Raises:
         VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
@@ -93,7 +98,9 @@ def load_version(
     if not path.is_dir():
         raise VersionRejected(f"{path} is not a directory (a version is a directory)")
     try:
-        manifest = verify_version_dir(path, root=root, on_progress=on_progress)
+        manifest = verify_version_dir(
+            path, root=root, on_progress=on_progress, workers=hash_workers
+        )
     except IncompleteVersion as exc:
         raise VersionRejected(f"incomplete: {exc}") from None
     except ManifestError as exc:

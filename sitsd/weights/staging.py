@@ -41,6 +41,7 @@ from sitsd.weights.versions import WeightVersion
 log = logging.getLogger("sitsd.swap")
 
 _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
+_HASH_WORKERS = 4  # files of a version hashed at once when staging is not paced (GPU)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,9 @@ class StandbyStager:
         on_bytes = ByteProgress(
             loop, progress, "verify", record.version, pace=Pacer(self.settings.cpu_share)
         )
-        loaded = load_version(path, root=root, on_progress=on_bytes)
+        # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees.
+        workers = _HASH_WORKERS if self.settings.cpu_share >= 1.0 else 1
+        loaded = load_version(path, root=root, on_progress=on_bytes, hash_workers=workers)
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
             raise VersionRejected("manifest.json changed since the version was registered")

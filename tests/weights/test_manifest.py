@@ -51,6 +51,28 @@ def test_written_manifest_lists_every_file_with_size_and_sha256(version_dir):
     assert verify_version_dir(version_dir).digest == manifest.digest
 
 
+def test_hashing_files_in_parallel_writes_and_checks_the_same_manifest(version_dir):
+    for i in range(6):
+        (version_dir / f"shard-{i}.safetensors").write_bytes(os.urandom(300_000 + i))
+    serial = write_manifest(version_dir)
+    progress = []
+    parallel = write_manifest(
+        version_dir, workers=4, on_progress=lambda done, total: progress.append((done, total))
+    )
+    assert [(f.name, f.size, f.sha256) for f in parallel.files] == [
+        (f.name, f.size, f.sha256) for f in serial.files
+    ]
+    assert progress[-1] == (serial.total_bytes, serial.total_bytes)
+    assert [done for done, _ in progress] == sorted(done for done, _ in progress)
+    assert verify_version_dir(version_dir, workers=4).digest == parallel.digest
+    shard = version_dir / "shard-4.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=r"checksum mismatch: shard-4.safetensors"):
+        verify_version_dir(version_dir, workers=4)
+
+
 def test_no_manifest_yet_is_incomplete(version_dir):
     with pytest.raises(IncompleteVersion):
         verify_version_dir(version_dir)
