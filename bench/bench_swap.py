@@ -100,7 +100,8 @@ class Daemon:
 
     def __init__(self, work: Path, flags: list[str]) -> None:
         state = work / "state"
-        self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SITSD_STATE_DIR": str(state)}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": str(state)}
         self.log_path = work / "daemon.log"
         self.log = self.log_path.open("w")
         command = [

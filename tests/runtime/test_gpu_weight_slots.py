@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def gpu_runner(tensors, arch, eager: bool, version: str):
     cfg = SitsdConfig(
         model=ModelConfig(device="cuda", dtype="float32", enforce_eager=eager, max_model_len=256),
-        cache=CacheConfig(gpu_memory_utilization=0.3, gpu_memory_limit=8 * 2**30, block_size=16),
+        cache=CacheConfig(gpu_memory_utilization=0.9, gpu_memory_limit=8 * 2**30, block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         weights=WeightsConfig(weight_slots="2"),
     )
