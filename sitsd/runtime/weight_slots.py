@@ -11,7 +11,8 @@ Threads: the engine thread reads `versions` and `active` and flips; a slot is wr
 the engine has released it (`release`, its version becomes None, so no request can run on it),
 by the stager's thread (or by the engine thread itself with one slot). On CUDA the copies run on
 a side stream that is synchronized before the slot is handed back, so every later step sees the
-whole version. Which version goes where, and when, is `sitsd.weights.swap`'s business.
+whole version, from pinned buffers this thread fills (`PinnedUpload`). Which version goes where,
+and when, is `sitsd.weights.swap`'s business.
 """
 
 from __future__ import annotations
@@ -25,6 +26,44 @@ from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaWeights, empty_weights_like, weight_copy_plan
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+class PinnedUpload:
+    """Host-to-device copies from pageable (memory-mapped) tensors through two pinned buffers.
+
+    A copy from pageable memory makes the CUDA driver read the source into its own staging
+    memory itself, page faults on a memory-mapped file included, while it holds locks that the
+    engine thread's launches and copies wait on: measured on an H200, staging 16 GB that way
+    froze decoding for seconds. Here this thread reads the source into a pinned buffer (the
+    page faults are its own), then the GPU copies from it asynchronously on the current stream
+    while the other buffer is filled.
+    """
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device = device
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # each buffer's last upload
+        self._turn = 0
+
+    def upload(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """`src` on the device: copied into `dst` (any dtype, same shape) or a new tensor.
+        Ordered on the current stream; `src` may be reused as soon as this returns."""
+        turn, self._turn = self._turn, self._turn ^ 1
+        nbytes = src.numel() * src.element_size()
+        if nbytes > self._buffers[turn].numel():  # a row longer than the chunk size
+            self._copied[turn].synchronize()
+            self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._copied[turn].synchronize()  # the upload that last read this buffer is done
+        staged = self._buffers[turn][:nbytes].view(src.dtype).view(src.shape)
+        staged.copy_(src)  # the pageable read, on this thread
+        if dst is None:
+            dst = staged.to(self.device, non_blocking=True)
+        elif dst.dtype == src.dtype:
+            dst.copy_(staged, non_blocking=True)
+        else:
+            dst.copy_(staged.to(self.device, non_blocking=True))  # cast on the device
+        self._copied[turn].record()
+        return dst
 
 
 def row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[slice]:
@@ -154,11 +193,15 @@ class WeightSlots:
         total = sum(dst.numel() * dst.element_size() for dst, _ in plan)
         done = 0
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        uploads = PinnedUpload(self.device, chunk_bytes) if stream is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for dst, name in plan:
                 src = tensors[name]
                 for rows in row_chunks(dst, chunk_bytes):
-                    dst[rows].copy_(src[rows])  # [rows, ...]; a pageable source syncs `stream`
+                    if uploads is not None and src.device.type == "cpu":
+                        uploads.upload(src[rows], dst[rows])  # [rows, ...]
+                    else:
+                        dst[rows].copy_(src[rows])
                     done += (rows.stop - rows.start) * dst[0:1].numel() * dst.element_size()
                     if on_progress is not None:
                         on_progress(done, total)

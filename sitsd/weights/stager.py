@@ -28,7 +28,7 @@ import torch
 
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
-from sitsd.runtime.weight_slots import row_chunks
+from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 from sitsd.weights.formats import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
 
@@ -167,17 +167,21 @@ def check_finite(
     done = 0
     on_cuda = serving.device.type == "cuda"
     side = torch.cuda.stream(torch.cuda.Stream(serving.device)) if on_cuda else None
+    uploads = PinnedUpload(serving.device, chunk_bytes) if on_cuda else None
     with torch.inference_mode(), side or contextlib.nullcontext():
         for name in names:
             src = tensors[name]
-            finite = True
+            finite = []  # one flag per chunk; read once per tensor
             for rows in row_chunks(src, chunk_bytes):
-                piece = src[rows].to(device=serving.device, dtype=serving.dtype)  # [rows, ...]
-                finite = finite and bool(torch.isfinite(piece).all())  # host sync, this thread
+                if uploads is not None and src.device.type == "cpu":
+                    piece = uploads.upload(src[rows]).to(serving.dtype)  # [rows, ...]
+                else:
+                    piece = src[rows].to(device=serving.device, dtype=serving.dtype)
+                finite.append(torch.isfinite(piece).all())
                 done += piece.numel() * src.element_size()
                 if on_progress is not None:
                     on_progress(done, total)
-            if not finite:
+            if not bool(torch.stack(finite).all()):  # host sync, this thread
                 dtype = str(serving.dtype).removeprefix("torch.")
                 raise VersionRejected(f"{name} holds NaN or Inf values (in {dtype})")
 

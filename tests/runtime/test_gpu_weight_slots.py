@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def gpu_runner(tensors, arch, eager: bool, version: str):
     cfg = SitsdConfig(
         model=ModelConfig(device="cuda", dtype="float32", enforce_eager=eager, max_model_len=256),
-        cache=CacheConfig(gpu_memory_utilization=0.9, gpu_memory_limit=8 * 2**30, block_size=16),
+        cache=CacheConfig(num_blocks=64, block_size=16),  # the pool fixed: runners coexist
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         weights=WeightsConfig(weight_slots="2"),
     )
@@ -53,3 +53,22 @@ def test_each_slot_replays_its_own_graphs_and_the_flip_moves_no_memory():
         assert {r: mixed[f"{r}-{version}"] for r in prompts} == want
         del eager
         torch.cuda.empty_cache()
+
+
+def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
+    from sitsd.weights.stager import ServingModel, VersionRejected, check_finite
+
+    arch, tensors = tiny(random.randrange(1000))
+    serving = ServingModel(arch, {}, (), torch.bfloat16, torch.device("cuda"))
+    names = sorted(tensors)
+    check_finite(tensors, names, serving, chunk_bytes=4096)  # many chunks, two pinned buffers
+    name = max(names, key=lambda n: tensors[n].numel())
+    bad = dict(tensors)
+    bad[name] = tensors[name].clone()
+    bad[name].view(-1)[-1] = float("nan")  # in the last chunk
+    with pytest.raises(VersionRejected, match=name):
+        check_finite(bad, names, serving, chunk_bytes=4096)
+    bad[name] = tensors[name].clone()
+    bad[name].view(-1)[0] = float("inf")  # in the first
+    with pytest.raises(VersionRejected, match=name):
+        check_finite(bad, names, serving, chunk_bytes=4096)
