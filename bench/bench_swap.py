@@ -237,6 +237,8 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path) -> list[str]:
         "--swap-policy",
         args.policy,
     ]
+    if args.migration_tokens_per_step is not None:
+        flags += ["--migration-tokens-per-step", str(args.migration_tokens_per_step)]
     if args.canary:
         (work / "canary.txt").write_text("\n".join(CANARY) + "\n")
         flags += ["--canary-file", str(work / "canary.txt"), "--canary-max-kl", "5"]
@@ -383,6 +385,12 @@ def main() -> int:
         type=float,
         default=3.0,
         help="seconds after the commit counted as around it (default 3)",
+    )
+    parser.add_argument(
+        "--migration-tokens-per-step",
+        type=int,
+        default=None,
+        help="the daemon's --migration-tokens-per-step (default: the daemon's)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where versions are written")

@@ -350,10 +350,10 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--migration-tokens-per-step",
         type=_int_at_least(1),
-        default=sw.migration_tokens_per_step,
+        default=sw.migration_tokens_per_step or None,
         metavar="N",
         help="KV tokens recomputed for migrating requests per engine step at most "
-        "(default: %(default)s)",
+        "(default: 32 on a CPU, 128 on a GPU)",
     )
     group.add_argument(
         "--staging-cpu-share",
@@ -575,7 +575,7 @@ def config_from_args(
             staging_cpu_share=args.staging_cpu_share or 0.0,
         ),
         swap=SwapConfig(
-            policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step
+            policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step or 0
         ),
     )
 

@@ -122,7 +122,7 @@ def build_engine(
     )
     scheduler = Scheduler(
         config.scheduler, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller,
-        migration_tokens_per_step=config.swap.migration_tokens_per_step,
+        migration_tokens_per_step=config.swap.tokens_per_step(str(runner.device.type)),
     )  # fmt: skip
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,
