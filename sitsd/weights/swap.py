@@ -297,7 +297,7 @@ class SwapManager:
                 if event.kind == "committed":
                     break
                 progress(update)
-        self._persist(version)
+        await self._persist(version)
         if self.telemetry is not None:
             self.telemetry.metrics.record_swap_stage("pause", event.pause_s)
             self.telemetry.metrics.set_weights_version(version)  # rollbacks too
@@ -316,16 +316,23 @@ class SwapManager:
         progress(update)
         return update
 
-    def _persist(self, version: str) -> None:
-        """Record the commit, and persist it (before it is reported)."""
+    async def _persist(self, version: str) -> None:
+        """Record the commit, and persist it (before it is reported).
+
+        The write's fsyncs run on a thread: right after gigabytes of weights were copied, an
+        fsync can wait seconds for the disk, and every stream's tokens go out on this loop.
+        """
         self.registry.activate(version)
         if self.store is None:
             return
         active = self.registry.get(version)
         previous = self.registry.find(self.registry.previous)
         try:
-            self.store.save(
-                self.registry.model, _persisted(active), _persisted(previous) if previous else None
+            await asyncio.to_thread(
+                self.store.save,
+                self.registry.model,
+                _persisted(active),
+                _persisted(previous) if previous else None,
             )
         except OSError as exc:  # the swap stands; a restart would come back on the old one
             log.error("could not persist the active weights version %s: %s", version, exc)

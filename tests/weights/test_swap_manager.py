@@ -4,10 +4,12 @@ versions, the canary, one weight slot, and a hundred swaps under load without a 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,35 @@ def test_deploy_stages_into_the_standby_slot_then_swap_flips_to_it_and_persists(
     assert state["models"]["v1"]["active"]["version"] == "v2"
     assert state["models"]["v1"]["previous"]["version"] == v1
     assert swaps_counted(served, "committed") == 1
+
+
+def test_a_slow_disk_at_the_commit_does_not_hold_up_the_event_loop(served, versions):
+    store, save = served.manager.store, served.manager.store.save
+    saved = []
+
+    def slow_save(*args):  # an fsync behind gigabytes of dirty pages
+        time.sleep(1.0)
+        save(*args)
+        saved.append(time.monotonic())
+
+    store.save = slow_save
+    served.run(served.manager.deploy(str(versions["v2"]), "", served.progress.append))
+
+    async def swap_while_ticking() -> tuple[float, float]:
+        ticks = [time.monotonic()]
+        swap = asyncio.ensure_future(served.manager.swap("v2", "", served.progress.append))
+        while not swap.done():
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+        await swap
+        return max(b - a for a, b in itertools.pairwise(ticks)), time.monotonic()
+
+    longest_gap, returned = served.run(swap_while_ticking())
+    assert longest_gap < 0.5
+    assert len(saved) == 1
+    assert saved[0] <= returned  # persisted before the swap was reported
+    state = json.loads((Path(served.config.server.state_dir) / ACTIVE_STATE_FILE).read_text())
+    assert state["models"][served.manager.registry.model]["active"]["version"] == "v2"
 
 
 def test_rollback_flips_back_to_the_previous_outputs_and_needs_a_previous_version(served, versions):
