@@ -55,6 +55,7 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
 SERVING = re.compile(r"serving \S+ on port \d+")
 SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
+TYPICAL_GAP = re.compile(r"steps are ([\d.]+) ms apart otherwise")
 STAGES = ("verify", "validate", "stage", "canary", "commit", "pause")
 CANARY = [
     "The capital of France is",
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         load.stop_event.set()
         load.thread.join(600)
         stages = daemon.stage_seconds()
+        gap = TYPICAL_GAP.search(daemon.log_path.read_text())
+        marks["typical_gap_ms"] = float(gap.group(1)) if gap else float("nan")
     finally:
         daemon.stop()
     return summarize(args, load, marks, stages, slot_mib)
@@ -315,6 +318,7 @@ def summarize(
         "p99_ratio_staging": staging["p99_ms"] / steady["p99_ms"],
         "pause_ms": last.pause_ms,
         "flip_ms": last.flip_ms,
+        "typical_gap_ms": marks["typical_gap_ms"],
         "num_migrating": last.num_migrating,
         "num_restarted": last.num_restarted,
         "num_draining": last.num_draining,
@@ -355,6 +359,7 @@ def table(r: dict, load_before: float, load_after: float) -> str:
             f"{r['pause_ms']:.3f} ms",
             "< 1 ms (GPU)" if r["device"] == "cuda" else "",
         ),
+        ("the step gap otherwise (median)", f"{r['typical_gap_ms']:.3f} ms", ""),
         ("the flip itself", f"{r['flip_ms']:.3f} ms", ""),
         (
             f"requests in flight ({r['policy']})",

@@ -168,6 +168,7 @@ class SwapConfig:
         if self.migration_tokens_per_step:
             return self.migration_tokens_per_step
         return 32 if device == "cpu" else 128
+
     slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
 
 

@@ -11,7 +11,8 @@ and reports `SwapEvent`s through the command's `on_event`: "migrating" (with pro
 each step) while shadows catch up, then "committed" (or "failed"). A migration commits at the
 start of the step in which every shadow has caught up (the scheduler's flip phase). The event
 carries the flip's own time and the serving pause: the gap between the end of the last step
-before the flip and the start of the first step after it (flip included).
+before the flip and the start of the first step after it (flip included), and, to compare it
+with, the median gap between two busy steps before it.
 
 Which version goes in which slot, and validating it, is `sitsd.weights.swap`'s business.
 """
@@ -19,7 +20,9 @@ Which version goes in which slot, and validating it, is `sitsd.weights.swap`'s b
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +34,9 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.swap_phases import VersionSwitch
 
 log = logging.getLogger(__name__)
+
+_GAP_WINDOW = 64  # step gaps remembered, for the typical gap a commit's pause compares with
+_IDLE_GAP_S = 0.1  # a longer gap between steps is the engine waiting for work
 
 
 class WeightSlotsLike(Protocol):
@@ -71,6 +77,7 @@ class SwapEvent:
     num_draining: int = 0  # requests left to finish on the old weights
     flip_s: float = 0.0  # the flip itself (the in-place copy with one slot)
     pause_s: float = 0.0  # longest time between two steps around the flip
+    typical_gap_s: float = 0.0  # the median time between two busy steps before the commit
     message: str = ""  # why it failed
 
 
@@ -106,6 +113,7 @@ class CommitControl:
         self._refresh_status = refresh_status
         self._inflight: _InFlight | None = None
         self._last_step_end = time.monotonic()
+        self._gaps: deque[float] = deque(maxlen=_GAP_WINDOW)  # recent gaps between busy steps
 
     @property
     def busy(self) -> bool:
@@ -144,6 +152,8 @@ class CommitControl:
 
     def on_step_start(self, now: float) -> None:
         """Before `schedule()`: a flip waiting for its pause to be measured reports it."""
+        if now - self._last_step_end < _IDLE_GAP_S:
+            self._gaps.append(now - self._last_step_end)
         inflight = self._inflight
         if inflight is not None and inflight.flipped:
             self._committed(inflight, pause_s=max(now - self._last_step_end, inflight.flip_s))
@@ -213,6 +223,7 @@ class CommitControl:
             num_draining=switch.num_draining,
             flip_s=inflight.flip_s,
             pause_s=pause_s,
+            typical_gap_s=statistics.median(self._gaps) if self._gaps else 0.0,
         )
         self._send(inflight.command, event)
 

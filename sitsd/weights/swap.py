@@ -303,11 +303,12 @@ class SwapManager:
             self.telemetry.metrics.set_weights_version(version)  # rollbacks too
         trace.finish(outcome)
         log.info(
-            "weights version %s committed (%s): pause %.2f ms, %d migrated, %d restarted, "
-            "%d draining",
+            "weights version %s committed (%s): pause %.2f ms (steps are %.2f ms apart "
+            "otherwise), %d migrated, %d restarted, %d draining",
             version,
             event.policy,
             event.pause_s * 1e3,
+            event.typical_gap_s * 1e3,
             event.num_migrating,
             event.num_restarted,
             event.num_draining,

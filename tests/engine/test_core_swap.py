@@ -79,6 +79,7 @@ def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_t
         assert done[-1].kind == "committed"
         assert done[-1].num_migrating == 3
         assert done[-1].pause_s >= done[-1].flip_s > 0
+        assert 0 < done[-1].typical_gap_s < 0.1  # busy steps ran before the commit
         deltas = sink.until_finished(set(prompts))
         for r, p in prompts.items():
             prev = p[-1]
