@@ -2,9 +2,10 @@
 
 `build_parser()` declares every flag (each help text states its default) and
 `config_from_args()` turns the parsed flags plus the environment into one frozen `SitsdConfig`.
-This is the only module of the daemon that reads the environment (the standard `OTEL_*`
-variables included: `observability_config`). Running the daemon is
-`sitsd.daemon`'s business, imported only when `serve` runs so `--help` stays fast.
+This is the only module of the daemon that reads the environment (it hands the standard
+`OTEL_*` variables to `sitsd.cli_observability`; flag value types are `sitsd.flag_types`).
+Running the daemon is `sitsd.daemon`'s business, imported only when `serve` runs so `--help`
+stays fast.
 
     sitsd serve --model default --port 50051 --kv-cache-memory 512MiB
     sitsd --version
@@ -16,34 +17,38 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from urllib.parse import unquote
 
 from sitsd import __version__
+from sitsd.cli_observability import add_observability_flags, observability_config
 from sitsd.config import (
     SWAP_POLICIES,
     WATCH_COMMIT_MODES,
     WEIGHT_SLOT_MODES,
     CacheConfig,
     ModelConfig,
-    ObservabilityConfig,
     SchedulerConfig,
     ServerConfig,
     SitsdConfig,
     SwapConfig,
     TiersConfig,
     WeightsConfig,
-    parse_size,
+)
+from sitsd.flag_types import (
+    fraction,
+    int_at_least,
+    positive_float,
+    seconds,
+    size,
+    tiers_file,
 )
 
 STATE_DIR_ENV = "SITSD_STATE_DIR"
 SCHEDULING_POLICIES = ("tiers", "fcfs")
 TIER_NAMES = ("gold", "silver", "bronze")
 ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
-LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOG_FORMATS = ("json", "console")
 
 
 def default_state_dir(environ: Mapping[str, str]) -> str:
@@ -52,59 +57,6 @@ def default_state_dir(environ: Mapping[str, str]) -> str:
         return environ[STATE_DIR_ENV]
     state_home = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(state_home) / "sitsd")
-
-
-# ------------------------------------------------------------------------- argument types
-
-
-def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _tiers_file(text: str) -> TiersConfig:
-    from sitsd.engine.tiers import load_tiers_file  # yaml and the plugin loader: only when used
-
-    try:
-        return load_tiers_file(text)
-    except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -126,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tier_flags(serve.add_argument_group("SLA tiers"))
     _add_weights_flags(serve.add_argument_group("weights and hot-swap"))
     _add_server_flags(serve.add_argument_group("server"))
-    _add_observability_flags(serve.add_argument_group("observability"))
+    add_observability_flags(serve.add_argument_group("observability"))
     return parser
 
 
@@ -156,14 +108,14 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-model-len",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=d.max_model_len,
         metavar="N",
         help="context length served in tokens; 0 = the model's own (default: %(default)s)",
     )
     group.add_argument(
         "--num-threads",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=d.num_threads,
         metavar="N",
         help="torch threads on CPU; 0 = torch's default (default: %(default)s)",
@@ -179,14 +131,14 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     d = CacheConfig()
     group.add_argument(
         "--block-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=d.block_size,
         metavar="N",
         help="tokens per KV cache block (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-memory",
-        type=_size,
+        type=size,
         default=d.kv_cache_memory,
         metavar="SIZE",
         help="memory for the KV cache on CPU, e.g. 512MiB or 2GiB; on CUDA the pool is "
@@ -194,21 +146,21 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--num-kv-blocks",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=d.num_blocks,
         metavar="N",
         help="force the number of KV blocks; 0 = from the memory budget (default: %(default)s)",
     )
     group.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction,
+        type=fraction,
         default=d.gpu_memory_utilization,
         metavar="FRACTION",
         help="fraction of the GPU's memory sitsd may use (default: %(default)s)",
     )
     group.add_argument(
         "--gpu-memory-limit",
-        type=_size,
+        type=size,
         default=d.gpu_memory_limit,
         metavar="SIZE",
         help="treat the GPU as this large, e.g. 20GiB, to share it; the KV pool and "
@@ -225,21 +177,21 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
     d = SchedulerConfig()
     group.add_argument(
         "--max-num-seqs",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=d.max_num_seqs,
         metavar="N",
         help="requests in one batch at most (default: %(default)s)",
     )
     group.add_argument(
         "--max-num-batched-tokens",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=d.max_num_batched_tokens,
         metavar="N",
         help="tokens computed in one step at most (default: %(default)s)",
     )
     group.add_argument(
         "--max-num-waiting",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=d.max_num_waiting,
         metavar="N",
         help="queued requests beyond which new ones are refused with RESOURCE_EXHAUSTED "
@@ -247,7 +199,7 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-tokens-default",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=d.max_tokens_default,
         metavar="N",
         help="completion length of requests that set no max_tokens (default: %(default)s)",
@@ -265,7 +217,7 @@ def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--tiers",
-        type=_tiers_file,
+        type=tiers_file,
         default=None,
         metavar="FILE",
         help="YAML file with the tiers' TTFT/inter-token P99 targets, queue waits and batch "
@@ -305,16 +257,6 @@ def _tiers_from_args(args: argparse.Namespace) -> TiersConfig:
     return dataclasses.replace(tiers, **changes) if changes else tiers
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     w, sw = WeightsConfig(), SwapConfig()
     group.add_argument(
@@ -349,7 +291,7 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--migration-tokens-per-step",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=sw.migration_tokens_per_step or None,
         metavar="N",
         help="KV tokens recomputed for migrating requests per engine step at most "
@@ -357,7 +299,7 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--staging-cpu-share",
-        type=_fraction,
+        type=fraction,
         default=None,
         metavar="FRACTION",
         help="CPU device: the most of one core staging a new version may use (it sleeps between "
@@ -373,7 +315,7 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--canary-max-kl",
-        type=_positive_float,
+        type=positive_float,
         default=w.canary_max_kl,
         metavar="NATS",
         help="mean KL(active || new) per prompt token above which a version is rejected "
@@ -386,7 +328,7 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
     group.add_argument(
         "--port",
-        type=_int_at_least(0, 65535),
+        type=int_at_least(0, 65535),
         default=d.port,
         help="gRPC port; 0 = a free one, logged at start-up (default: %(default)s)",
     )
@@ -405,126 +347,10 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--shutdown-grace",
-        type=_seconds,
+        type=seconds,
         default=d.shutdown_grace_s,
         metavar="SECONDS",
         help="how long SIGTERM waits for in-flight requests (default: %(default)s)",
-    )
-
-
-def _add_observability_flags(group: argparse._ArgumentGroup) -> None:
-    d = ObservabilityConfig()
-    group.add_argument(
-        "--log-level",
-        default=d.log_level,
-        choices=LOG_LEVELS,
-        help="log verbosity (default: %(default)s)",
-    )
-    group.add_argument(
-        "--log-format",
-        default=None,
-        choices=LOG_FORMATS,
-        help="stdout log lines: json objects or console text (default: console on a terminal, "
-        "json otherwise)",
-    )
-    group.add_argument(
-        "--metrics-port",
-        type=_int_at_least(0, 65535),
-        default=d.metrics_port,
-        metavar="PORT",
-        help="Prometheus /metrics port; 0 = a free one, logged at start-up (default: %(default)s)",
-    )
-    group.add_argument(
-        "--metrics-host",
-        default=d.metrics_host,
-        metavar="HOST",
-        help="address of /metrics (default: the --host address)",
-    )
-    group.add_argument(
-        "--no-metrics", action="store_true", help="do not serve /metrics (default: served)"
-    )
-    group.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        metavar="URL",
-        help="OTLP/gRPC collector for traces and logs, e.g. http://localhost:4317 (default: "
-        "$OTEL_EXPORTER_OTLP_ENDPOINT, else nothing is exported)",
-    )
-    group.add_argument(
-        "--service-name",
-        default=None,
-        metavar="NAME",
-        help="OTel service.name (default: $OTEL_SERVICE_NAME, else sitsd)",
-    )
-    group.add_argument(
-        "--trace-sample-ratio",
-        type=_fraction_or_zero,
-        default=None,
-        metavar="FRACTION",
-        help="fraction of new traces kept; a caller's sampling decision is kept (default: "
-        "$OTEL_TRACES_SAMPLER_ARG, else 1)",
-    )
-    group.add_argument(
-        "--no-step-spans",
-        action="store_true",
-        help="no engine.step span per step (default: one per step, linked to its requests)",
-    )
-
-
-def _fraction_or_zero(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def _key_values(text: str) -> tuple[tuple[str, str], ...]:
-    """`k1=v1,k2=v2` (the OTEL_* list format, values URL-encoded) as pairs."""
-    pairs = []
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if sep and key.strip():
-            pairs.append((unquote(key.strip()), unquote(value.strip())))
-    return tuple(pairs)
-
-
-def observability_config(
-    args: argparse.Namespace, environ: Mapping[str, str], *, stdout_is_tty: bool = False
-) -> ObservabilityConfig:
-    """Observability settings: the flags first, then the standard `OTEL_*` variables."""
-    endpoint = args.otlp_endpoint
-    if endpoint is None:
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        endpoint = ""
-    if endpoint.startswith("https://"):
-        insecure = False
-    elif endpoint.startswith("http://"):
-        insecure = True
-    else:  # no scheme: plaintext unless told otherwise (the collector is usually a sidecar)
-        insecure = environ.get("OTEL_EXPORTER_OTLP_INSECURE", "true").lower() != "false"
-    ratio = args.trace_sample_ratio
-    if ratio is None:
-        ratio = 1.0
-        if environ.get("OTEL_TRACES_SAMPLER_ARG"):
-            ratio = _fraction_or_zero(environ["OTEL_TRACES_SAMPLER_ARG"])
-    log_format = args.log_format or ("console" if stdout_is_tty else "json")
-    return ObservabilityConfig(
-        metrics_enabled=not args.no_metrics,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        otlp_endpoint=endpoint,
-        otlp_insecure=insecure,
-        otlp_headers=_key_values(environ.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
-        service_name=args.service_name or environ.get("OTEL_SERVICE_NAME") or "sitsd",
-        resource_attributes=_key_values(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")),
-        trace_sample_ratio=ratio,
-        step_spans=not args.no_step_spans,
-        log_format=log_format,
-        log_level=args.log_level,
     )
 
 
