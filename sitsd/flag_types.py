@@ -31,23 +31,47 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def fraction(text: str) -> float:
+def _float(text: str, what: str = "a number") -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
+def _refuse(value: float, bound: str) -> None:
+    raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+
+
+# Each comparison is written so that NaN fails it.
+
+
+def fraction(text: str) -> float:
+    """In (0, 1]."""
+    value = _float(text)
     if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+        _refuse(value, "in (0, 1]")
+    return value
+
+
+def fraction_or_zero(text: str) -> float:
+    """In [0, 1]."""
+    value = _float(text)
+    if not 0.0 <= value <= 1.0:
+        _refuse(value, "in [0, 1]")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0.0:
+        _refuse(value, "> 0")
     return value
 
 
 def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    value = _float(text, "a number of seconds")
+    if not value >= 0.0:
+        _refuse(value, ">= 0")
     return value
 
 
@@ -58,26 +82,6 @@ def tiers_file(text: str) -> TiersConfig:
         return load_tiers_file(text)
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def fraction_or_zero(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def key_values(text: str) -> tuple[tuple[str, str], ...]:
