@@ -133,11 +133,18 @@ def swap_under_load(daemon: DaemonProcess, versions: Path, prompts, policy: str)
             )
         )
         committed_at = time.monotonic()
-        wait_for(
-            lambda: sum(r.ok and r.started > committed_at for r in load.records) >= 3,
-            120,
-            "requests after the commit",
-        )
+        try:
+            wait_for(
+                lambda: sum(r.ok and r.started > committed_at for r in load.records) >= 3,
+                180,
+                "requests after the commit",
+            )
+        except AssertionError as exc:  # say what the load and the daemon were doing
+            seen = [(r.ok, round(r.started - committed_at, 1), len(r.token_ids))
+                    for r in load.records]  # fmt: skip
+            raise AssertionError(
+                f"{exc}; (ok, started after the commit [s], tokens): {seen}\n{daemon.log[-6000:]}"
+            ) from None
     finally:
         records = load.stop()
     return records, progress[-1], committed_at

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -74,27 +74,33 @@ def test_the_active_version_persists_per_model(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def _save_forever(state_dir: str) -> None:
-    store = ActiveVersionStore(state_dir)
-    i = 0
-    while True:
-        i += 1
-        store.save("tiny", PersistedVersion(f"v{i}", f"/w/v{i}" * 50, "d" * 64), None)
+SAVE_FOREVER = """
+import sys
+from sitsd.weights.versions import ActiveVersionStore, PersistedVersion
+store, i = ActiveVersionStore(sys.argv[1]), 0
+while True:
+    i += 1
+    store.save("tiny", PersistedVersion(f"v{i}", f"/w/v{i}" * 50, "d" * 64), None)
+"""
 
 
 def test_a_writer_killed_mid_save_leaves_a_whole_state_file(tmp_path):
     ActiveVersionStore(tmp_path).save("tiny", PersistedVersion("v0", "/w/v0", "d"), None)
-    proc = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(tmp_path),))
-    proc.start()
+    # A separate interpreter that imports only sitsd (a clean clone has no `tests` package on
+    # a spawned child's path).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVE_FOREVER, str(tmp_path)], stderr=subprocess.PIPE
+    )
     try:
         state = tmp_path / ACTIVE_STATE_FILE
         first = state.stat().st_mtime_ns
         deadline = time.monotonic() + 30
         while state.stat().st_mtime_ns == first:  # wait until it is rewriting in a loop
+            assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     body = json.loads((tmp_path / ACTIVE_STATE_FILE).read_text())  # never half a file
     active, _ = ActiveVersionStore(tmp_path).load("tiny")
     assert active is not None
