@@ -57,10 +57,11 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_seqs)
 
     @torch.inference_mode()
-    def capture(self, weights: LlamaWeights) -> float:
-        """Capture every bucket for `weights`; returns the seconds it took."""
+    def capture(self, weights: LlamaWeights, pool: object | None = None) -> float:
+        """Capture every bucket for `weights` (in `pool`, default a new one); returns the
+        seconds it took."""
         t0 = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         d = self.builder.dev
         d.slot_mapping.fill_(-1)  # capture-time garbage must not write into the KV pool
         d.seq_lens.zero_()
