@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from sitsd.model.attention import AttentionMetadata
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.input_batch import StepInputBuilder
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as GraphPool  # graph_pool_handle()'s type
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_seqs)
 
     @torch.inference_mode()
-    def capture(self, weights: LlamaWeights, pool: object | None = None) -> float:
+    def capture(self, weights: LlamaWeights, pool: GraphPool | None = None) -> float:
         """Capture every bucket for `weights` (in `pool`, default a new one); returns the
         seconds it took."""
         t0 = time.monotonic()
@@ -70,7 +74,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.monotonic() - t0
 
-    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: object) -> None:
+    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: GraphPool) -> None:
         d = self.builder.dev
         meta = self._static_meta(bucket)
         ids, pos = d.input_ids[:bucket], d.positions[:bucket]

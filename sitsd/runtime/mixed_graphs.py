@@ -22,11 +22,15 @@ Graphs belong to one weight slot (`LlamaWeights`), like the decode graphs.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.input_batch import StepInputBuilder
+
+if TYPE_CHECKING:
+    from sitsd.runtime.cuda_graphs import GraphPool
 
 SMALLEST_TOKEN_BUCKET = 16
 
@@ -104,7 +108,7 @@ class MixedGraphs:
         return self._logits[bucket]
 
     @torch.inference_mode()
-    def capture(self, pool: object | None = None) -> float:
+    def capture(self, pool: GraphPool | None = None) -> float:
         """Capture every bucket, largest first, in `pool` (shared with the slot's decode
         graphs: they never run at the same time); returns the seconds it took."""
         t0 = time.monotonic()
@@ -120,7 +124,7 @@ class MixedGraphs:
         torch.cuda.synchronize()
         return time.monotonic() - t0
 
-    def _capture_one(self, bucket: int, pool: object) -> None:
+    def _capture_one(self, bucket: int, pool: GraphPool) -> None:
         # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms), then capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -18,6 +18,8 @@ never samples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -27,6 +29,9 @@ from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, Step
 from sitsd.runtime.mixed_graphs import MixedGraphs
 from sitsd.runtime.sampler import sample_on_device
 from sitsd.runtime.weight_slots import WeightSlots
+
+if TYPE_CHECKING:
+    from sitsd.runtime.cuda_graphs import GraphPool
 
 
 class ModelRunner:
@@ -47,7 +52,7 @@ class ModelRunner:
         self.device = builder.device
         self.slot_graphs: dict[int, DecodeGraphs] = {}  # slot index -> its captured graphs
         self.slot_mixed: dict[int, MixedGraphs] = {}  # slot index -> its mixed-step graphs
-        self._graph_pools: dict[int, object] = {}  # slot index -> the pool its graphs share
+        self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
         self._tokens_host = (

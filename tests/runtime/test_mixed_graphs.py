@@ -5,13 +5,14 @@ and the CPU runner."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import build_runner
+from sitsd.engine.builder import RuntimeInfo, build_runner, graphs_summary
 from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, build_weights
@@ -165,25 +166,27 @@ def cpu_runner(tensors, arch, max_num_batched_tokens: int = 96):
     return runner
 
 
-def staggered(runner, prompts: list[list[int]], num_new: int, chunk: int) -> dict[str, list]:
-    """Greedy generation where request i arrives at step i and its prompt is computed in
-    chunks of `chunk` tokens: most steps carry decodes and prompt chunks together."""
+def staggered(
+    runner, prompts: dict[str, tuple[list[int], str]], num_new: int, chunk: int
+) -> dict[str, list]:
+    """Greedy generation of requests (prompt, weights version) where the i-th arrives at step
+    i and its prompt is computed in chunks of `chunk` tokens: most steps carry decodes and
+    prompt chunks together."""
     params = SamplingParams(max_tokens=num_new, temperature=0.0)
-    ids = iter(range(96))
-    reqs = {f"r{i}": p for i, p in enumerate(prompts)}
-    done = dict.fromkeys(reqs, 0)  # computed tokens
-    tokens: dict[str, list[int]] = {r: [] for r in reqs}
+    ids = iter(range(runner.kv_caches[0][0].shape[0]))
+    done = dict.fromkeys(prompts, 0)  # computed tokens
+    tokens: dict[str, list[int]] = {r: [] for r in prompts}
     started: set[str] = set()
     for step in range(200):
         new, cached, sched = [], [], {}
-        for i, (r, p) in enumerate(reqs.items()):
+        for i, (r, (p, version)) in enumerate(prompts.items()):
             if i > step or len(tokens[r]) >= num_new:
                 continue
             known = len(p) + len(tokens[r])
             n = min(chunk, known - done[r])
             if r not in started:
                 table = [next(ids) for _ in range(-(-(len(p) + num_new) // BLOCK))]
-                new.append(NewRequestData(r, list(p), len(p), params, 0, table, 0, "v1"))
+                new.append(NewRequestData(r, list(p), len(p), params, 0, table, 0, version))
                 started.add(r)
             else:
                 cached.append(CachedRequestData(r, [], done[r]))
@@ -204,8 +207,8 @@ def staggered(runner, prompts: list[list[int]], num_new: int, chunk: int) -> dic
 def test_cpu_runner_with_fixed_shape_mixed_steps_generates_what_the_eager_runner_does():
     arch, tensors = tiny(random.randrange(1000))
     rng = random.Random()
-    prompts = [[rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))]
-               for _ in range(5)]  # fmt: skip
+    prompts = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))],
+                         "v1") for i in range(5)}  # fmt: skip
     eager = staggered(cpu_runner(tensors, arch), prompts, 6, chunk=24)
     runner = cpu_runner(tensors, arch)
     runner.prepare_mixed_steps(token_buckets(runner.builder.max_num_tokens), capture=False)
@@ -216,6 +219,15 @@ def test_cpu_runner_with_fixed_shape_mixed_steps_generates_what_the_eager_runner
     assert staggered(runner, prompts, 6, chunk=24) == eager
     assert calls, "no step ran in fixed shapes"
     assert set(calls) <= set(mixed.buckets)
+
+
+def test_the_start_up_log_names_decode_and_token_buckets():
+    info = RuntimeInfo(64, 256, (1, 2, 4), 1.25, 2, "", (16, 32, 48), 2.5)
+    summary = graphs_summary(info)
+    assert "buckets [1, 2, 4] captured in 1.2s" in summary
+    assert "token buckets [16, 32, 48] captured in 2.5s" in summary
+    assert "--mixed-graphs off" in graphs_summary(replace(info, mixed_graph_buckets=()))
+    assert graphs_summary(replace(info, graph_buckets=())) == "off (eager)"
 
 
 def test_each_version_runs_its_own_slot_in_fixed_shape_mixed_steps():
