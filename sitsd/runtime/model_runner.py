@@ -181,7 +181,7 @@ class ModelRunner:
             # Decode rows are laid out in order and each samples: row i is request i.
             return graphs.replay(bucket)[: len(states)], inputs
         mixed = self.slot_mixed.get(index)
-        num_tokens = sum(num_sched[s.req_id] for s in states)
+        num_tokens = sum(num_sched[s.req_id] for s in states) if mixed is not None else 0
         if mixed is not None and mixed.fits(num_tokens, len(states)):
             bucket = mixed.bucket_for(num_tokens)
             inputs = self.builder.build(states, num_sched, pad_tokens_to=bucket)

@@ -91,6 +91,9 @@ def dirty(builder: StepInputBuilder, rng: np.random.Generator) -> None:
         t.copy_(torch.from_numpy(rng.integers(0, high, size=tuple(t.shape))))
 
 
+# Padding tokens' rows hold whatever memory held (no sequence owns them; nothing reads them
+# into a real row): the interpreter warns when their garbage overflows.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("num_kv_heads", [4, 1])  # GQA ratios 1 and 4
 @pytest.mark.parametrize(
     "case",
@@ -139,6 +142,18 @@ def test_a_fixed_shape_mixed_step_gives_the_eager_steps_logits_and_kv(case, num_
     for (k, v), (ks, vs) in zip(kv, kv_static, strict=True):  # padding wrote no KV
         torch.testing.assert_close(ks, k, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(vs, v, atol=2e-5, rtol=1e-4)
+
+
+def test_mixed_graphs_is_a_cuda_flag_the_cpu_runner_ignores():
+    arch, tensors = tiny(1)
+    cfg = SitsdConfig(
+        model=ModelConfig(max_model_len=256, mixed_graphs=True),
+        cache=CacheConfig(num_blocks=16, block_size=BLOCK),
+    )
+    runner, info = build_runner(cfg, arch, tensors, "v1")
+    assert not runner.slot_mixed
+    assert info.mixed_graph_buckets == ()
+    assert not ModelConfig().mixed_graphs
 
 
 def test_a_step_past_the_largest_bucket_or_of_no_tokens_does_not_fit():
