@@ -13,9 +13,11 @@ Random weights in Llama-3-8B shapes, bf16; every figure is measured in this run,
 4. 256 requests of 512 prompt / 256 output tokens at once: output tokens/s beside the
    workload's floor (prefill FLOPs / matmul rate + each decode step at its floor), prefill
    TFLOP/s beside the matmul rate;
-5. SmolLM2-135M-shaped decode step time with and without CUDA graphs at batch 1 and 32.
+5. SmolLM2-135M-shaped decode step time with and without CUDA graphs at batch 1 and 32;
+6. a mixed step (32 decodes + a 480-token chunk; a 512-token prompt alone), eager vs the
+   mixed-step CUDA graphs of `--mixed-graphs`: host, step and GPU ms (`bench/bench_mixed.py`).
 
-Runs on the device machine:  python3 bench/bench_gpu.py [--quick] [--skip-peer]
+Runs on the device machine:  python3 bench/bench_gpu.py [--quick] [--skip-peer] [--skip-mixed]
 Prints a table last; `--json PATH` writes every number.
 """
 
@@ -33,6 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_mixed import mixed_step_benchmark, print_mixed  # this script's folder
 
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
 from sitsd.engine.builder import build_engine, build_runner
@@ -285,6 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     parser.add_argument("--skip-peer", action="store_true", help="no transformers peer")
+    parser.add_argument("--skip-mixed", action="store_true", help="no mixed-step graphs case")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     import logging
@@ -300,6 +305,8 @@ def main() -> None:
     results["smollm2_step_ms"] = {f"{'eager' if e else 'graphs'}_b{b}": v
                                   for (e, b), v in step.items()}  # fmt: skip
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
+    if not args.skip_mixed:
+        results["mixed_step"] = mixed_step_benchmark(ckpt)
     batches = [1, 8, 32, 64, 128]
     eng = asyncio.run(engine_benchmarks(ckpt, batches, args.quick))
     results["engine"] = eng
@@ -307,6 +314,8 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=1, default=str))
     new_tokens = 64 if args.quick else 256
     print_table(results, batches, new_tokens)
+    if "mixed_step" in results:
+        print_mixed(results["mixed_step"])
     if not args.skip_peer:
         gc.collect()  # the engine's tensors (KV pool) go before the peer loads its copy
         torch.cuda.empty_cache()

@@ -18,6 +18,14 @@ Work split (the layout of vLLM's unified Triton attention):
 * online softmax in base 2, fp32 accumulators, `tl.dot` for QK^T and PV; key tiles that every
   row of a block may see run unmasked, only the tiles on the causal diagonal are masked.
 
+Padded batches (CUDA graphs of mixed steps, `sitsd.runtime.mixed_graphs`): the grid depends on
+the shapes only, so a step padded to fixed shapes launches the same grid every time. `query` may
+hold more rows than `query_start_loc[-1]` (padding tokens: no sequence owns them, their output
+rows are left unwritten) and trailing sequences may be empty (`query_start_loc` repeats its last
+value, their programs exit at once): the binary search still finds every real sequence, because
+`query_start_loc[i] // BLOCK_Q + i` grows strictly with `i` whatever the lengths are. A decode is
+a sequence with one query token, so decodes and prompt chunks go through one launch.
+
 What the chunk boundaries are is the scheduler's business; rotary embedding is applied before.
 """
 
@@ -307,7 +315,8 @@ def prefill_attention(
         value_cache: Paged values, same dtype and shape as `key_cache`.
         block_tables: Cache block ids of each sequence; entries past its end are never read.
         seq_lens: Context length of each sequence including its chunk (>= its query length).
-        query_start_loc: Prefix sums of the chunk lengths, `query_start_loc[-1] == num_tokens`.
+        query_start_loc: Prefix sums of the chunk lengths. `query_start_loc[-1]` may be less
+            than `num_tokens`: the rows past it are padding, and their output is not written.
         scale: Softmax scale, usually `head_dim ** -0.5`.
         block_m: Rows (tokens x group heads) per program, a power of two >= 16 (keyword-only).
         block_n: Keys per tile, a power of two >= 16.

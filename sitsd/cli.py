@@ -125,6 +125,13 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: graphs on)",
     )
+    group.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="CUDA: also replay steps that carry prompt tokens as CUDA graphs, one per token "
+        "bucket (16, 32, 64, ... up to --max-num-batched-tokens); ignored with --enforce-eager "
+        "(default: off, such steps run eagerly)",
+    )
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -367,6 +374,7 @@ def config_from_args(
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
             enforce_eager=args.enforce_eager,
+            mixed_graphs=args.mixed_graphs,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

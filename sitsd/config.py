@@ -23,6 +23,7 @@ class ModelConfig:
     max_model_len: int = 0  # context length served; 0 = the model's own
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
+    mixed_graphs: bool = False  # CUDA: steps with prompt tokens replay a graph per token bucket
 
 
 @dataclass(frozen=True)

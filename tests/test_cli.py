@@ -45,6 +45,7 @@ def test_every_flag_reaches_its_config_field():
         "4096",
         "--num-threads",
         "2",
+        "--mixed-graphs",
         "--block-size",
         "32",
         "--kv-cache-memory",
@@ -81,6 +82,7 @@ def test_every_flag_reaches_its_config_field():
             device="cuda:1",
             max_model_len=4096,
             num_threads=2,
+            mixed_graphs=True,
         ),
         cache=CacheConfig(
             block_size=32,

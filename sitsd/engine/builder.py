@@ -38,6 +38,7 @@ from sitsd.runtime.kv_cache import (
     gpu_kv_budget,
     num_blocks_for_budget,
 )
+from sitsd.runtime.mixed_graphs import token_buckets
 from sitsd.runtime.model_runner import ModelRunner
 from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
@@ -89,6 +90,8 @@ class RuntimeInfo:
     graph_capture_s: float
     num_weight_slots: int = 1  # 2: a standby slot for hot-swap; 1: swaps copy in place
     weight_slots_reason: str = ""  # why that many
+    mixed_graph_buckets: tuple[int, ...] = ()  # token buckets of mixed-step graphs; empty: off
+    mixed_graph_capture_s: float = 0.0
 
 
 def build_engine(
@@ -136,8 +139,7 @@ def build_engine(
         str(dtype).removeprefix("torch."), runner.device, runner.weights.nbytes / 2**20,
         info.num_blocks, block_size, info.num_blocks * block_size,
         info.num_blocks * bytes_per_block(arch, block_size, dtype) / 2**20, info.max_model_len,
-        f"buckets {list(info.graph_buckets)} captured in {info.graph_capture_s:.1f}s"
-        if info.graph_buckets else "off (eager)",
+        graphs_summary(info),
     )  # fmt: skip
     log_weight_slots(info, runner.slots.slot_nbytes)
     model_info = ModelInfo(
@@ -146,6 +148,21 @@ def build_engine(
         device=str(runner.device), path=str(checkpoint.path.resolve()),
     )  # fmt: skip
     return AsyncEngine(core, model_info)
+
+
+def graphs_summary(info: RuntimeInfo) -> str:
+    """The start-up log's words on CUDA graphs: decode buckets, mixed-step token buckets."""
+    if not info.graph_buckets:
+        return "off (eager)"
+    mixed = (
+        f"token buckets {list(info.mixed_graph_buckets)} captured in "
+        f"{info.mixed_graph_capture_s:.1f}s"
+        if info.mixed_graph_buckets else "eager (--mixed-graphs off)"
+    )  # fmt: skip
+    return (
+        f"buckets {list(info.graph_buckets)} captured in {info.graph_capture_s:.1f}s; "
+        f"steps with prompt tokens: {mixed}"
+    )
 
 
 def build_runner(
@@ -166,8 +183,12 @@ def build_runner(
     model = LlamaModel(arch, kernels_for(device), max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
-    # Per slot's graphs: their pool and logits; then sampler sort buffers and slack.
-    graph_reserve = 256 * 2**20 + vocab_bytes
+    mixed = device.type == "cuda" and mcfg.mixed_graphs and not mcfg.enforce_eager
+    mixed_buckets = token_buckets(max_num_tokens) if mixed else []
+    # Per slot's graphs: their pool and logits (each mixed bucket keeps its own); then sampler
+    # sort buffers and slack. The mixed graphs' activations are added once profiled.
+    mixed_logits_bytes = sum(min(b, scfg.max_num_seqs) for b in mixed_buckets) * arch.vocab_size * 4
+    graph_reserve = 256 * 2**20 + vocab_bytes + mixed_logits_bytes
     num_slots, why = decide_weight_slots(
         config, device, weights.nbytes,
         kv_floor=-(-max_model_len // ccfg.block_size) * bytes_per_block(arch, ccfg.block_size,
@@ -178,7 +199,9 @@ def build_runner(
     slots = WeightSlots(arch, weights, weights_version, num_slots)
     if device.type == "cuda":
         peak = _profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
-        reserve = num_slots * graph_reserve + 2 * vocab_bytes
+        # A mixed graph pool holds the activations of its largest bucket (the profiled step).
+        activations = peak - torch.cuda.memory_allocated(device) if mixed else 0
+        reserve = num_slots * (graph_reserve + activations) + 2 * vocab_bytes
         budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
                                peak, reserve)  # fmt: skip
         ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))
@@ -196,7 +219,11 @@ def build_runner(
     if device.type == "cuda" and not mcfg.enforce_eager:
         buckets = decode_buckets(scfg.max_num_seqs)
         seconds = runner.capture_graphs(buckets)  # one set per slot
-    info = RuntimeInfo(num_blocks, max_model_len, tuple(buckets), seconds, num_slots, why)
+    mixed_seconds = runner.prepare_mixed_steps(mixed_buckets, capture=True) if mixed else 0.0
+    info = RuntimeInfo(
+        num_blocks, max_model_len, tuple(buckets), seconds, num_slots, why,
+        tuple(mixed_buckets), mixed_seconds,
+    )  # fmt: skip
     return runner, info
 
 

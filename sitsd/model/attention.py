@@ -4,6 +4,10 @@ The batch is ragged: decodes (one query token each) come first, then prompt chun
 to the decode kernel, chunks to the prefill kernel; both read every key from the paged cache
 (`sitsd.kernels.reference` documents the layout). The runner builds `AttentionMetadata` once
 per step on the host and copies it to the device in one go; every layer reuses it.
+
+A *unified* batch (`AttentionMetadata.unified`, the mixed-step CUDA graphs of
+`sitsd.runtime.mixed_graphs`) sends every sequence, decodes included, through one prefill-kernel
+call over metadata padded to fixed shapes: the launch then depends on shapes alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class AttentionMetadata:
     num_decodes: int  # leading sequences with exactly one query token
     num_decode_tokens: int  # == num_decodes
     max_seq_len: int  # host-side hint for kernels that size their grid by it
+    # True: one prefill-kernel call over all sequences (`query_start_loc`), decodes included;
+    # padding sequences are empty and padding tokens belong to none (their output is unset).
+    unified: bool = False
 
 
 def paged_attention(
@@ -41,6 +48,16 @@ def paged_attention(
     key_cache, value_cache = kv_cache
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens = query.shape[0]
+    if meta.unified:
+        return kernels.prefill_attention(  # type: ignore[return-value]
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+        )
     nd = meta.num_decode_tokens
     if nd == num_tokens:
         return kernels.decode_attention(  # type: ignore[return-value]

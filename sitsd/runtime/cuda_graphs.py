@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from sitsd.model.attention import AttentionMetadata
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.input_batch import StepInputBuilder
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as GraphPool  # graph_pool_handle()'s type
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +61,11 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_seqs)
 
     @torch.inference_mode()
-    def capture(self, weights: LlamaWeights) -> float:
-        """Capture every bucket for `weights`; returns the seconds it took."""
+    def capture(self, weights: LlamaWeights, pool: GraphPool | None = None) -> float:
+        """Capture every bucket for `weights` (in `pool`, default a new one); returns the
+        seconds it took."""
         t0 = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         d = self.builder.dev
         d.slot_mapping.fill_(-1)  # capture-time garbage must not write into the KV pool
         d.seq_lens.zero_()
@@ -69,7 +74,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.monotonic() - t0
 
-    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: object) -> None:
+    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: GraphPool) -> None:
         d = self.builder.dev
         meta = self._static_meta(bucket)
         ids, pos = d.input_ids[:bucket], d.positions[:bucket]

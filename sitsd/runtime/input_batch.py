@@ -5,7 +5,10 @@ tokens and block table here. `StepInputBuilder` lays out one step's ragged batch
 first, then prompt chunks) into persistent host buffers (pinned on CUDA), copies them to
 persistent device buffers once per step, and returns views of those as `StepInputs`. The device
 buffers are also the static inputs of the CUDA graphs (`cuda_graphs.py`): a decode batch padded
-to a graph's bucket has seq_len 0 and slot -1 in its padding rows.
+to a graph's bucket has seq_len 0 and slot -1 in its padding rows. A mixed step padded to a
+token bucket (`mixed_graphs.py`, `pad_tokens_to`) fills every buffer to fixed sizes: padding
+tokens (id 0, position 0, slot -1) belong to no sequence, padding sequences are empty
+(seq_len 0, `query_start_loc` repeats the real total), padding logits rows gather token 0.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class StepInputBuilder:
         states: list[CachedRequestState],
         num_scheduled: dict[str, int],
         pad_decodes_to: int | None = None,
+        pad_tokens_to: int | None = None,
     ) -> StepInputs:
         """Lay out the batch: decodes (one token) first, then prompt chunks, in given order.
 
@@ -116,6 +120,9 @@ class StepInputBuilder:
             num_scheduled: tokens to compute per request this step.
             pad_decodes_to: for a decode-only batch replayed by a CUDA graph, the graph's batch
                 size; rows past the real batch become padding (seq_len 0, slot -1).
+            pad_tokens_to: for any batch run in a mixed step's fixed shapes, its token bucket:
+                the inputs are padded to it and to `max_num_seqs` sequences, and `meta` is
+                `mixed_meta(pad_tokens_to)` (one unified attention call).
         """
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have left the host buffers
@@ -165,6 +172,15 @@ class StepInputBuilder:
         max_blocks = max((len(s.block_ids) for s in ordered), default=1)
         for i, state in enumerate(ordered):
             h["block_tables"][i, : len(state.block_ids)] = state.block_ids
+        if pad_tokens_to is not None:
+            assert pad_decodes_to is None, "one kind of padding at a time"
+            inputs = self._pad_mixed(pad_tokens_to, len(ordered), num_tokens, num_sampled)
+            self._copy(pad_tokens_to, self.max_num_seqs, self.mixed_logits_rows(pad_tokens_to),
+                       1, max_blocks)  # fmt: skip
+            inputs.req_ids = [s.req_id for s in ordered]
+            inputs.sampled_req_ids = sampled_req_ids
+            inputs.is_decode_only = not prefills
+            return inputs
         num_seqs = len(ordered)
         num_decodes = len(decodes)
         padded_seqs, padded_tokens = num_seqs, num_tokens
@@ -207,6 +223,52 @@ class StepInputBuilder:
             sampled_req_ids=sampled_req_ids,
             num_tokens=num_tokens,
             is_decode_only=not prefills,
+        )
+
+    def mixed_logits_rows(self, num_tokens: int) -> int:
+        """Logits rows a mixed step padded to `num_tokens` computes (at most one per sequence)."""
+        return min(num_tokens, self.max_num_seqs)
+
+    def mixed_meta(self, num_tokens: int) -> AttentionMetadata:
+        """Fixed-shape metadata of a mixed step padded to `num_tokens` tokens: views of the
+        device buffers whose shapes depend on `num_tokens` only (a mixed CUDA graph's)."""
+        d, max_seqs = self.dev, self.max_num_seqs
+        return AttentionMetadata(
+            slot_mapping=d.slot_mapping[:num_tokens],
+            block_tables=d.block_tables[:max_seqs],  # full width: any context up to the maximum
+            seq_lens=d.seq_lens[:max_seqs],
+            query_start_loc=d.query_start_loc[: max_seqs + 1],
+            prefill_query_start_loc=d.prefill_query_start_loc[:1],  # unused when unified
+            num_decodes=0,
+            num_decode_tokens=0,
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+            unified=True,
+        )
+
+    def _pad_mixed(
+        self, bucket: int, num_seqs: int, num_tokens: int, num_sampled: int
+    ) -> StepInputs:
+        """Pad the laid-out host buffers to `bucket` tokens and `max_num_seqs` sequences."""
+        if not num_tokens <= bucket <= self.max_num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit bucket {bucket}")
+        h = self._np
+        h["input_ids"][num_tokens:bucket] = 0
+        h["positions"][num_tokens:bucket] = 0
+        h["slot_mapping"][num_tokens:bucket] = -1
+        h["seq_lens"][num_seqs:] = 0
+        h["query_start_loc"][num_seqs + 1 :] = num_tokens
+        # Stale indices of an earlier, larger step would gather past this bucket's rows.
+        h["logits_indices"][num_sampled : self.mixed_logits_rows(bucket)] = 0
+        d = self.dev
+        return StepInputs(
+            input_ids=d.input_ids[:bucket],
+            positions=d.positions[:bucket],
+            meta=self.mixed_meta(bucket),
+            req_ids=[],
+            logits_indices=d.logits_indices[:num_sampled],
+            sampled_req_ids=[],
+            num_tokens=num_tokens,
+            is_decode_only=False,
         )
 
     def _copy(

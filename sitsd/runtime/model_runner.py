@@ -2,8 +2,9 @@
 
 `launch(SchedulerOutput) -> PendingStep` updates the per-request state from what the scheduler
 changed, lays out the ragged batch (`input_batch.py`), runs the model (a CUDA-graph replay for
-decode-only batches on the GPU, eagerly otherwise) and samples the requests whose chunk reached
-their last token; on the GPU all of that is queued and `launch` returns at once, and
+decode-only batches on the GPU; with `--mixed-graphs` a replay per token bucket for batches that
+carry prompt tokens too (`mixed_graphs.py`); eagerly otherwise) and samples the requests whose
+chunk reached their last token; on the GPU all of that is queued and `launch` returns at once, and
 `PendingStep.result()` waits for the sampled ids (the step's one host sync) and returns them as
 plain lists. `execute` is the two in one. Which tokens to compute is the scheduler's decision;
 this module never decides, it only computes.
@@ -17,14 +18,20 @@ never samples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.cuda_graphs import DecodeGraphs
 from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, StepInputs
+from sitsd.runtime.mixed_graphs import MixedGraphs
 from sitsd.runtime.sampler import sample_on_device
 from sitsd.runtime.weight_slots import WeightSlots
+
+if TYPE_CHECKING:
+    from sitsd.runtime.cuda_graphs import GraphPool
 
 
 class ModelRunner:
@@ -44,6 +51,8 @@ class ModelRunner:
         self.block_size = builder.block_size
         self.device = builder.device
         self.slot_graphs: dict[int, DecodeGraphs] = {}  # slot index -> its captured graphs
+        self.slot_mixed: dict[int, MixedGraphs] = {}  # slot index -> its mixed-step graphs
+        self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
         self._tokens_host = (
@@ -76,8 +85,30 @@ class ModelRunner:
         seconds = 0.0
         for index in range(self.slots.num_slots):
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
-            seconds += graphs.capture(self.slots.weights(index))
+            pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
+            seconds += graphs.capture(self.slots.weights(index), pool)
             self.slot_graphs[index] = graphs
+        return seconds
+
+    def prepare_mixed_steps(self, token_buckets: list[int], capture: bool) -> float:
+        """Run steps with prompt tokens in fixed shapes per token bucket, on every slot;
+        returns the seconds capture took.
+
+        Args:
+            token_buckets: the token counts a step is padded to (`mixed_graphs.token_buckets`).
+            capture: capture them as CUDA graphs (CUDA; each slot's share the pool of its
+                decode graphs); False runs the same fixed-shape forward eagerly (the CPU check
+                of what the graphs compute).
+        """
+        seconds = 0.0
+        for index in range(self.slots.num_slots):
+            mixed = MixedGraphs(
+                self.model, self.builder, self.kv_caches, self.slots.weights(index), token_buckets
+            )
+            if capture:
+                pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
+                seconds += mixed.capture(pool)
+            self.slot_mixed[index] = mixed
         return seconds
 
     @property
@@ -149,6 +180,13 @@ class ModelRunner:
             inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
             # Decode rows are laid out in order and each samples: row i is request i.
             return graphs.replay(bucket)[: len(states)], inputs
+        mixed = self.slot_mixed.get(index)
+        num_tokens = sum(num_sched[s.req_id] for s in states) if mixed is not None else 0
+        if mixed is not None and mixed.fits(num_tokens, len(states)):
+            bucket = mixed.bucket_for(num_tokens)
+            inputs = self.builder.build(states, num_sched, pad_tokens_to=bucket)
+            # Row i of the graph's logits is the i-th sampled row; the rest are padding.
+            return mixed.run(bucket)[: len(inputs.sampled_req_ids)], inputs
         inputs = self.builder.build(states, num_sched)
         hidden = self.model.forward(
             weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches

@@ -152,6 +152,77 @@ def test_strided_query_view_matches_reference(device):
     assert_close(out, ref, torch.float16)
 
 
+def _run_padded_and_check(
+    chunks: list[tuple[int, int]],
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """`chunks` laid out as a mixed-step CUDA graph lays them out: `num_tokens` query rows and
+    `num_seqs` sequences, the real ones first; then checked on the real rows only."""
+    seq_lens = [q_len + prefix_len for q_len, prefix_len in chunks]
+    kv = make_paged_kv(
+        seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    q_lens = torch.tensor([0] + [q_len for q_len, _ in chunks])
+    qsl = q_lens.cumsum(0).to(torch.int32)
+    real_tokens, real_seqs = int(qsl[-1]), len(chunks)
+    assert real_tokens <= num_tokens
+    assert real_seqs <= num_seqs
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, device=device).to(dtype)
+    # Padding: empty sequences (query_start_loc repeats the real total), seq_len 0, and a
+    # block-table row of -1 (no kernel may read it).
+    padded_qsl = torch.full((num_seqs + 1,), real_tokens, dtype=torch.int32)
+    padded_qsl[: real_seqs + 1] = qsl
+    padded_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    padded_lens[:real_seqs] = kv.seq_lens
+    padded_tables = torch.full(
+        (num_seqs, kv.block_tables.shape[1]), -1, dtype=torch.int32, device=device
+    )
+    padded_tables[:real_seqs] = kv.block_tables
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    prefill_attention(
+        query, kv.key_cache, kv.value_cache, padded_tables, padded_lens,
+        padded_qsl.to(device), scale, out=out,
+    )  # fmt: skip
+    ref = prefill_attention_ref(
+        query[:real_tokens], kv.clean_key_cache, kv.clean_value_cache, kv.block_tables,
+        kv.seq_lens, qsl.to(device), scale,
+    )  # fmt: skip
+    assert_close(out[:real_tokens], ref, dtype)
+    assert out[real_tokens:].isnan().all(), "a padding row was written"
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_a_batch_padded_to_a_fixed_grid_matches_reference_on_its_real_tokens(group, device):
+    # Decodes (one query token over a context) and prompt chunks (fresh, after a cached
+    # prefix) in one launch, padded with empty sequences and padding tokens; the real total
+    # lands below, at, or one under the padded token count.
+    chunks = [(1, random.randint(1, 40)) for _ in range(random.randint(1, 3))]
+    chunks += [(random.randint(2, 20), random.randint(0, 30)), (random.randint(1, 9), 0)]
+    random.shuffle(chunks)
+    real_tokens = sum(q for q, _ in chunks)
+    for num_tokens in (real_tokens, real_tokens + 1, 2 * real_tokens + 5):
+        _run_padded_and_check(
+            chunks, num_tokens=num_tokens, num_seqs=len(chunks) + random.randint(0, 4),
+            num_kv_heads=2, group=group, head_dim=32, dtype=torch.float32, device=device,
+        )  # fmt: skip
+
+
+def test_a_single_sequence_padded_to_many_empty_ones_matches_reference(device):
+    _run_padded_and_check(
+        [(random.randint(1, 30), random.randint(0, 20))], num_tokens=32, num_seqs=8,
+        num_kv_heads=1, group=4, head_dim=32, dtype=torch.float16, device=device,
+    )  # fmt: skip
+
+
 def _valid_inputs(device):
     kv = make_paged_kv(
         [3, 9], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16, device=device
@@ -208,3 +279,23 @@ def test_gpu_grid_matches_reference(dtype, group, head_dim, device):
     )
     many = [(random.randint(0, 100), random.randint(0, 300)) for _ in range(64)]
     _run_and_check(many, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_gpu_padded_mixed_batches_match_reference(dtype, group, device):
+    # Mixed-step graph buckets at Llama-3-8B-like sizes: 32 decodes + one 480-token chunk in
+    # the 512 bucket with 256 sequence slots; a 512-token prompt alone; a tiny step in 16.
+    decodes = [(1, random.randint(1, 4000)) for _ in range(32)]
+    cases = [
+        ([*decodes, (480, random.randint(0, 2000))], 512, 256),
+        ([(512, 0)], 512, 256),
+        ([(1, 100), (9, 7), (3, 0)], 16, 256),
+        ([(random.randint(1, 50), random.randint(0, 500)) for _ in range(40)], 2048, 64),
+    ]
+    for chunks, num_tokens, num_seqs in cases:
+        _run_padded_and_check(
+            chunks, num_tokens=num_tokens, num_seqs=num_seqs, num_kv_heads=8, group=group,
+            head_dim=128, dtype=dtype, device=device,
+        )  # fmt: skip
