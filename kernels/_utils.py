@@ -103,3 +103,45 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    query_layout: str,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+    **index_tensors: torch.Tensor,
+) -> None:
+    """The checks every paged-attention wrapper makes: `query` [rows, num_heads, head_dim]
+    (`query_layout` names its rows), the caches [num_blocks, block_size, num_kv_heads,
+    head_dim] in query's float dtype, one int32 `block_tables` row and `seq_lens` entry for
+    each of `num_seqs` sequences, and further int32 `index_tensors`, all on one device with
+    unit last strides. Shapes of the `index_tensors` are the caller's to check."""
+    check_ndim("query", query, 3, query_layout)
+    check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    _, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = key_cache.shape[2:]
+    check_shape("value_cache", value_cache, tuple(key_cache.shape), "key_cache's shape")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head_dim differs: query {head_dim}, key_cache {cache_head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
+    check_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
+    check_dtype("query", query, FLOAT_DTYPES)
+    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
+    indices = {"block_tables": block_tables, "seq_lens": seq_lens, **index_tensors}
+    for name, t in indices.items():
+        check_dtype(name, t, (torch.int32,))
+    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache, **indices)
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables)):  # fmt: skip
+        check_last_dim_contiguous(name, t)
+    for name, t in indices.items():
+        if name != "block_tables":
+            check_contiguous(name, t)

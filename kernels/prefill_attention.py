@@ -36,14 +36,9 @@ import triton
 import triton.language as tl
 
 from sitsd.kernels._utils import (
-    FLOAT_DTYPES,
-    check_contiguous,
-    check_dtype,
-    check_last_dim_contiguous,
     check_ndim,
     check_out,
-    check_same_device,
-    check_same_dtype,
+    check_paged_attention,
     check_shape,
     next_power_of_2,
     runs_in_interpreter,
@@ -236,46 +231,19 @@ def _check_args(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
 ) -> None:
-    check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
-    check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-    _, num_heads, head_dim = query.shape
-    num_kv_heads, cache_head_dim = key_cache.shape[2:]
     num_seqs = seq_lens.shape[0]
-    check_shape("value_cache", value_cache, tuple(key_cache.shape), "key_cache's shape")
-    if cache_head_dim != head_dim:
-        raise ValueError(f"head_dim differs: query {head_dim}, key_cache {cache_head_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
-    check_dtype("query", query, FLOAT_DTYPES)
-    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
-    for name, t in (
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        check_dtype(name, t, (torch.int32,))
-    check_same_device(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
+    check_paged_attention(
+        query,
+        "[num_tokens, num_heads, head_dim]",
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        num_seqs=num_seqs,
         query_start_loc=query_start_loc,
     )
-    for name, t in (
-        ("query", query),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-        ("block_tables", block_tables),
-    ):
-        check_last_dim_contiguous(name, t)
-    check_contiguous("seq_lens", seq_lens)
-    check_contiguous("query_start_loc", query_start_loc)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
 
 
 def _default_tiles(query: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
