@@ -1,9 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
 
 Random draws use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to sampling
-from p) with noise from a generator seeded by (request seed, output index). A request's tokens
-therefore depend only on its own seed and logits: the same seed gives the same output whatever
-else shares the batch, and a request recomputed after preemption draws the same tokens again.
+from p). The noise is a counter-based hash of (request seed, output index, token id): splitmix64
+computed for every row at once in int64 tensor arithmetic, the same on the CPU and the GPU, with
+no generator object and no launch per row. A request's tokens therefore depend only on its own
+seed and logits: the same seed gives the same output whatever else shares the batch, and a
+request recomputed after preemption draws the same tokens again.
 """
 
 from __future__ import annotations
@@ -15,14 +17,48 @@ import torch
 from sitsd.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_UNIFORM_BITS = 24  # float32 holds them exactly: u in (0, 1), never 0
 
 
 def mix_seed(seed: int, index: int) -> int:
     """A well-spread 64-bit seed for draw number `index` of a request (splitmix64)."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed + (index + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return z ^ (z >> 31)
+
+
+def _signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniform_bits(seeds: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seeds), vocab] int64: entry (i, j) is the top 24 bits of splitmix64 of `seeds[i]`
+    advanced `j + 1` times. int64 multiplication wraps on both devices, so the bits are the
+    same on the CPU and the GPU."""
+    rows = _to_device([_signed(s) for s in seeds], torch.int64, device)
+    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    z = rows[:, None] + steps[None, :] * _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 64 - _UNIFORM_BITS)
+
+
+def exponential_noise(seeds: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seeds), vocab] float32 Exp(1) draws, -log(u) of the uniforms u in (0, 1) that
+    `uniform_bits` gives; row i is a function of seeds[i] alone."""
+    bits = uniform_bits(seeds, vocab, device)
+    return -torch.log((bits.to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS)
 
 
 def sample(
@@ -70,11 +106,7 @@ def _sample_random(
         top_ps = _to_device([p.top_p for p in params], torch.float32, device)
         x = _apply_top_p(x, top_ps)
     probs = torch.softmax(x, dim=-1)
-    noise = torch.empty_like(probs)
-    for row, seed in enumerate(seeds):
-        gen = torch.Generator(device=device).manual_seed(seed)
-        noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    return (probs / exponential_noise(seeds, probs.shape[-1], device)).argmax(dim=-1)
 
 
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

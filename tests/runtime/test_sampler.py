@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import random
+
+import pytest
 import torch
 
-from sitsd.runtime.sampler import sample
+from sitsd.runtime.sampler import exponential_noise, mix_seed, sample, uniform_bits
 from sitsd.types import SamplingParams
 
 
@@ -77,3 +81,51 @@ def test_mixed_greedy_and_random_rows():
     ]
     out = sample(logits, params, [0, 5, 0], [0, 0, 0])
     assert out == logits.argmax(-1).tolist()  # top_k=1 is greedy too
+
+
+def splitmix_reference(seed: int, steps: int) -> int:
+    """Pure-Python splitmix64 advanced `steps` times: what the tensor code must compute."""
+    mask = (1 << 64) - 1
+    z = (seed + steps * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_noise_bits_are_splitmix64_of_the_seed_and_token():
+    seeds = [0, 1, (1 << 64) - 1, random.getrandbits(64), mix_seed(12345, 7)]
+    vocab = 1000
+    bits = uniform_bits(seeds, vocab, torch.device("cpu"))
+    noise = exponential_noise(seeds, vocab, torch.device("cpu"))
+    for row, seed in enumerate(seeds):
+        for j in (0, 1, 499, vocab - 1):
+            top = splitmix_reference(seed, j + 1) >> 40
+            assert bits[row, j].item() == top
+            assert noise[row, j].item() == pytest.approx(-math.log((top + 0.5) / 2**24), abs=1e-6)
+
+
+def test_noise_is_exponential_and_rows_are_independent():
+    seeds = [mix_seed(7, i) for i in range(8)]
+    noise = exponential_noise(seeds, 50_000, torch.device("cpu")).double()
+    assert torch.all(noise > 0)
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.01)  # Exp(1): mean 1, variance 1
+    assert noise.var().item() == pytest.approx(1.0, abs=0.03)
+    u = torch.exp(-noise)  # back to uniforms
+    assert torch.corrcoef(u)[~torch.eye(8, dtype=torch.bool)].abs().max() < 0.03
+
+
+def test_one_request_follows_the_distribution_over_its_draws():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = probs.log()[None]
+    p = SamplingParams(temperature=1.0)
+    n = 4000
+    draws = torch.tensor([sample(logits, [p], [42], [i])[0] for i in range(n)])
+    counts = torch.bincount(draws, minlength=4).float() / n
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+@pytest.mark.gpu
+def test_noise_bits_are_the_same_on_the_gpu_and_the_cpu():
+    seeds = [random.getrandbits(64) for _ in range(5)]
+    gpu = uniform_bits(seeds, 128256, torch.device("cuda")).cpu()
+    assert torch.equal(gpu, uniform_bits(seeds, 128256, torch.device("cpu")))
