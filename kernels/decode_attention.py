@@ -46,7 +46,9 @@ _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
 
 
-@triton.jit
+# Split counts change with the batch: one compiled variant for all of them, so a first long
+# context never stops serving for a compile (Triton specializes ints equal to 1 or % 16 == 0).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -159,7 +161,7 @@ def _decode_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -134,7 +134,9 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The sequence count changes every step: one compiled variant for all counts, so no step ever
+# waits for a compile (Triton specializes ints equal to 1 or % 16 == 0).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
