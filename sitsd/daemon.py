@@ -31,6 +31,7 @@ from sitsd.api.server import ApiServer
 from sitsd.cli import ADMIN_TOKEN_FILE_NAME
 from sitsd.config import ServerConfig, SitsdConfig
 from sitsd.observability import Observability
+from sitsd.observability.loop_lag import LoopLagMonitor
 
 if TYPE_CHECKING:
     from sitsd.engine.async_engine import AsyncEngine
@@ -121,18 +122,23 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         await server.stop(0)
         return _EXIT_LOAD_FAILED
     stop = _install_signal_handlers()
-    started = await _start_weights(config, stop, obs)
-    if started is None:
-        await server.stop(0)
-        return 0 if stop.is_set() else _EXIT_LOAD_FAILED
-    engine, swaps, watcher = started
-    await server.attach_engine(engine, swaps)
-    log.info("serving %s on port %d", engine.model_info.name, server.port)
-    await stop.wait()
-    if watcher is not None:
-        await watcher.stop()
-    await _shutdown(server, engine, config.server.shutdown_grace_s)
-    return 0
+    loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
+    loop_lag.start()
+    try:
+        started = await _start_weights(config, stop, obs)
+        if started is None:
+            await server.stop(0)
+            return 0 if stop.is_set() else _EXIT_LOAD_FAILED
+        engine, swaps, watcher = started
+        await server.attach_engine(engine, swaps)
+        log.info("serving %s on port %d", engine.model_info.name, server.port)
+        await stop.wait()
+        if watcher is not None:
+            await watcher.stop()
+        await _shutdown(server, engine, config.server.shutdown_grace_s)
+        return 0
+    finally:
+        await loop_lag.stop()
 
 
 async def _start_weights(

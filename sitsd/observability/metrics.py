@@ -197,6 +197,12 @@ class Metrics:
             registry=r,
             buckets=STEP_BUCKETS,
         )
+        self.event_loop_lag = Histogram(
+            "sitsd_event_loop_lag_seconds",
+            "How late the daemon's asyncio loop, which streams every token, woke a timer.",
+            registry=r,
+            buckets=STEP_BUCKETS,
+        )
 
     def _init_swap(self, r: CollectorRegistry) -> None:
         """Metrics: weights and hot-swap."""

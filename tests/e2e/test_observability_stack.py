@@ -338,3 +338,12 @@ def test_rules_and_dashboards_name_only_metrics_the_live_daemon_exports(daemon, 
 def test_live_prometheus_evaluates_every_dashboard_expression(prometheus, load):
     for expression in dashboard_expressions():
         prometheus.query(expression.promql)  # raises on a parse or evaluation error
+
+
+def test_the_event_loop_lag_is_measured_on_the_live_daemon(daemon, load):
+    with urllib.request.urlopen(daemon.metrics_url, timeout=10) as r:
+        body = r.read().decode()
+    (count,) = re.findall(r"^sitsd_event_loop_lag_seconds_count (\S+)$", body, re.M)
+    assert float(count) > 10  # a wake-up every 50 ms since start-up
+    (under,) = re.findall(r'^sitsd_event_loop_lag_seconds_bucket\{le="0\.25"\} (\S+)$', body, re.M)
+    assert float(under) / float(count) > 0.9  # an idle-ish daemon's loop is rarely late
