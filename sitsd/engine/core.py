@@ -167,12 +167,12 @@ class EngineCore:
         while not self._stopping.is_set():
             deltas: list[RequestDelta] = []
             try:
-                deltas += self._flush_deferred()
                 deltas += self._drain_inbox(block=not self.scheduler.has_work())
                 deltas += self._abort_expired()
                 if self.scheduler.has_work():
-                    deltas += self.step()
+                    deltas += self.step()  # flushes the last step's updates after its launch
                 else:
+                    deltas += self._flush_deferred()
                     self.commits.when_idle()
             except Exception as exc:  # a bug must cost requests, never the engine thread
                 log.exception("engine loop failed; failing every live request")

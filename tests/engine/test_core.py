@@ -225,3 +225,36 @@ def test_fcfs_policy_never_refuses_for_queue_wait():
         assert core.status().scheduling_policy == "fcfs"
     finally:
         core.stop()
+
+
+def test_an_overlapping_runner_detokenizes_a_step_while_the_next_one_runs():
+    tok = ByteTokenizer()
+    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=True)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), KVCacheManager(32, BLOCK), 128
+    )
+    core = EngineCore(sched, runner, tok, "fake-model")
+    events: list[str] = []
+    launch, to_delta = runner.launch, core._to_delta
+
+    def traced_launch(so):
+        done = launch(so)
+        events.append("launch")
+        result = done.result
+        done.result = lambda: (events.append("result"), result())[1]
+        return done
+
+    runner.launch = traced_launch
+    core._to_delta = lambda update: (events.append("detok"), to_delta(update))[1]
+    sink = Collector()
+    core.start(sink)
+    try:
+        add(core, "a", b"ab", max_tokens=6)
+        sink.until_finished({"a"})
+    finally:
+        core.stop()
+    # The step with the prompt samples the first token; each later launch comes before the
+    # previous step's tokens are detokenized, and its result is awaited after them.
+    text = " ".join(events)
+    assert text.startswith("launch result launch detok result launch detok result"), text
+    assert events.count("detok") == 6

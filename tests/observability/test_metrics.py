@@ -36,7 +36,7 @@ def populated() -> Metrics:
             continue
         metric = getattr(m, _attr_of(m, family.name))
         labels = [random.choice(["gold", "x", "stop"]) for _ in metric._labelnames]
-        child = metric.labels(*labels)
+        child = metric.labels(*labels) if labels else metric  # unlabelled: the loop lag
         if family.type == "histogram":
             child.observe(random.random(), {"trace_id": "ab" * 16})
         elif family.type == "counter":
