@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
+from sitsd.config import ModelConfig, SitsdConfig
 from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
@@ -28,16 +28,16 @@ from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, S
 from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaModel, LlamaWeights, build_weights
+from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
 from sitsd.runtime.cuda_graphs import decode_buckets
-from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, build_step_inputs
+from sitsd.runtime.input_batch import StepInputBuilder
 from sitsd.runtime.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     gpu_kv_budget,
-    num_blocks_for_budget,
 )
+from sitsd.runtime.memory_plan import decide_weight_slots, profile_peak_memory, size_kv_pool
 from sitsd.runtime.mixed_graphs import token_buckets
 from sitsd.runtime.model_runner import ModelRunner
 from sitsd.runtime.weight_slots import WeightSlots
@@ -198,14 +198,14 @@ def build_runner(
     # Allocated before the profiling pass, so the KV budget accounts for the second slot.
     slots = WeightSlots(arch, weights, weights_version, num_slots)
     if device.type == "cuda":
-        peak = _profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
+        peak = profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
         # A mixed graph pool holds the activations of its largest bucket (the profiled step).
         activations = peak - torch.cuda.memory_allocated(device) if mixed else 0
         reserve = num_slots * (graph_reserve + activations) + 2 * vocab_bytes
         budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
                                peak, reserve)  # fmt: skip
         ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))
-    num_blocks, max_model_len = _size_pool(ccfg, mcfg, arch, dtype, max_model_len)
+    num_blocks, max_model_len = size_kv_pool(ccfg, mcfg, arch, dtype, max_model_len)
     kv_caches = allocate_kv_caches(arch, num_blocks, ccfg.block_size, dtype, device)
     builder = StepInputBuilder(
         max_num_tokens=max_num_tokens, max_num_seqs=scfg.max_num_seqs,
@@ -227,57 +227,6 @@ def build_runner(
     return runner, info
 
 
-def decide_weight_slots(
-    config: SitsdConfig, device: torch.device, slot_bytes: int, kv_floor: int, reserve: int
-) -> tuple[int, str]:
-    """(1 or 2 weight slots, why): 2 when a second copy of the weights fits next to the KV pool.
-
-    CUDA: the memory sitsd may still use (`--gpu-memory-utilization` of the visible device,
-    less what is allocated) must hold the second slot, one full-length request's KV
-    (`kv_floor`) and `reserve`. CPU: the machine's available memory must hold the second slot
-    and the KV pool. `--weight-slots 1|2` decides instead of measuring.
-
-    Raises:
-        ValueError: `--weight-slots 2` and two slots do not fit.
-    """
-    mode = config.weights.weight_slots
-    ccfg = config.cache
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        visible = min(ccfg.gpu_memory_limit, total) if ccfg.gpu_memory_limit else total
-        room = min(int(visible * ccfg.gpu_memory_utilization)
-                   - torch.cuda.memory_allocated(device), free)  # fmt: skip
-        need = slot_bytes + kv_floor + reserve
-    else:
-        room = _mem_available_bytes()
-        need = slot_bytes + ccfg.kv_cache_memory
-    fits = room >= need
-    measured = f"{need / 2**20:.0f} MiB needed, {room / 2**20:.0f} MiB available"
-    if mode == "1":
-        return 1, "--weight-slots 1"
-    if mode == "2":
-        if not fits and device.type == "cuda":
-            raise ValueError(f"--weight-slots 2: two weight slots do not fit ({measured})")
-        return 2, "--weight-slots 2"
-    return (
-        (2, f"a second slot fits ({measured})")
-        if fits
-        else (1, f"not enough memory for a second slot ({measured})")
-    )
-
-
-def _mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo; very large where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 2**62
-
-
 def log_weight_slots(info: RuntimeInfo, slot_bytes: int) -> None:
     """Say at start-up how hot-swap will commit, and why."""
     if info.num_weight_slots == 2:
@@ -291,37 +240,6 @@ def log_weight_slots(info: RuntimeInfo, slot_bytes: int) -> None:
             "between two steps, pausing serving for the copy, and recomputes requests in flight",
             info.weight_slots_reason, slot_bytes / 2**20,
         )  # fmt: skip
-
-
-def _profile_peak_memory(
-    model: LlamaModel,
-    weights: LlamaWeights,
-    arch: LlamaArch,
-    config: SitsdConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    num_tokens: int,
-) -> int:
-    """Peak bytes torch allocates for the largest step (one prefill of `num_tokens` tokens)."""
-    block_size = config.cache.block_size
-    num_blocks = -(-num_tokens // block_size) + 1
-    kv = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    state = CachedRequestState(
-        "profile", [i % arch.vocab_size for i in range(num_tokens)], num_tokens,
-        SamplingParams(), 0, list(range(num_blocks)), 0,
-    )  # fmt: skip
-    inputs = build_step_inputs([state], {"profile": num_tokens}, block_size, device)
-    with torch.inference_mode():
-        hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, kv)
-        rows = min(num_tokens, config.scheduler.max_num_seqs)
-        model.compute_logits(weights, hidden[:rows])
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del kv, hidden, inputs
-    torch.cuda.empty_cache()
-    return peak
 
 
 async def launch_engine(
@@ -365,35 +283,6 @@ async def launch_engine(
 
     threading.Thread(target=build_and_run, name="sitsd-engine", daemon=True).start()
     return await ready
-
-
-def _size_pool(
-    cfg: CacheConfig, mcfg: ModelConfig, arch: LlamaArch, dtype: torch.dtype, max_model_len: int
-) -> tuple[int, int]:
-    """(num_blocks, max_model_len): a pool too small for one full-length request shortens the
-    served context when the user did not ask for a length, and is an error when they did."""
-    num_blocks = cfg.num_blocks or num_blocks_for_budget(
-        arch, cfg.block_size, dtype, cfg.kv_cache_memory
-    )
-    capacity = num_blocks * cfg.block_size
-    if capacity >= max_model_len:
-        return num_blocks, max_model_len
-    if mcfg.max_model_len or capacity < 2 * cfg.block_size:
-        per_block = bytes_per_block(arch, cfg.block_size, dtype)
-        needed = -(-max_model_len // cfg.block_size)
-        raise ValueError(
-            f"the KV pool holds {num_blocks} blocks ({capacity} tokens) but one "
-            f"{max_model_len}-token request needs {needed}; raise --kv-cache-memory to at least "
-            f"{needed * per_block / 2**20:.0f}MiB or lower --max-model-len"
-        )
-    log.warning(
-        "the KV pool holds %d tokens: serving a context of %d instead of the model's %d "
-        "(raise --kv-cache-memory for more)",
-        capacity,
-        capacity,
-        max_model_len,
-    )
-    return num_blocks, capacity
 
 
 def _warm_up(runner: ModelRunner, num_tokens: int) -> None:
