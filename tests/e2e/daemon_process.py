@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -119,3 +121,21 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
             self._reader.join(5)
+
+
+@contextlib.contextmanager
+def serving(state_dir: Path, *flags: str) -> Iterator[DaemonProcess]:
+    """A daemon serving for the `with` block; on leaving, SIGTERM must make it exit 0."""
+    process = DaemonProcess(state_dir, *flags)
+    try:
+        process.wait_until_serving()
+        yield process
+    finally:
+        assert process.terminate() == 0, process.log
+
+
+def tiers_file(directory: Path, text: str) -> str:
+    """Write a `--tiers` file into `directory`; its path, for the flag."""
+    path = directory / "tiers.yaml"
+    path.write_text(text)
+    return str(path)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
-from tests.e2e.daemon_process import DaemonProcess
+from tests.e2e.daemon_process import DaemonProcess, serving, tiers_file
 
 pytestmark = pytest.mark.slow
 
@@ -42,26 +42,11 @@ tiers:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
-    tiers_file = tmp_path_factory.mktemp("tiers") / "tiers.yaml"
-    tiers_file.write_text(PATIENT_TIERS)
-    process = DaemonProcess(
-        tmp_path_factory.mktemp("state"),
-        "--tiers",
-        str(tiers_file),
-        "--model",
-        "default",
-        "--kv-cache-memory",
-        "256MiB",
-        "--max-num-seqs",
-        "2",
-        "--max-num-waiting",
-        "1",
-    )
-    try:
-        process.wait_until_serving()
+    tiers = tiers_file(tmp_path_factory.mktemp("tiers"), PATIENT_TIERS)
+    flags = ("--tiers", tiers, "--model", "default", "--kv-cache-memory", "256MiB",
+             "--max-num-seqs", "2", "--max-num-waiting", "1")  # fmt: skip
+    with serving(tmp_path_factory.mktemp("state"), *flags) as process:
         yield process
-    finally:
-        assert process.terminate() == 0, process.log
 
 
 @pytest.fixture(scope="module")

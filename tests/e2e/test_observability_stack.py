@@ -23,7 +23,7 @@ import yaml
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.api.v1 import inference_pb2_grpc
 from tests.deploy.exprs import RULES, all_expressions, dashboard_expressions, unknown_metrics
-from tests.e2e.daemon_process import DaemonProcess
+from tests.e2e.daemon_process import DaemonProcess, serving
 from tests.observability.otlp_receiver import OtlpReceiver, attributes
 from tests.observability.tools import free_port, require_binary, wait_for
 
@@ -43,21 +43,17 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, receiver) -> Iterator[DaemonProcess]:
-    process = DaemonProcess(
-        tmp_path_factory.mktemp("state"),
+    flags = (
         "--model", "default", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8",
         "--otlp-endpoint", receiver.endpoint,
         # The tier scheduler would refuse part of this burst on a CPU (the SITS targets are
         # GPU targets); this test is about telemetry, so every request must be served.
         "--scheduling-policy", "fcfs",
     )  # fmt: skip
-    try:
-        process.wait_until_serving()
+    with serving(tmp_path_factory.mktemp("state"), *flags) as process:
         match = wait_for(lambda: METRICS_LINE.search(process.log), 30, "a 'metrics on' line")
         process.metrics_url = f"http://127.0.0.1:{match.group(2)}/metrics"
         yield process
-    finally:
-        assert process.terminate() == 0, process.log
 
 
 @dataclass

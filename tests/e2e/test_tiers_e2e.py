@@ -13,7 +13,7 @@ import pytest
 
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
-from tests.e2e.daemon_process import DaemonProcess
+from tests.e2e.daemon_process import DaemonProcess, serving, tiers_file
 from tests.e2e.test_daemon import wait_for
 
 pytestmark = pytest.mark.slow
@@ -29,22 +29,10 @@ tiers:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
-    tiers_file = tmp_path_factory.mktemp("tiers") / "tiers.yaml"
-    tiers_file.write_text(TIERS)
-    process = DaemonProcess(
-        tmp_path_factory.mktemp("state"),
-        "--tiers",
-        str(tiers_file),
-        "--max-num-seqs",
-        "1",
-        "--kv-cache-memory",
-        "128MiB",
-    )
-    try:
-        process.wait_until_serving()
+    tiers = tiers_file(tmp_path_factory.mktemp("tiers"), TIERS)
+    flags = ("--tiers", tiers, "--max-num-seqs", "1", "--kv-cache-memory", "128MiB")
+    with serving(tmp_path_factory.mktemp("state"), *flags) as process:
         yield process
-    finally:
-        assert process.terminate() == 0, process.log
 
 
 def tiers_of(daemon: DaemonProcess, channel: grpc.Channel) -> dict[str, admin_pb2.TierStatus]:
