@@ -48,29 +48,19 @@ def paged_attention(
     key_cache, value_cache = kv_cache
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens = query.shape[0]
-    if meta.unified:
-        return kernels.prefill_attention(  # type: ignore[return-value]
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scale,
-        )
     nd = meta.num_decode_tokens
-    if nd == num_tokens:
+    if nd == num_tokens and not meta.unified:
         return kernels.decode_attention(  # type: ignore[return-value]
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
-    if nd == 0:
+    if nd == 0 or meta.unified:  # one prefill-kernel call over every sequence
         return kernels.prefill_attention(  # type: ignore[return-value]
             query,
             key_cache,
             value_cache,
             meta.block_tables,
             meta.seq_lens,
-            meta.prefill_query_start_loc,
+            meta.query_start_loc if meta.unified else meta.prefill_query_start_loc,
             scale,
         )
     out = torch.empty_like(query)
