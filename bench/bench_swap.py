@@ -31,7 +31,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ import grpc
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.daemon import BenchDaemon  # noqa: E402
 from sitsd.api.v1 import (  # noqa: E402
     admin_pb2,
     admin_pb2_grpc,
@@ -51,9 +51,6 @@ from sitsd.api.v1 import (  # noqa: E402
 )
 from sitsd.api.v1 import inference_pb2 as pb  # noqa: E402
 
-LISTENING = re.compile(r"listening on (\S+):(\d+)")
-METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
-SERVING = re.compile(r"serving \S+ on port \d+")
 SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
 TYPICAL_GAP = re.compile(r"steps are ([\d.]+) ms apart otherwise")
 STAGES = ("verify", "validate", "stage", "canary", "commit", "pause")
@@ -96,52 +93,11 @@ def write_gpu_versions(work: Path) -> tuple[Path, Path]:
 # --------------------------------------------------------------------------------- daemon
 
 
-class Daemon:
-    """`sitsd serve --port 0 --metrics-port 0` in a subprocess, its output in a file."""
+class Daemon(BenchDaemon):
+    """The bench's daemon: its log in `work/daemon.log`, state in `work/state`."""
 
     def __init__(self, work: Path, flags: list[str]) -> None:
-        state = work / "state"
-        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": str(state)}
-        self.log_path = work / "daemon.log"
-        self.log = self.log_path.open("w")
-        command = [
-            sys.executable,
-            "-m",
-            "sitsd",
-            "serve",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--state-dir",
-            str(state),
-            "--log-format",
-            "console",
-            *flags,
-        ]
-        self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env
-        )
-        self.address = self.metrics_url = ""
-
-    def wait_until_serving(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not SERVING.search(text := self.log_path.read_text()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"sitsd did not start:\n{text}")
-            time.sleep(0.2)
-        self.address = "127.0.0.1:" + LISTENING.search(text).group(2)
-        self.metrics_url = f"http://127.0.0.1:{METRICS.search(text).group(2)}/metrics"
-
-    def token(self) -> str:
-        return (Path(self.env["SITSD_STATE_DIR"]) / "admin-token").read_text().strip()
-
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        super().__init__(work / "state", flags, log_path=work / "daemon.log")
 
     def stage_seconds(self) -> dict[str, float]:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
@@ -156,14 +112,6 @@ class Daemon:
             if m:
                 found[stage] = float(m.group(1))
         return found
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 # ----------------------------------------------------------------------------------- load
@@ -238,6 +186,8 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path) -> list[str]:
         "--swap-policy",
         args.policy,
     ]
+    if args.staging_cpu_share is not None:
+        flags += ["--staging-cpu-share", str(args.staging_cpu_share)]
     if args.migration_tokens_per_step is not None:
         flags += ["--migration-tokens-per-step", str(args.migration_tokens_per_step)]
     if args.canary:
@@ -270,7 +220,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     daemon = Daemon(work, daemon_flags(args, work, v1))
     try:
         daemon.wait_until_serving()
-        slot_mib = float(SLOT_COST.search(daemon.log_path.read_text()).group(1))
+        slot_mib = float(SLOT_COST.search(daemon.log_text()).group(1))
         rng = random.Random(args.seed)
         vocab = 49152 if args.device == "cpu" else 128256
         prompts = [
@@ -283,7 +233,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         load.stop_event.set()
         load.thread.join(600)
         stages = daemon.stage_seconds()
-        gap = TYPICAL_GAP.search(daemon.log_path.read_text())
+        gap = TYPICAL_GAP.search(daemon.log_text())
         marks["typical_gap_ms"] = float(gap.group(1)) if gap else float("nan")
     finally:
         daemon.stop()
@@ -396,6 +346,12 @@ def main() -> int:
         type=int,
         default=None,
         help="the daemon's --migration-tokens-per-step (default: the daemon's)",
+    )
+    parser.add_argument(
+        "--staging-cpu-share",
+        type=float,
+        default=None,
+        help="the daemon's --staging-cpu-share (CPU; default: the daemon's)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where versions are written")

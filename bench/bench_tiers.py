@@ -21,77 +21,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.daemon import BenchDaemon  # noqa: E402
 from sitsd.ctl.bench_report import plot_reports  # noqa: E402
 
-LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+def start(state_dir: str, policy: str, serve: list[str]) -> BenchDaemon:
+    daemon = BenchDaemon(Path(state_dir), ["--scheduling-policy", policy, *serve])
+    return daemon.wait_until_serving()
 
 
-class Daemon:
-    """`sitsd serve --port 0` in a subprocess, until `stop()`."""
-
-    def __init__(self, state_dir: str, flags: list[str]) -> None:
-        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": state_dir}
-        self.log_path = Path(state_dir) / f"daemon-{time.monotonic_ns()}.log"
-        self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sitsd",
-                "serve",
-                "--port",
-                "0",
-                "--state-dir",
-                state_dir,
-                *flags,
-            ],
-            stdout=self.log,  # the daemon logs JSON lines to stdout
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            cwd=REPO_ROOT,
-        )
-        self.address = self._wait_until_serving()
-
-    def _wait_until_serving(self, timeout: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sitsd exited:\n{self.log_path.read_text()}")
-            match = LISTENING.search(self.log_path.read_text())
-            if match:
-                address = f"127.0.0.1:{match.group(2)}"
-                with grpc.insecure_channel(address) as channel:
-                    status = (
-                        health_pb2_grpc.HealthStub(channel)
-                        .Check(health_pb2.HealthCheckRequest(), timeout=5)
-                        .status
-                    )
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return address
-            time.sleep(0.2)
-        raise RuntimeError("sitsd did not start serving in time")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
-
-
-def sitsctl_bench(daemon: Daemon, args: list[str]) -> dict:
+def sitsctl_bench(daemon: BenchDaemon, args: list[str]) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "bench", "--json", *args],
         env=daemon.env,
@@ -150,7 +97,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as state_dir:
         capacity = args.capacity
         if not capacity:
-            daemon = Daemon(state_dir, ["--scheduling-policy", "fcfs", *serve])
+            daemon = start(state_dir, "fcfs", serve)
             try:
                 saturated = sitsctl_bench(
                     daemon,
@@ -173,7 +120,7 @@ def main() -> int:
         print(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s", flush=True)
         reports = {}
         for policy in ("fcfs", "tiers"):
-            daemon = Daemon(state_dir, ["--scheduling-policy", policy, *serve])
+            daemon = start(state_dir, policy, serve)
             try:
                 reports[policy] = sitsctl_bench(
                     daemon,

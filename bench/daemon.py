@@ -1,0 +1,89 @@
+"""`sitsd serve` in a subprocess, for the benchmarks that drive the real daemon.
+
+Free ports (`--port 0 --metrics-port 0`), the log in a file, the address and /metrics URL once
+health says SERVING, the admin token, the process's RSS, and a stop that never hangs. This
+checkout comes first on the daemon's PYTHONPATH (the caller's entries, such as the GPU
+machine's wheels, follow).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
+
+
+class BenchDaemon:
+    """A started `sitsd serve`; `wait_until_serving()` before use, `stop()` after."""
+
+    def __init__(self, state_dir: Path, flags: Sequence[str], log_path: Path | None = None):
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": str(state_dir)}
+        self.state_dir = state_dir
+        self.log_path = log_path or state_dir / f"daemon-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("w")
+        command = [sys.executable, "-m", "sitsd", "serve", "--port", "0", "--metrics-port", "0",
+                   "--state-dir", str(state_dir), *flags]  # fmt: skip
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT
+        )
+        self.address = self.metrics_url = ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_until_serving(self, timeout: float = 600.0) -> BenchDaemon:
+        """Wait for health SERVING (the model loaded and warm); raises if the daemon exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sitsd exited:\n{self.log_text()}")
+            text = self.log_text()
+            listening, metrics = LISTENING.search(text), METRICS.search(text)
+            if listening and metrics and self._serving(f"127.0.0.1:{listening.group(2)}"):
+                self.address = f"127.0.0.1:{listening.group(2)}"
+                self.metrics_url = f"http://127.0.0.1:{metrics.group(2)}/metrics"
+                return self
+            time.sleep(0.2)
+        raise RuntimeError(f"sitsd did not start serving in {timeout:.0f} s:\n{self.log_text()}")
+
+    @staticmethod
+    def _serving(address: str) -> bool:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            except grpc.RpcError:
+                return False
+        return status.status == health_pb2.HealthCheckResponse.SERVING
+
+    def token(self) -> str:
+        return (self.state_dir / "admin-token").read_text().strip()
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
