@@ -47,10 +47,13 @@ def uniform_bits(seeds: Sequence[int], vocab: int, device: torch.device) -> torc
     same on the CPU and the GPU."""
     rows = _to_device([_signed(s) for s in seeds], torch.int64, device)
     steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
-    z = rows[:, None] + steps[None, :] * _signed(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
-    z = z ^ _shr(z, 31)
+    z = steps.mul_(_signed(_GOLDEN))[None, :] + rows[:, None]  # [rows, vocab]
+    scratch = torch.empty_like(z)  # in place from here: two [rows, vocab] int64 at most
+    for bits, mult in ((30, _MIX1), (27, _MIX2), (31, 1)):
+        torch.bitwise_right_shift(z, bits, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - bits)) - 1))  # logical shift
+        if mult != 1:
+            z.mul_(_signed(mult))
     return _shr(z, 64 - _UNIFORM_BITS)
 
 
