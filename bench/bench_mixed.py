@@ -119,6 +119,8 @@ def mixed_step_benchmark(ckpt: Checkpoint) -> dict:
     del runner, mixed
     gc.collect()
     torch.cuda.empty_cache()
+    probe = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    out["context_ok_after"] = bool(torch.isfinite((probe @ probe).float().sum()).item())
     return out
 
 

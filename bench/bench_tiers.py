@@ -74,6 +74,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", default="16:64")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument(
+        "--mixed-graphs", action="store_true", help="the daemon's --mixed-graphs (CUDA)"
+    )
     parser.add_argument("--deadline", type=float, default=60.0, help="gRPC deadline per request")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"))
@@ -92,6 +95,7 @@ def main() -> int:
         str(args.max_num_seqs),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
+        *(["--mixed-graphs"] if args.mixed_graphs else []),
     ]
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as state_dir:

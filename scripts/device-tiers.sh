@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 export PYTHONUNBUFFERED=1
-python3 bench/make_random_model.py /tmp/llama-3-8b --shape llama-3-8b
+[ -f /tmp/llama-3-8b/config.json ] || python3 bench/make_random_model.py /tmp/llama-3-8b --shape llama-3-8b
 python3 bench/bench_tiers.py --model /tmp/llama-3-8b --device cuda --tiers builtin \
   --prompt-tokens 128:512 --max-tokens 64:256 --max-num-seqs 64 \
   --max-num-batched-tokens 2048 --duration "${DURATION:-45}" --capacity-duration 25 \

@@ -83,6 +83,10 @@ class TiersConfig:
     default_tier: str = "silver"  # tier of requests that name none
     admission_control: bool = True  # refuse requests whose queue wait would break their tier
     max_tier_preemptions: int = 2  # a request is preempted for a higher tier at most this often
+    # While gold requests have prompt tokens to compute, lower tiers' prompt chunks only fill a
+    # step up to this many tokens (after gold's chunks and one token per running request), so
+    # the step that gives gold its first token is short. 0: no such limit.
+    gold_step_tokens: int = 512
     controller: str = "p99-caps"  # batch controller plugin (entry point group sitsd.plugins)
     plugin_dirs: tuple[str, ...] = ()  # directories searched for plugin files (--plugin-dir)
     min_batch_cap: int = 4  # the controller's smallest per-tier cap

@@ -19,6 +19,7 @@ What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -95,6 +96,19 @@ def run(config: SitsdConfig) -> int:
         obs.shutdown()  # flushes the spans and logs of the last requests
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive now out of the garbage collector's reach; how many there are.
+
+    A full collection scans every tracked object: with torch, Triton, gRPC and the model loaded
+    that is ~200k objects and 30-60 ms with every thread stopped, the engine's included, which
+    clients see as one slow token for every request in flight. Start-up objects live as long
+    as the daemon, so they need no scanning (`gc.freeze`, as CPython's docs suggest for this).
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
     """Start everything, serve until SIGTERM/SIGINT, shut down gracefully; the exit code."""
     obs = obs or Observability.create(config.observability)
@@ -131,6 +145,7 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
             return 0 if stop.is_set() else _EXIT_LOAD_FAILED
         engine, swaps, watcher = started
         await server.attach_engine(engine, swaps)
+        log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())
         log.info("serving %s on port %d", engine.model_info.name, server.port)
         await stop.wait()
         if watcher is not None:

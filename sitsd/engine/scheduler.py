@@ -13,11 +13,13 @@ the most recently admitted running request is preempted by recompute: its blocks
   1. caps: the batch controller refreshes each tier's batch cap from its live P99s;
   2. running: gold first, then silver, then bronze (oldest first within a tier), so block
      pressure preempts the newest bronze work first;
-  3. admission: waiting requests by queue deadline (aging); a tier at its cap is skipped; a
+  3. gold steps: while gold has prompt tokens to compute, lower tiers' prompt chunks are cut
+     to `lower_tier_prefill_allowance` (the step stays within `gold_step_tokens`);
+  4. admission: waiting requests by queue deadline (aging); a tier at its cap is skipped; a
      gold request that finds no slot or blocks preempts running bronze, then silver work
      (newest first, each request at most `max_tier_preemptions` times); once a request is
      blocked, only gold may still be admitted behind it;
-  4. shedding and admission control (`overdue_requests`, `admission_refusal`, called by the
+  5. shedding and admission control (`overdue_requests`, `admission_refusal`, called by the
      engine core): a request whose expected queue wait exceeds its tier's maximum is refused,
      one still waiting for its first token past it is dropped; both become RESOURCE_EXHAUSTED.
 Preempted requests keep their arrival time, hence their place, and their full blocks stay in
@@ -61,7 +63,13 @@ from sitsd.engine.outputs import (
 )
 from sitsd.engine.request import Request, RequestStatus
 from sitsd.engine.swap_phases import SwapPhases
-from sitsd.engine.tiers import TIER_ORDER, BatchController, TierTracker, queue_key
+from sitsd.engine.tiers import (
+    TIER_ORDER,
+    BatchController,
+    TierTracker,
+    lower_tier_prefill_allowance,
+    queue_key,
+)
 from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
 from sitsd.types import FinishReason, Tier
 
@@ -130,6 +138,7 @@ class Scheduler(SwapPhases):
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last, for the core
         self.migration_tokens_per_step = migration_tokens_per_step
+        self._lower_prefill: int | None = None  # this step's lower-tier prompt allowance
 
     def _queue_key(self, request: Request) -> float:
         return queue_key(request.arrival_time, self.tiers_config.tier(request.tier.value))
@@ -180,6 +189,9 @@ class Scheduler(SwapPhases):
         self.tracker.refresh(now)  # phase 1: P99 estimates and, with tiers, caps
         if self.tiered:
             self.running.sort(key=lambda r: r.tier.rank)  # stable: oldest first within a tier
+            self._lower_prefill = lower_tier_prefill_allowance(
+                self.running, self.waiting, self.tiers_config.gold_step_tokens
+            )
         preempted = self._schedule_running(out)  # phase 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -201,7 +213,12 @@ class Scheduler(SwapPhases):
         i = 0
         while i < len(self.running) and self._budget(out) > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget(out))
+            num_new = self._allowed(
+                request, min(request.num_tokens - request.num_computed_tokens, self._budget(out))
+            )
+            if num_new == 0:  # a lower-tier prompt chunk, left for a step without gold's
+                i += 1
+                continue
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
@@ -254,7 +271,9 @@ class Scheduler(SwapPhases):
             return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size
-        num_new = min(request.num_tokens - num_hit, self._budget(out))
+        num_new = self._allowed(request, min(request.num_tokens - num_hit, self._budget(out)))
+        if num_new == 0:
+            return None
         new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
         if new_block_ids is None:
             return None
@@ -352,10 +371,17 @@ class Scheduler(SwapPhases):
         # Block-pressure victims come from the end of `running`, which this step has not
         # scheduled yet; tier victims scheduled already are taken out by `_unschedule`.
 
-    @staticmethod
-    def _count(out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _allowed(self, request: Request, num_new: int) -> int:
+        """`num_new` cut to this step's lower-tier prompt allowance where that applies."""
+        if self._lower_prefill is None or request.tier is Tier.GOLD or num_new <= 1:
+            return num_new
+        return min(num_new, self._lower_prefill)
+
+    def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.num_scheduled_tokens[request.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
+        if self._lower_prefill is not None and request.tier is not Tier.GOLD and num_new > 1:
+            self._lower_prefill = max(0, self._lower_prefill - num_new)
 
     # ---------------------------------------------------------------------------- the update
 

@@ -14,6 +14,10 @@ Rules the scheduler applies with these (`sitsd.engine.scheduler` has the phases)
 - Caps: a controller (a plugin, `BatchController`) reads each tier's TTFT and inter-token P99
   over a sliding window (`sitsd.engine.latency`) and sets how many running requests each tier
   may hold; a tier at its cap is skipped, it does not block the others.
+- Gold steps: while a gold request has prompt tokens to compute, lower tiers' prompt chunks
+  get only what keeps the step within `gold_step_tokens` once gold's chunks and every running
+  request's token are in (`lower_tier_prefill_allowance`): a step that carries gold's prompt
+  takes ~1/4 of a full 2048-token step's time, and gold's time to first token with it.
 - Estimates the controller sees are `TierEstimate`s; what it returns are caps, which the
   scheduler clamps to [1, max_num_seqs] and to the tier's `max_batch_share`.
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -37,6 +41,7 @@ import yaml
 from sitsd.config import TierConfig, TiersConfig
 from sitsd.engine.latency import TierLatency
 from sitsd.engine.outputs import TierStats
+from sitsd.engine.request import Request
 from sitsd.types import Tier
 
 TIER_ORDER = (Tier.GOLD, Tier.SILVER, Tier.BRONZE)  # highest priority first
@@ -177,6 +182,8 @@ def tiers_config_from_mapping(
         raise ValueError("min_batch_cap and max_batch_cap: need 1 <= min <= max")
     if not config.window_s > 0 or not config.control_interval_s > 0:
         raise ValueError("window_s and control_interval_s must be > 0")
+    if type(config.gold_step_tokens) is not int or config.gold_step_tokens < 0:
+        raise ValueError(f"gold_step_tokens: a whole number >= 0, got {config.gold_step_tokens!r}")
     return config
 
 
@@ -193,6 +200,26 @@ def _tier_from_mapping(name: str, data: Mapping[str, Any], base: TierConfig) -> 
     if values["max_batch_share"] > 1:
         raise ValueError(f"tiers.{name}.max_batch_share: must be in (0, 1]")
     return TierConfig(**values)
+
+
+def lower_tier_prefill_allowance(
+    running: Iterable[Request], waiting: Iterable[Request], gold_step_tokens: int
+) -> int | None:
+    """Prompt tokens silver and bronze may compute in the next step, or None for no limit.
+
+    A limit applies while some gold request (running or waiting) has more than one token to
+    compute: the step then holds gold's tokens, one token per running request and, up to
+    `gold_step_tokens` in all, lower tiers' prompt chunks. `gold_step_tokens` 0: no limit.
+    """
+    if gold_step_tokens <= 0:
+        return None
+    running = list(running)
+    gold = 0
+    for request in (*running, *waiting):
+        left = request.num_tokens - request.num_computed_tokens
+        if request.tier is Tier.GOLD and left > 1:
+            gold += left
+    return None if gold == 0 else max(0, gold_step_tokens - gold - len(running))
 
 
 def load_tiers_file(path: str | Path, base: TiersConfig | None = None) -> TiersConfig:

@@ -6,6 +6,7 @@ start-up test start daemons of their own.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -243,6 +244,12 @@ def test_admin_needs_the_token_from_the_state_dir(daemon, channel):
     status = status_of(daemon, channel)
     assert status.state == admin_pb2.DAEMON_STATE_SERVING
     assert status.num_blocks_total > 0
+
+
+def test_the_serving_daemon_has_its_start_up_objects_out_of_the_collectors_scans(daemon):
+    match = re.search(r"garbage collector: (\d+) start-up objects frozen", daemon.log)
+    assert match, daemon.log
+    assert int(match.group(1)) > 50_000  # torch, gRPC and the model: far more than a few
 
 
 def test_sitsctl_status_reads_the_default_token(daemon):

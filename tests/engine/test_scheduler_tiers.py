@@ -321,9 +321,11 @@ def test_scheduler_applies_the_caps_from_live_gold_latency():
     assert sum(1 for r in sim.sched.running if r.tier is BRONZE) == 1
 
 
-def test_no_block_leaks_through_tier_preemption_aborts_and_shedding():
+@pytest.mark.parametrize("gold_step_tokens", [512, 8])
+def test_no_block_leaks_through_tier_preemption_aborts_and_shedding(gold_step_tokens):
     rng = random.Random()
-    sim = Sim(num_blocks=24, max_num_seqs=4, budget=24)
+    sim = Sim(tiers=TiersConfig(gold_step_tokens=gold_step_tokens), num_blocks=24,
+              max_num_seqs=4, budget=24)  # fmt: skip
     tiers = [GOLD, SILVER, BRONZE]
     for step in range(500):
         if step < 400 and rng.random() < 0.5:
@@ -393,3 +395,35 @@ def test_controller_acts_on_a_p99_only_once_its_window_has_enough_samples():
 
     assert bronze_cap(num_ttft=3, num_itl=5) == 32  # a handful of samples: their maximum
     assert bronze_cap(num_ttft=3, num_itl=200) == 4  # plenty of inter-token gaps: act
+
+
+def test_a_step_with_golds_prompt_gives_lower_tier_chunks_only_the_gold_step_allowance():
+    sim = Sim(tiers=relaxed(gold_step_tokens=40), max_num_seqs=4, budget=200, num_blocks=256)
+    sim.add(SILVER, prompt_len=4, max_tokens=30, req_id="s")
+    sim.add(BRONZE, prompt_len=400, max_tokens=4, req_id="b")
+    assert sim.step().num_scheduled_tokens == {"s": 4, "b": 196}  # no gold: the whole budget
+    sim.add(GOLD, prompt_len=20, max_tokens=4, req_id="g")
+    so = sim.step()
+    # Gold's 20 prompt tokens, silver's decode, and bronze's chunk cut to 40 - 20 - 2 running.
+    assert so.num_scheduled_tokens == {"s": 1, "b": 18, "g": 20}
+    assert so.total_num_scheduled_tokens <= 40
+    so = sim.step()  # gold decodes now: no limit, bronze's chunk fills the budget again
+    assert so.num_scheduled_tokens == {"g": 1, "s": 1, "b": 186}
+
+
+def test_a_gold_prompt_longer_than_the_gold_step_holds_lower_tier_chunks_back():
+    sim = Sim(tiers=relaxed(gold_step_tokens=64), max_num_seqs=4, budget=200, num_blocks=256)
+    sim.add(BRONZE, prompt_len=500, max_tokens=4, req_id="b")
+    sim.step()
+    sim.add(GOLD, prompt_len=100, max_tokens=4, req_id="g")
+    assert sim.step().num_scheduled_tokens == {"g": 100}  # 64 - 100 - 2 running: nothing left
+    assert sim.step().num_scheduled_tokens == {"g": 1, "b": 199}
+
+
+def test_without_a_gold_step_limit_a_running_lower_tier_chunk_can_delay_gold_a_step():
+    sim = Sim(tiers=relaxed(gold_step_tokens=0), max_num_seqs=4, budget=200, num_blocks=256)
+    sim.add(BRONZE, prompt_len=500, max_tokens=4, req_id="b")
+    sim.step()
+    sim.add(GOLD, prompt_len=20, max_tokens=4, req_id="g")
+    assert sim.step().num_scheduled_tokens == {"b": 200}  # what the limit exists to prevent
+    assert sim.step().num_scheduled_tokens["g"] == 20

@@ -60,6 +60,7 @@ def test_tiers_file_sets_targets_in_milliseconds_and_keeps_the_rest(tmp_path):
     path.write_text(
         "default_tier: bronze\n"
         "window_s: 5\n"
+        "gold_step_tokens: 256\n"
         "tiers:\n"
         "  gold: {ttft_p99_ms: 500, itl_p99_ms: 250, max_queue_wait_ms: 700}\n"
         "  bronze: {max_batch_share: 0.5, priority_offset_ms: 0}\n"
@@ -67,6 +68,7 @@ def test_tiers_file_sets_targets_in_milliseconds_and_keeps_the_rest(tmp_path):
     config = load_tiers_file(path)
     assert config.default_tier == "bronze"
     assert config.window_s == 5
+    assert config.gold_step_tokens == 256
     assert (config.gold.ttft_p99_s, config.gold.itl_p99_s) == (0.5, 0.25)
     assert config.gold.max_queue_wait_s == 0.7
     assert config.gold.priority_offset_s == SITS_GOLD.priority_offset_s
@@ -85,6 +87,8 @@ def test_tiers_file_sets_targets_in_milliseconds_and_keeps_the_rest(tmp_path):
         ("tiers: {gold: {max_batch_share: 2}}", "max_batch_share"),
         ("default_tier: tin", "default_tier"),
         ("speed: 11", "unknown key 'speed'"),
+        ("gold_step_tokens: -1", "gold_step_tokens"),
+        ("gold_step_tokens: 1.5", "gold_step_tokens"),
         ("[1, 2]", "mapping"),
     ],
 )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import gc
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import triton_kernels
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
-from sitsd.runtime.kv_cache import allocate_kv_caches, bytes_per_block
+from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.types import SamplingParams
 from sitsd.weights import load_checkpoint
 
@@ -137,23 +141,46 @@ def test_smollm2_greedy_is_identical_alone_and_batched(smollm2_on_gpu):
     assert alone == batched[:3]
 
 
+KV_SIZING_CHILD = """
+import json, torch
+from tests.runtime.test_gpu_runtime import tiny_hf
+from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
+from sitsd.engine.builder import build_runner
+from sitsd.runtime.kv_cache import bytes_per_block
+hf, arch = tiny_hf()
+tensors = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+del hf
+torch.cuda.empty_cache()
+limit = 6 * 2**30
+cfg = SitsdConfig(
+    model=ModelConfig(device="cuda", dtype="bfloat16"),
+    cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=limit),
+    scheduler=SchedulerConfig(max_num_seqs=8),
+)
+free_before, total = torch.cuda.mem_get_info()
+runner, info = build_runner(cfg, arch, tensors, "test")
+free_after, _ = torch.cuda.mem_get_info()
+print(json.dumps({
+    "limit": limit,
+    "pool_bytes": info.num_blocks * bytes_per_block(arch, 16, torch.bfloat16),
+    "runner_bytes": free_before - free_after,
+    "graphs": runner.graphs is not None,
+}))
+"""
+
+
 def test_kv_pool_fits_the_memory_limit():
-    hf, arch = tiny_hf()
-    tensors = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
-    del hf
-    limit = 6 * 2**30
-    cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="bfloat16"),
-        cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=limit),
-        scheduler=SchedulerConfig(max_num_seqs=8),
-    )
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    runner, info = build_runner(cfg, arch, tensors, "test")
-    pool_bytes = info.num_blocks * bytes_per_block(arch, 16, torch.bfloat16)
-    # Everything the runner holds (weights, KV pool, graph pool) stays within 0.5 x the limit;
-    # allocations left by earlier tests count against it, so the pool is sized below that.
-    assert torch.cuda.memory_allocated() - before <= 0.5 * limit
-    assert 0.15 * limit < pool_bytes < 0.5 * limit
-    assert runner.graphs is not None
+    """In a fresh process (its own CUDA context), so that nothing earlier tests hold counts."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", KV_SIZING_CHILD], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    limit = got["limit"]
+    # Everything the runner took from the device (weights, KV pool, graph pool, workspaces)
+    # stays within 0.5 x the limit, and the KV pool is most of it.
+    assert got["runner_bytes"] <= 0.5 * limit
+    assert 0.25 * limit < got["pool_bytes"] < 0.5 * limit  # the CUDA context, graphs: the rest
+    assert got["graphs"]
