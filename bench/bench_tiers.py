@@ -29,7 +29,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.daemon import BenchDaemon  # noqa: E402
+from bench.daemon import BenchDaemon, bucket_quantile  # noqa: E402
 from sitsd.ctl.bench_report import plot_reports  # noqa: E402
 
 
@@ -126,6 +126,7 @@ def main() -> int:
         for policy in ("fcfs", "tiers"):
             daemon = start(state_dir, policy, serve)
             try:
+                before = daemon_histograms(daemon)
                 reports[policy] = sitsctl_bench(
                     daemon,
                     [
@@ -142,14 +143,54 @@ def main() -> int:
                         *lengths,
                     ],
                 )
+                reports[policy]["daemon"] = daemon_side(daemon, before)
             finally:
                 daemon.stop()
             (out / f"{policy}.json").write_text(json.dumps(reports[policy], indent=2))
             print(f"{policy}: done, load average {os.getloadavg()[0]:.2f}", flush=True)
     plot_reports([(p, reports[p]) for p in ("fcfs", "tiers")], str(out / "tiers-overload.png"))
     print(comparison_table(reports, capacity, rate))
+    for policy in ("fcfs", "tiers"):
+        d = reports[policy]["daemon"]
+        ttft = ", ".join(f"{t} {ms(v)}" for t, v in sorted(d["ttft_p99_s"].items()))
+        print(f"daemon side, {policy} (histogram buckets' upper bounds, ms): TTFT P99 {ttft}; "
+              f"step P99 {ms(d['step_p99_s'])}; event-loop lag P99 {ms(d['loop_lag_p99_s'])}, "
+              f"max {ms(d['loop_lag_max_s'])}")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}; plot: {out / 'tiers-overload.png'}")
     return 0
+
+
+DAEMON_HISTOGRAMS = {  # what bench_tiers reads back: key -> (histogram, label)
+    "ttft": ("sitsd_time_to_first_token_seconds", "tier"),
+    "step": ("sitsd_step_duration_seconds", ""),
+    "loop_lag": ("sitsd_event_loop_lag_seconds", ""),
+}
+
+
+def daemon_histograms(daemon: BenchDaemon) -> dict:
+    return {key: daemon.histograms(*spec) for key, spec in DAEMON_HISTOGRAMS.items()}
+
+
+def daemon_side(daemon: BenchDaemon, before: dict) -> dict:
+    """What the daemon measured itself during the load, beside what the client saw: its TTFT
+    (arrival at the API to the first token, before delivery) P99 per tier, the step time and
+    the event-loop lag, each the upper bound of its histogram bucket (seconds)."""
+    after = daemon_histograms(daemon)
+
+    def quantile(key: str, q: float) -> dict[str, float | None]:
+        return {label: bucket_quantile(rows, q, before[key].get(label))
+                for label, rows in after[key].items()}  # fmt: skip
+
+    return {
+        "ttft_p99_s": quantile("ttft", 0.99),
+        "step_p99_s": quantile("step", 0.99).get(""),
+        "loop_lag_p99_s": quantile("loop_lag", 0.99).get(""),
+        "loop_lag_max_s": quantile("loop_lag", 1.0).get(""),
+    }
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
 def comparison_table(reports: dict[str, dict], capacity: float, rate: float) -> str:

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -70,6 +71,21 @@ class BenchDaemon:
                 return False
         return status.status == health_pb2.HealthCheckResponse.SERVING
 
+    def histograms(self, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
+        """{label value: [(bucket bound, cumulative count)]} of histogram `name` in the live
+        /metrics (`label` "" for an unlabelled one)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        out: dict[str, list[tuple[float, float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"{name}_bucket":
+                    key = sample.labels.get(label, "") if label else ""
+                    out.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+        return {key: sorted(rows) for key, rows in out.items()}
+
     def token(self) -> str:
         return (self.state_dir / "admin-token").read_text().strip()
 
@@ -87,3 +103,16 @@ class BenchDaemon:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+def bucket_quantile(
+    rows: list[tuple[float, float]], q: float, since: list[tuple[float, float]] | None = None
+) -> float | None:
+    """Upper bound of the bucket that holds the `q`-quantile of cumulative histogram `rows`,
+    counting only what came after the snapshot `since`; None when nothing did."""
+    before = dict(since or [])
+    counts = [(le, count - before.get(le, 0.0)) for le, count in rows]
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    return next(le for le, count in counts if count >= q * total)

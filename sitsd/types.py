@@ -118,3 +118,16 @@ class RequestDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followed_by(self, later: RequestDelta) -> RequestDelta:
+        """This delta and the next one of the same request as one (same weights version)."""
+        return RequestDelta(
+            req_id=self.req_id,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text=self.text + later.text,
+            finish_reason=later.finish_reason,
+            usage=later.usage,
+            weights_version=self.weights_version,
+            error=later.error,
+            abort_cause=later.abort_cause,
+        )

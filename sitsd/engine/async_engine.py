@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -34,24 +35,41 @@ T = TypeVar("T")
 
 
 class RequestStream:
-    """An async iterator over one request's deltas; `abort()` cancels the request."""
+    """An async iterator over one request's deltas; `abort()` cancels the request.
+
+    A consumer that falls behind (the event loop busy streaming to many clients) gets the
+    deltas that piled up as one: fewer, larger messages exactly when sending them is what
+    lags. Deltas of different weights versions are never joined, so every token keeps the
+    version that produced it.
+    """
 
     def __init__(self, engine: AsyncEngine, req_id: str, num_prompt_tokens: int) -> None:
         self.req_id = req_id
         self.num_prompt_tokens = num_prompt_tokens
         self._engine = engine
-        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._pending: deque[RequestDelta] = deque()
+        self._ready = asyncio.Event()
         self._finished = False
 
     def _put(self, delta: RequestDelta) -> None:
-        self._queue.put_nowait(delta)
+        self._pending.append(delta)
+        self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        pending = self._pending
         while not self._finished:
-            delta = await self._queue.get()
+            if not pending:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            delta = pending.popleft()
+            while pending and not delta.finished:
+                if pending[0].weights_version != delta.weights_version:
+                    break
+                delta = delta.followed_by(pending.popleft())
             if delta.finished:
                 self._finished = True
             yield delta
