@@ -9,7 +9,8 @@ order while budget, batch slots and KV blocks last. When a running request canno
 the most recently admitted running request is preempted by recompute: its blocks are freed
 (they stay in the prefix cache until evicted) and it goes back to the front of the queue.
 
-`tiers` (the SLA tiers, rules in `sitsd.engine.tiers`), the same rule plus:
+`tiers` (the SLA tiers: rules in `sitsd.engine.tiers`, phases in `sitsd.engine.tier_phases`),
+the same rule plus:
   1. caps: the batch controller refreshes each tier's batch cap from its live P99s;
   2. running: gold first, then silver, then bronze (oldest first within a tier), so block
      pressure preempts the newest bronze work first;
@@ -46,12 +47,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sitsd.config import SchedulerConfig, TiersConfig
-from sitsd.engine.admission import (
-    QueueSnapshot,
-    refusal_reason,
-    running_entry,
-    waiting_entry,
-)
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.migration import Migration
 from sitsd.engine.outputs import (
@@ -59,16 +54,14 @@ from sitsd.engine.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TierStats,
 )
 from sitsd.engine.request import Request, RequestStatus
 from sitsd.engine.swap_phases import SwapPhases
+from sitsd.engine.tier_phases import TierPhases
 from sitsd.engine.tiers import (
-    TIER_ORDER,
     BatchController,
     TierTracker,
     lower_tier_prefill_allowance,
-    queue_key,
 )
 from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
 from sitsd.types import FinishReason, Tier
@@ -87,7 +80,7 @@ class TokenUpdate:
     weights_version: str = ""  # the version that computed them (a request may flip later)
 
 
-class Scheduler(SwapPhases):
+class Scheduler(SwapPhases, TierPhases):
     """Owns the waiting queue and the running batch; the only writer of `Request` state."""
 
     def __init__(
@@ -139,9 +132,6 @@ class Scheduler(SwapPhases):
         self.last_migration: Migration | None = None  # the one that completed last, for the core
         self.migration_tokens_per_step = migration_tokens_per_step
         self._lower_prefill: int | None = None  # this step's lower-tier prompt allowance
-
-    def _queue_key(self, request: Request) -> float:
-        return queue_key(request.arrival_time, self.tiers_config.tier(request.tier.value))
 
     # ------------------------------------------------------------------------------ requests
 
@@ -244,27 +234,6 @@ class Scheduler(SwapPhases):
             if self._admit(self.waiting.peek(), out) is None:
                 break
 
-    def _admit_by_tier(self, out: SchedulerOutput) -> None:
-        """Admit by queue deadline, skipping capped tiers; gold may preempt lower tiers."""
-        blocked = False
-        for request in self.waiting:
-            no_budget = self._budget(out) <= 0
-            if (blocked or no_budget) and request.tier is not Tier.GOLD:
-                continue
-            if self._tier_count(request.tier) >= self.tracker.caps[request.tier]:
-                continue  # a capped tier waits for its own requests to finish
-            num_new = None
-            if not no_budget and len(self.running) < self.config.max_num_seqs:
-                num_new = self._admit(request, out)
-            if num_new is None and request.tier is Tier.GOLD:
-                # Victims scheduled earlier in this step give their tokens back, too.
-                num_new = self._admit_by_preemption(request, out)
-            if num_new is None:
-                blocked = True
-
-    def _tier_count(self, tier: Tier) -> int:
-        return sum(1 for r in self.running if r.tier is tier)
-
     def _admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
         if self._budget(out) <= 0:
@@ -300,42 +269,6 @@ class Scheduler(SwapPhases):
         self._count(out, request, num_new)
         return num_new
 
-    def _admit_by_preemption(self, request: Request, out: SchedulerOutput) -> int | None:
-        """Preempt lower-tier running work to make room for `request`; None if it can't."""
-        victims = self._pick_victims(request, out)
-        if not victims:
-            return None
-        for victim in victims:
-            self._unschedule(victim, out)
-            self._preempt(victim, out)
-        if len(self.running) >= self.config.max_num_seqs:
-            return None
-        return self._admit(request, out)
-
-    def _pick_victims(self, request: Request, out: SchedulerOutput) -> list[Request]:
-        """The fewest lower-tier requests whose slot and blocks let `request` in (or none)."""
-        new_ids = {n.req_id for n in out.new_reqs}  # admitted this step: never undone
-        candidates = [
-            r
-            for r in reversed(self.running)  # newest first within a tier
-            if r.tier.rank > request.tier.rank
-            and r.num_preemptions < self.tiers_config.max_tier_preemptions
-            and r.req_id not in new_ids
-        ]
-        candidates.sort(key=lambda r: -r.tier.rank)  # bronze, then silver
-        kv = self.kv_cache
-        num_new = min(request.num_tokens, max(self._budget(out), 1))
-        need_slots = len(self.running) + 1 - self.config.max_num_seqs
-        need_blocks = kv.blocks_needed(num_new) - kv.pool.num_free_blocks
-        victims = []
-        for victim in candidates:
-            if need_slots <= 0 and need_blocks <= 0:
-                break
-            victims.append(victim)
-            need_slots -= 1
-            need_blocks -= kv.num_private_blocks(victim)
-        return victims if need_slots <= 0 and need_blocks <= 0 else []
-
     @staticmethod
     def _unschedule(request: Request, out: SchedulerOutput) -> None:
         """Take a request scheduled earlier in this step back out of `out`."""
@@ -370,12 +303,6 @@ class Scheduler(SwapPhases):
         self.tracker.num_preempted[request.tier] += 1
         # Block-pressure victims come from the end of `running`, which this step has not
         # scheduled yet; tier victims scheduled already are taken out by `_unschedule`.
-
-    def _allowed(self, request: Request, num_new: int) -> int:
-        """`num_new` cut to this step's lower-tier prompt allowance where that applies."""
-        if self._lower_prefill is None or request.tier is Tier.GOLD or num_new <= 1:
-            return num_new
-        return min(num_new, self._lower_prefill)
 
     def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.num_scheduled_tokens[request.req_id] = num_new
@@ -450,62 +377,3 @@ class Scheduler(SwapPhases):
         return [
             r.req_id for r in self.requests.values() if r.deadline is not None and r.deadline <= now
         ]
-
-    # ---------------------------------------------------------- admission control and status
-
-    def overdue_requests(self, now: float) -> list[tuple[str, str]]:
-        """(req_id, reason) of waiting requests without a first token yet that have waited
-        past their tier's maximum queue wait since arrival (tiers policy): the engine drops them
-        (RESOURCE_EXHAUSTED). Requests that streamed tokens are never dropped."""
-        if not self.tiered:
-            return []
-        overdue = []
-        for request in self.waiting:
-            limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
-            waited = now - request.arrival_time
-            if request.num_output_tokens == 0 and waited > limit:
-                self.tracker.num_shed[request.tier] += 1
-                overdue.append(
-                    (
-                        request.req_id,
-                        f"overloaded: waited {waited * 1000:.0f} ms in the queue, over the "
-                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later",
-                    )
-                )
-        return overdue
-
-    def admission_refusal(self, request: Request) -> str | None:
-        """Why `request` (not added yet) must be refused at once, or None to admit it.
-
-        Refused: its expected queue wait (`sitsd.engine.admission`) exceeds its tier's maximum.
-        """
-        if not self.tiered or not self.tiers_config.admission_control:
-            return None
-        limit = self.tiers_config.tier(request.tier.value).max_queue_wait_s
-        reason = refusal_reason(
-            self.queue_snapshot(), request.tier, self._queue_key(request), limit
-        )
-        if reason is not None:
-            self.tracker.num_refused[request.tier] += 1
-        return reason
-
-    def queue_snapshot(self) -> QueueSnapshot:
-        """The queue as admission control sees it (plain data, safe to hand to other threads)."""
-        return QueueSnapshot(
-            enabled=self.tiered and self.tiers_config.admission_control,
-            step_time_s=self.step_time_s,
-            token_budget=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-            waiting=tuple(waiting_entry(r, self._queue_key(r)) for r in self.waiting),
-            running=tuple(
-                running_entry(r, self.tiers_config.max_tier_preemptions) for r in self.running
-            ),
-            caps=dict(self.tracker.caps),
-        )
-
-    def tier_stats(self) -> tuple[TierStats, ...]:
-        """Targets, caps, P99s (as of the last control interval) and counters, gold first."""
-        running = {t: self._tier_count(t) for t in TIER_ORDER}
-        waiting = {t: sum(1 for r in self.waiting if r.tier is t) for t in TIER_ORDER}
-        caps = None if self.tiered else self.config.max_num_seqs
-        return self.tracker.stats(running, waiting, fixed_cap=caps)
