@@ -64,7 +64,7 @@ from sitsd.engine.tiers import (
     lower_tier_prefill_allowance,
 )
 from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
-from sitsd.types import FinishReason, Tier
+from sitsd.types import FinishReason
 
 POLICIES = ("tiers", "fcfs")
 _STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the step-time moving average
@@ -307,8 +307,7 @@ class Scheduler(SwapPhases, TierPhases):
     def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.num_scheduled_tokens[request.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
-        if self._lower_prefill is not None and request.tier is not Tier.GOLD and num_new > 1:
-            self._lower_prefill = max(0, self._lower_prefill - num_new)
+        self._charge_allowance(request, num_new)
 
     # ---------------------------------------------------------------------------- the update
 

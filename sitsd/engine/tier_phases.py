@@ -120,6 +120,11 @@ class TierPhases:
             return num_new
         return min(num_new, self._lower_prefill)
 
+    def _charge_allowance(self, request: Request, num_new: int) -> None:
+        """Count a scheduled chunk against this step's lower-tier prompt allowance."""
+        if self._lower_prefill is not None and request.tier is not Tier.GOLD and num_new > 1:
+            self._lower_prefill = max(0, self._lower_prefill - num_new)
+
     # ---------------------------------------------------------- admission control and status
 
     def overdue_requests(self, now: float) -> list[tuple[str, str]]:
