@@ -9,7 +9,10 @@ ADDRESS="${SITSD_ADDRESS:-localhost:${SITSD_PORT:-50051}}"
 
 "$BIN/sitsd" serve --port "${ADDRESS##*:}" ${SITSD_ARGS:-} &
 daemon=$!
-trap 'kill -TERM "$daemon" 2>/dev/null; wait "$daemon"' INT TERM
+# Ctrl-C reaches the daemon too (same process group): wait for its graceful stop. Forwarding a
+# second signal would make it exit at once, without letting requests finish.
+trap 'wait "$daemon"; exit $?' INT
+trap 'kill -TERM "$daemon" 2>/dev/null; wait "$daemon"; exit $?' TERM
 
 if "$BIN/sitsctl" --address "$ADDRESS" health --wait 300 >/dev/null; then
   echo "--- sitsctl chat \"What is the capital of France?\"" >&2
