@@ -15,9 +15,11 @@ Random weights in Llama-3-8B shapes, bf16; every figure is measured in this run,
    TFLOP/s beside the matmul rate;
 5. SmolLM2-135M-shaped decode step time with and without CUDA graphs at batch 1 and 32;
 6. a mixed step (32 decodes + a 480-token chunk; a 512-token prompt alone), eager vs the
-   mixed-step CUDA graphs of `--mixed-graphs`: host, step and GPU ms (`bench/bench_mixed.py`).
+   mixed-step CUDA graphs of `--mixed-graphs`: host, step and GPU ms (`bench/bench_mixed.py`);
+7. decode and the 256-request workload again with asynchronous scheduling (`--async-scheduling`).
 
 Runs on the device machine:  python3 bench/bench_gpu.py [--quick] [--skip-peer] [--skip-mixed]
+[--skip-async]
 Prints a table last; `--json PATH` writes every number.
 """
 
@@ -142,7 +144,9 @@ def prefill_flops(arch: LlamaArch, num_seqs: int, prompt: int) -> float:
 # ---------------------------------------------------------------------------------- the engine
 
 
-def engine_config(max_num_seqs: int, eager: bool = False, util: float = 0.8) -> SitsdConfig:
+def engine_config(
+    max_num_seqs: int, eager: bool = False, util: float = 0.8, ahead: bool = False
+) -> SitsdConfig:
     return SitsdConfig(
         model=ModelConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
                           enforce_eager=eager),
@@ -150,7 +154,7 @@ def engine_config(max_num_seqs: int, eager: bool = False, util: float = 0.8) -> 
         # FCFS: the engine's raw speed. The tiers policy would shed requests that queue past
         # their tier's wait (all 256 of the throughput run arrive at once).
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                  max_num_waiting=4096, policy="fcfs"),
+                                  max_num_waiting=4096, policy="fcfs", async_scheduling=ahead),
     )  # fmt: skip
 
 
@@ -182,10 +186,14 @@ async def run_batch(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     }
 
 
-async def engine_benchmarks(ckpt: Checkpoint, batches: list[int], quick: bool) -> dict:
+async def engine_benchmarks(
+    ckpt: Checkpoint, batches: list[int], quick: bool, ahead: bool = False
+) -> dict:
+    """Decode at each batch size and the 256-request workload; `ahead`: with asynchronous
+    scheduling (`--async-scheduling`)."""
     arch = ckpt.arch
     max_seqs = 256
-    engine = build_engine(engine_config(max_seqs), checkpoint=ckpt)
+    engine = build_engine(engine_config(max_seqs, ahead=ahead), checkpoint=ckpt)
     await engine.start()
     freeze_startup_objects()  # as the daemon does: no full collection scans them mid-run
     rng = torch.Generator().manual_seed(1)
@@ -198,8 +206,8 @@ async def engine_benchmarks(ckpt: Checkpoint, batches: list[int], quick: bool) -
     await run_batch(engine, prompts(2, 128), 8)  # warm-up
     for b in batches:
         out["decode"][b] = await run_batch(engine, prompts(b, 128), new_tokens)
-        print(f"  sitsd batch {b}: {out['decode'][b]['decode_tok_s']:.0f} decode tok/s",
-              flush=True)  # fmt: skip
+        print(f"  sitsd batch {b}{' (ahead)' if ahead else ''}: "
+              f"{out['decode'][b]['decode_tok_s']:.0f} decode tok/s", flush=True)  # fmt: skip
     n = 64 if quick else 256
     out["throughput"] = await run_batch(engine, prompts(n, 512), new_tokens)
     out["throughput"]["num_requests"] = n
@@ -300,6 +308,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     parser.add_argument("--skip-peer", action="store_true", help="no transformers peer")
     parser.add_argument("--skip-mixed", action="store_true", help="no mixed-step graphs case")
+    parser.add_argument(
+        "--skip-async", action="store_true", help="no run with asynchronous scheduling"
+    )
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     import logging
@@ -329,6 +340,13 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
         print_table(results, batches, new_tokens)
+    if not args.skip_async:  # after the table: a case that breaks must not cost it
+        gc.collect()
+        torch.cuda.empty_cache()
+        results["engine_ahead"] = asyncio.run(engine_benchmarks(ckpt, batches, args.quick, True))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+        print_ahead(results, batches, new_tokens)
     if not args.skip_mixed:  # last: a case that breaks must not cost the table above
         gc.collect()
         torch.cuda.empty_cache()
@@ -336,6 +354,22 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
         print_mixed(results["mixed_step"])
+
+
+def print_ahead(results: dict, batches: list[int], new_tokens: int) -> None:
+    """Steps in turn vs scheduled ahead (`--async-scheduling`), same run, same floors."""
+    arch, bw, mm = LLAMA3_8B, results["copy_bw"], results["matmul_rate"]
+    turn, ahead = results["engine"], results["engine_ahead"]
+    ctx = 128 + new_tokens / 2
+    print("\nasynchronous scheduling (Llama-3-8B shapes): tok/s, fraction of the floor")
+    print(f"{'measure':<30}{'in turn':>10}{'ahead':>10}{'floor':>10}{'ratio':>8}")
+    for b in batches:
+        floor_s = decode_step_floor_s(arch, b, ctx, bw, mm)[0]
+        t, a = turn["decode"][b]["decode_tok_s"], ahead["decode"][b]["decode_tok_s"]
+        print(f"{f'decode batch {b}':<30}{t:>10.0f}{a:>10.0f}{b / floor_s:>10.0f}"
+              f"{a * floor_s / b:>8.2f}")  # fmt: skip
+    t, a = turn["throughput"]["output_tok_s"], ahead["throughput"]["output_tok_s"]
+    print(f"{'256 x 512/256 output tok/s':<30}{t:>10.0f}{a:>10.0f}")
 
 
 def print_table(results: dict, batches: list[int], new_tokens: int) -> None:

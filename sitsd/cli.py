@@ -211,6 +211,13 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="completion length of requests that set no max_tokens (default: %(default)s)",
     )
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch each step before the last one's tokens reach the host, so "
+        "the GPU never waits for the host between steps; a request that stops computes one "
+        "token more, which is dropped (default: off, one step at a time)",
+    )
 
 
 def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
@@ -390,6 +397,7 @@ def config_from_args(
             max_num_waiting=args.max_num_waiting,
             max_tokens_default=args.max_tokens_default,
             policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
         ),
         tiers=_tiers_from_args(args),
         server=ServerConfig(

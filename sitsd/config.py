@@ -49,6 +49,9 @@ class SchedulerConfig:
     # "tiers" (SLA tiers: tier order, aging, preemption by gold, batch caps, admission control)
     # or "fcfs" (arrival order, preemption of the newest when blocks run out).
     policy: str = "tiers"
+    # Schedule and launch step N+1 before step N's sampled tokens reach the host (the GPU runs
+    # N+1 while the host finishes N); finishes are learnt one step late. Off: one step at a time.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ def test_every_flag_reaches_its_config_field():
         "16",
         "--max-tokens-default",
         "64",
+        "--async-scheduling",
         "--host",
         "0.0.0.0",
         "--port",
@@ -92,7 +93,11 @@ def test_every_flag_reaches_its_config_field():
             enable_prefix_caching=False,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=512, max_num_waiting=16, max_tokens_default=64
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            max_num_waiting=16,
+            max_tokens_default=64,
+            async_scheduling=True,
         ),
         tiers=TiersConfig(),
         server=ServerConfig(

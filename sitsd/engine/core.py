@@ -12,7 +12,11 @@ and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). W
 works asynchronously (CUDA), the detokenization and delivery of step N's tokens happen after
 step N+1 is launched, while the GPU computes: they leave the step's critical path. (A stop
 string is then found one step late; the extra token is discarded.) On the CPU the runner
-computes inside `launch`, so nothing would overlap and deltas go out at once. An
+computes inside `launch`, so nothing would overlap and deltas go out at once. With
+`--async-scheduling` the loop goes further: it schedules and launches step N+1 before it takes
+step N's tokens (`_step_ahead`), so the GPU never waits for the host's update and scheduling;
+a request that stops at EOS learns it one step late and the extra token is dropped. Swaps and
+`EngineCall`s first finish the step ahead (`finish_ahead`) and run one step at a time. An
 `EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
 preempted, migrated and finished, of every step and of the status after each turn. Weight
 swaps commit between two steps (`SwapCommand`, handled by `commit.CommitControl`); short work
@@ -91,6 +95,8 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[TokenUpdate] = []  # last step's updates, not yet detokenized
+        # Asynchronous scheduling: the launched step whose output is not in yet.
+        self._ahead: _LaunchedStep | None = None
         self._seeds = random.Random()  # seeds for requests that bring none; per engine
         self._on_deltas: DeltaSink = lambda deltas: None
         self._thread: threading.Thread | None = None
@@ -167,9 +173,10 @@ class EngineCore:
         while not self._stopping.is_set():
             deltas: list[RequestDelta] = []
             try:
-                deltas += self._drain_inbox(block=not self.scheduler.has_work())
+                busy = self.scheduler.has_work() or self._ahead is not None
+                deltas += self._drain_inbox(block=not busy)
                 deltas += self._abort_expired()
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() or self._ahead is not None:
                     deltas += self.step()  # flushes the last step's updates after its launch
                 else:
                     deltas += self._flush_deferred()
@@ -209,8 +216,10 @@ class EngineCore:
                     if delta is not None:
                         deltas.append(delta)
                 elif isinstance(message, SwapCommand):
+                    deltas += self.finish_ahead()  # a commit goes between two finished steps
                     self.commits.handle(message)
                 elif isinstance(message, EngineCall):
+                    deltas += self.finish_ahead()  # the call may run the model
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -279,6 +288,15 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Schedule, launch, collect; returns the deltas ready now (see the module docstring)."""
+        if self.scheduler.config.async_scheduling:
+            if not self.commits.busy and self.scheduler.migration is None:
+                return self._step_ahead()
+            deltas = self.finish_ahead()  # swaps run one step at a time
+            return deltas + (self._step_in_turn() if self.scheduler.has_work() else [])
+        return self._step_in_turn()
+
+    def _step_in_turn(self) -> list[RequestDelta]:
+        """One step: schedule, launch, wait for its tokens, update."""
         start = time.monotonic()
         self.commits.on_step_start(start)
         sched_out = self.scheduler.schedule()
@@ -293,23 +311,75 @@ class EngineCore:
             deltas = self._flush_deferred()  # overlaps the GPU's work on this step
             runner_out = pending.result()
         except Exception as exc:  # the batch fails, the engine keeps serving
-            log.exception(
-                "model step failed; failing its %d requests", len(sched_out.num_scheduled_tokens)
-            )
-            message = f"internal error in the model step: {type(exc).__name__}: {exc}"
+            return self._fail_step(exc, list(sched_out.num_scheduled_tokens))
+        return deltas + self._updates(sched_out, runner_out, start, defer=True)
+
+    def _step_ahead(self) -> list[RequestDelta]:
+        """Asynchronous scheduling: schedule and launch the next step while the last one runs,
+        then take the last one's tokens. Finishes (EOS, stop strings) are learnt one step late:
+        a finished request's token from the next step is dropped."""
+        start = time.monotonic()
+        self.commits.on_step_start(start)
+        sched_out = self.scheduler.schedule()  # counts the step still running as done
+        self.commits.after_schedule(sched_out, start)
+        for req_id in sched_out.preempted_req_ids:
+            self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
+        ahead, self._ahead = self._ahead, None
+        launched = None
+        try:
+            if not sched_out.is_empty:
+                launched = _LaunchedStep(sched_out, self.runner.launch(sched_out), start)
             deltas = self._flush_deferred()
-            failed = [self._finish(r, FinishReason.ERROR, message)
-                      for r in sched_out.num_scheduled_tokens]  # fmt: skip
-            return deltas + [d for d in failed if d is not None]
+            if ahead is None:
+                self._ahead = launched
+                if launched is None:
+                    self.commits.after_step(time.monotonic())
+                return deltas
+            runner_out = ahead.pending.result()
+        except Exception as exc:  # both steps fail, the engine keeps serving
+            failed = [*(ahead.sched_out.num_scheduled_tokens if ahead else ()),
+                      *sched_out.num_scheduled_tokens]  # fmt: skip
+            self.scheduler.drop_ahead()
+            return self._fail_step(exc, list(dict.fromkeys(failed)))
+        self._ahead = launched
+        if launched is None:
+            self.scheduler.drop_ahead()
+        return deltas + self._updates(ahead.sched_out, runner_out, ahead.started, defer=False)
+
+    def finish_ahead(self) -> list[RequestDelta]:
+        """Take the launched step's tokens now (before a swap, a call on the engine thread,
+        or a step scheduled in turn); nothing when no step is ahead."""
+        ahead, self._ahead = self._ahead, None
+        self.scheduler.drop_ahead()
+        if ahead is None:
+            return []
+        deltas = self._flush_deferred()
+        try:
+            runner_out = ahead.pending.result()
+        except Exception as exc:
+            return deltas + self._fail_step(exc, list(ahead.sched_out.num_scheduled_tokens))
+        return deltas + self._updates(ahead.sched_out, runner_out, ahead.started, defer=False)
+
+    def _fail_step(self, exc: Exception, req_ids: list[str]) -> list[RequestDelta]:
+        log.exception("model step failed; failing its %d requests", len(req_ids), exc_info=exc)
+        message = f"internal error in the model step: {type(exc).__name__}: {exc}"
+        deltas = self._flush_deferred()
+        failed = [self._finish(r, FinishReason.ERROR, message) for r in req_ids]
+        return deltas + [d for d in failed if d is not None]
+
+    def _updates(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, start: float, defer: bool
+    ) -> list[RequestDelta]:
+        """Apply a finished step's tokens; their deltas now, or deferred to the next launch."""
         self.num_steps += 1
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
         self.observer.on_step(StepRecord(sched_out, updates, start, end))
         self.commits.after_step(end)
-        if self.runner.overlaps_host_work and self.scheduler.has_work():
+        if defer and self.runner.overlaps_host_work and self.scheduler.has_work():
             self._deferred = updates
-            return deltas
-        return deltas + [self._to_delta(u) for u in updates]
+            return []
+        return [self._to_delta(u) for u in updates]
 
     def _flush_deferred(self) -> list[RequestDelta]:
         updates, self._deferred = self._deferred, []
@@ -401,3 +471,12 @@ class EngineCore:
             active_slot=slots.active,
             swapping=self.commits.busy,
         )
+
+
+@dataclasses.dataclass(slots=True)
+class _LaunchedStep:
+    """A step launched ahead of the last one's output (asynchronous scheduling)."""
+
+    sched_out: SchedulerOutput
+    pending: PendingStepLike
+    started: float

@@ -69,6 +69,9 @@ class SchedulerOutput:
     # Applied before `cached_reqs`: requests that flipped to new weights at this step's start.
     migrated: list[MigratedRequest] = field(default_factory=list)
     committed_version: str | None = None  # a migration to this version completed this step
+    # Asynchronous scheduling: the next `schedule()` already advanced the requests' computed
+    # tokens by this step's, so `update_from_output` must not again.
+    applied_ahead: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -38,6 +38,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Asynchronous scheduling: tokens sampled by a launched step whose output has not reached
+    # the host yet (0 or 1); the next step computes that token's KV all the same.
+    num_pending_outputs: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     weights_version: str = ""

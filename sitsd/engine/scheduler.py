@@ -35,6 +35,13 @@ under a per-step allowance less the prefill already in the step; the `flip` phas
 step, moves them all to their shadows' blocks once every shadow has caught up. Requests that
 have not started yet move to the new version at once.
 
+Asynchronous scheduling (`SchedulerConfig.async_scheduling`): `schedule()` may run while the
+last step it scheduled is still computing. Its phase 0 then counts that step's tokens as
+computed and a token it samples as a pending output (`Request.num_pending_outputs`), so a
+decode is scheduled for the position of a token the host has not seen (the runner reads it on
+the device); `update_from_output` of that step then appends tokens without advancing again. A
+request whose pending token is its last (max_tokens, the context) is not scheduled again.
+
 What the model computes is the runner's business; stop strings and text are the detokenizer's;
 the engine core (`core.py`) drives one `schedule()` -> execute -> `update_from_output()` cycle
 per step.
@@ -132,6 +139,8 @@ class Scheduler(SwapPhases, TierPhases):
         self.last_migration: Migration | None = None  # the one that completed last, for the core
         self.migration_tokens_per_step = migration_tokens_per_step
         self._lower_prefill: int | None = None  # this step's lower-tier prompt allowance
+        # Asynchronous scheduling: the last scheduled step whose output is not in yet.
+        self._ahead: SchedulerOutput | None = None
 
     # ------------------------------------------------------------------------------ requests
 
@@ -174,6 +183,8 @@ class Scheduler(SwapPhases, TierPhases):
             finished_req_ids=self._finished_req_ids, preempted_req_ids=self._preempted_req_ids
         )
         self._finished_req_ids, self._preempted_req_ids = set(), set()
+        if self._ahead is not None:
+            self._apply_ahead(self._ahead)  # phase 0: the step still running counts as done
         if self.migration is not None and self.migration.ready:
             self._flip_migration(out)  # phase 0: migrated requests take their shadows' KV
         self.tracker.refresh(now)  # phase 1: P99 estimates and, with tiers, caps
@@ -192,7 +203,31 @@ class Scheduler(SwapPhases, TierPhases):
                 self._admit_fcfs(out)
             if self.migration is not None:
                 self._schedule_shadows(out)  # phase 4: migration shadows, in what is left
+        if out.is_empty:
+            # Not launched: the runner hears of these with the next step that runs.
+            self._finished_req_ids |= out.finished_req_ids
+            self._preempted_req_ids |= out.preempted_req_ids
+        elif self.config.async_scheduling:
+            self._ahead = out
         return out
+
+    def _apply_ahead(self, ahead: SchedulerOutput) -> None:
+        """Asynchronous scheduling: count a launched step's tokens as computed now, and the
+        tokens it samples as pending outputs, so this step can schedule what follows them."""
+        self._ahead = None
+        ahead.applied_ahead = True
+        for req_id, num_tokens in ahead.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_outputs:
+                request.num_pending_outputs += 1  # its chunk reached the end: it samples
+
+    def drop_ahead(self) -> None:
+        """The engine finishes the launched step before scheduling again (a swap, a canary):
+        its output is applied by `update_from_output` as in synchronous scheduling."""
+        self._ahead = None
 
     def _budget(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
@@ -203,10 +238,11 @@ class Scheduler(SwapPhases, TierPhases):
         i = 0
         while i < len(self.running) and self._budget(out) > 0:
             request = self.running[i]
-            num_new = self._allowed(
-                request, min(request.num_tokens - request.num_computed_tokens, self._budget(out))
-            )
-            if num_new == 0:  # a lower-tier prompt chunk, left for a step without gold's
+            left = request.num_tokens + request.num_pending_outputs - request.num_computed_tokens
+            num_new = self._allowed(request, min(left, self._budget(out)))
+            if num_new == 0 or self._finishes_pending(request):
+                # A lower-tier prompt chunk left for a step without gold's, or a request whose
+                # pending token is its last.
                 i += 1
                 continue
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
@@ -317,10 +353,13 @@ class Scheduler(SwapPhases, TierPhases):
         """Advance computed tokens, append sampled tokens, finish what hit a stop condition."""
         if self.migration is not None:
             self.migration.advance(sched_out, self.kv_cache)
+        if self._ahead is sched_out:
+            self._ahead = None  # updated before anything was scheduled after it
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
-                request.num_computed_tokens += num_tokens
+                if not sched_out.applied_ahead:
+                    request.num_computed_tokens += num_tokens
                 self.kv_cache.cache_full_blocks(request)
         now = self._now()
         if self._step_started is not None:
@@ -332,6 +371,8 @@ class Scheduler(SwapPhases, TierPhases):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue
+            if sched_out.applied_ahead and request.num_pending_outputs:
+                request.num_pending_outputs -= 1
             accepted, reason = self._append_tokens(request, token_ids)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -344,6 +385,15 @@ class Scheduler(SwapPhases, TierPhases):
                 self.finish_request(req_id, reason)
             updates.append(TokenUpdate(request, accepted, reason, version))
         return updates
+
+    def _finishes_pending(self, request: Request) -> bool:
+        """Its pending output is its last token (max_tokens or the context): nothing to add."""
+        if not request.num_pending_outputs:
+            return False
+        return (
+            request.num_output_tokens + request.num_pending_outputs >= request.params.max_tokens
+            or request.num_tokens + request.num_pending_outputs >= self.max_model_len
+        )
 
     def _append_tokens(
         self, request: Request, token_ids: Iterable[int]

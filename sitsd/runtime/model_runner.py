@@ -6,7 +6,11 @@ decode-only batches on the GPU; with `--mixed-graphs` a replay per token bucket 
 carry prompt tokens too (`mixed_graphs.py`); eagerly otherwise) and samples the requests whose
 chunk reached their last token; on the GPU all of that is queued and `launch` returns at once, and
 `PendingStep.result()` waits for the sampled ids (the step's one host sync) and returns them as
-plain lists. `execute` is the two in one. Which tokens to compute is the scheduler's decision;
+plain lists. `execute` is the two in one. A step may be launched before the last one's
+`result()` (asynchronous scheduling): a decode whose input token that step is still sampling
+gets a placeholder in its token list, and the real id is copied into the inputs on the device
+from that step's output (`_InputPatch`); `result()` then fills the placeholder. Two pinned
+buffers take the sampled ids in turn. Which tokens to compute is the scheduler's decision;
 this module never decides, it only computes.
 
 Weights versions (hot-swap): every request runs on the slot holding its version
@@ -55,11 +59,18 @@ class ModelRunner:
         self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
-        self._tokens_host = (
+        # Two pinned buffers (and events) for the sampled ids, used in turn: with asynchronous
+        # scheduling step N+1's copy is queued before the host has read step N's.
+        self._tokens_host = [
             torch.empty(builder.max_num_seqs, dtype=torch.int64, pin_memory=True)
-            if on_cuda else None
-        )  # fmt: skip
-        self._tokens_ready = torch.cuda.Event() if on_cuda else None
+            for _ in range(2)
+        ] if on_cuda else None  # fmt: skip
+        self._tokens_ready = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
+        self._turn = 0
+        # The last launched step whose result() has not run: a step launched meanwhile takes
+        # the tokens it sampled from the device (asynchronous scheduling).
+        self._last: PendingStep | None = None
+        self._patch = _InputPatch(builder.max_num_seqs, self.device)
 
     @property
     def weights_version(self) -> str:
@@ -126,6 +137,7 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         if sched_out.is_empty:
             return PendingStep(self, req_ids, [], None)
+        awaiting = self._await_last_tokens(sched_out.num_scheduled_tokens)
         groups: dict[str, list[CachedRequestState]] = {}  # version -> its sub-batch
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -135,7 +147,9 @@ class ModelRunner:
         for version, states in groups.items():
             # One sub-batch per version, in turn: on CUDA they queue on one stream, so the next
             # one's input copies wait for this one's forward, and its sampling is queued first.
-            logits, inputs = self._forward(version, states, sched_out.num_scheduled_tokens)
+            logits, inputs = self._forward(
+                version, states, sched_out.num_scheduled_tokens, awaiting
+            )
             group_rows = [self.requests[r] for r in inputs.sampled_req_ids]
             if group_rows:
                 rows += group_rows
@@ -143,13 +157,39 @@ class ModelRunner:
         if not rows:
             return PendingStep(self, req_ids, [], None)
         tokens = sampled[0] if len(sampled) == 1 else torch.cat(sampled)
-        if self._tokens_host is not None:  # CUDA: copy into pinned memory, sync later
-            host = self._tokens_host[: len(rows)]
+        # Where each row's token goes: the end of its tokens now (a placeholder is appended
+        # there if a later step is launched before this one's result).
+        indices = [len(state.token_ids) for state in rows]
+        host, ready = tokens, None
+        if self._tokens_host is not None and self._tokens_ready is not None:
+            # CUDA: copy into pinned memory, sync later.
+            self._turn ^= 1
+            host = self._tokens_host[self._turn][: len(rows)]
             host.copy_(tokens, non_blocking=True)
-            assert self._tokens_ready is not None
-            self._tokens_ready.record()
-            tokens = host
-        return PendingStep(self, req_ids, rows, tokens)
+            ready = self._tokens_ready[self._turn]
+            ready.record()
+        pending = PendingStep(self, req_ids, rows, host, ready, indices, tokens)
+        self._last = pending
+        return pending
+
+    def _await_last_tokens(self, num_sched: dict[str, int]) -> dict[str, tuple[int, PendingStep]]:
+        """Requests whose next input token is the one the last step is still sampling: each
+        gets a placeholder token, and {req_id: (that step's row, the step)} says where the real
+        one is on the device (asynchronous scheduling; empty otherwise)."""
+        last = self._last
+        awaiting: dict[str, tuple[int, PendingStep]] = {}
+        if last is None:
+            return awaiting
+        row_of = {state.req_id: i for i, state in enumerate(last.rows)}
+        for req_id in num_sched:
+            state = self.requests[req_id]
+            if state.num_computed_tokens == len(state.token_ids) and state.samples:
+                row = row_of.get(req_id)
+                if row is None:
+                    raise RuntimeError(f"{req_id!r} is scheduled past its known tokens")
+                state.token_ids.append(0)  # placeholder: the device has the real one
+                awaiting[req_id] = (row, last)
+        return awaiting
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[CachedRequestState]) -> torch.Tensor:
@@ -161,7 +201,11 @@ class ModelRunner:
         )
 
     def _forward(
-        self, version: str, states: list[CachedRequestState], num_sched: dict[str, int]
+        self,
+        version: str,
+        states: list[CachedRequestState],
+        num_sched: dict[str, int],
+        awaiting: dict[str, tuple[int, PendingStep]] | None = None,
     ) -> tuple[torch.Tensor, StepInputs]:
         """Logits of the rows to sample ([num_sampled, vocab] float32) and the inputs, for a
         sub-batch of one version, on that version's slot."""
@@ -178,6 +222,7 @@ class ModelRunner:
         ):  # fmt: skip
             bucket = graphs.bucket_for(len(states))
             inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
+            self._patch.apply(inputs, awaiting)
             # Decode rows are laid out in order and each samples: row i is request i.
             return graphs.replay(bucket)[: len(states)], inputs
         mixed = self.slot_mixed.get(index)
@@ -185,9 +230,11 @@ class ModelRunner:
         if mixed is not None and mixed.fits(num_tokens, len(states)):
             bucket = mixed.bucket_for(num_tokens)
             inputs = self.builder.build(states, num_sched, pad_tokens_to=bucket)
+            self._patch.apply(inputs, awaiting)
             # Row i of the graph's logits is the i-th sampled row; the rest are padding.
             return mixed.run(bucket)[: len(inputs.sampled_req_ids)], inputs
         inputs = self.builder.build(states, num_sched)
+        self._patch.apply(inputs, awaiting)
         hidden = self.model.forward(
             weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
         )
@@ -234,20 +281,67 @@ class PendingStep:
         req_ids: list[str],
         rows: list[CachedRequestState],
         tokens: torch.Tensor | None,  # [len(rows)] int64: pinned host buffer on CUDA
+        ready: torch.cuda.Event | None = None,  # recorded after the copy into `tokens`
+        indices: list[int] | None = None,  # per row: where its token goes in its token ids
+        device_tokens: torch.Tensor | None = None,  # the sampled ids where they were sampled
     ) -> None:
         self._runner = runner
         self._req_ids = req_ids
-        self._rows = rows
+        self.rows = rows
         self._tokens = tokens
+        self._ready = ready
+        self._indices = indices or [len(state.token_ids) for state in rows]
+        self.device_tokens = device_tokens
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the sampled ids (the step's one host sync) and record them."""
+        if self._runner._last is self:
+            self._runner._last = None
         sampled: dict[str, list[int]] = {}
         if self._tokens is not None:
-            ready = self._runner._tokens_ready
-            if ready is not None:
-                ready.synchronize()  # releases the GIL while the GPU finishes
-            for state, token_id in zip(self._rows, self._tokens.tolist()):
-                state.token_ids.append(token_id)
+            if self._ready is not None:
+                self._ready.synchronize()  # releases the GIL while the GPU finishes
+            for state, index, token_id in zip(self.rows, self._indices, self._tokens.tolist()):
+                if index < len(state.token_ids):
+                    state.token_ids[index] = token_id  # a later step put a placeholder there
+                else:
+                    state.token_ids.append(token_id)
                 sampled[state.req_id] = [token_id]
         return ModelRunnerOutput(self._req_ids, [sampled.get(r, []) for r in self._req_ids])
+
+
+class _InputPatch:
+    """Writes tokens a previous step sampled, still on the device, into a step's input ids
+    (asynchronous scheduling): the rows and source indices go over in one pinned copy."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self._host = torch.zeros(2, max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
+        self._dev = self._host.to(device) if on_cuda else self._host
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def apply(
+        self, inputs: StepInputs, awaiting: dict[str, tuple[int, PendingStep]] | None
+    ) -> None:
+        if not awaiting:
+            return
+        patch = [(row, src, step) for row, req_id in enumerate(inputs.req_ids)
+                 if (found := awaiting.get(req_id)) is not None
+                 for src, step in [found]]  # fmt: skip
+        if not patch:
+            return
+        steps = {id(step): step for _, _, step in patch}
+        assert len(steps) == 1, "placeholders come from one step"
+        source = next(iter(steps.values())).device_tokens
+        assert source is not None
+        n = len(patch)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last patch's copy has left the host buffer
+        host = self._host.numpy()
+        host[0, :n] = [row for row, _, _ in patch]  # decodes come first: row i is token i
+        host[1, :n] = [src for _, src, _ in patch]
+        index = self._dev[:, :n]
+        if self._copied is not None:
+            index.copy_(self._host[:, :n], non_blocking=True)
+            self._copied.record()
+        inputs.input_ids.index_copy_(0, index[0], source.index_select(0, index[1]))

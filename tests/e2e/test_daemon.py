@@ -327,3 +327,20 @@ def test_health_is_not_serving_while_loading_and_sigterm_then_exits_0(tmp_path):
         assert daemon.proc.wait(60) == 0, daemon.log
     finally:
         daemon.terminate()
+
+
+def test_a_daemon_scheduling_ahead_streams_what_one_stepping_in_turn_does(inference, tmp_path):
+    prompts = ["The capital of France is", "Water boils at", "One, two, three,"]
+    sampling = pb.SamplingParams(max_tokens=24, temperature=0.8, seed=5)
+
+    def texts(stub) -> list[str]:
+        # Started together (each call is sent when made), so they share steps.
+        calls = [stub.Generate(pb.GenerateRequest(text=p, sampling=sampling), timeout=120)
+                 for p in prompts]  # fmt: skip
+        return ["".join(r.text for r in call) for call in calls]
+
+    in_turn = texts(inference)
+    flags = ("--model", "default", "--kv-cache-memory", "256MiB", "--async-scheduling")
+    with serving(tmp_path / "state", *flags) as ahead, grpc.insecure_channel(ahead.address) as ch:
+        assert texts(inference_pb2_grpc.InferenceStub(ch)) == in_turn
+    assert all(t.strip() for t in in_turn)

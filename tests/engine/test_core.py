@@ -40,14 +40,20 @@ class Collector:
         return out
 
 
-@pytest.fixture(params=[False, True], ids=["sync-runner", "overlapping-runner"])
+@pytest.fixture(
+    params=[(False, False), (True, False), (True, True)],
+    ids=["sync-runner", "overlapping-runner", "async-scheduling"],
+)
 def engine(request):
-    """The core with a runner that computes in `launch` (CPU) and one that overlaps (CUDA)."""
+    """The core with a runner that computes in `launch` (CPU), one that overlaps (CUDA), and
+    one step scheduled ahead of the last one's output (asynchronous scheduling)."""
+    overlaps, ahead = request.param
     tok = ByteTokenizer()
     tok.eos_token_ids = (0,)
-    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=request.param)
+    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=overlaps)
     kv = KVCacheManager(32, BLOCK)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv, 128)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=ahead)
+    sched = Scheduler(config, kv, 128)
     core = EngineCore(sched, runner, tok, "fake-model")
     sink = Collector()
     core.start(sink)

@@ -23,21 +23,27 @@ BLOCK = 4
 V0, V1 = "fake@0", "fake@1"
 
 
-def make_core(overlaps: bool, num_slots: int = 2, slow_s: float = 0.0):
+def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0):
+    """`overlaps`: False (a runner that computes in launch), True (one that overlaps), or
+    "ahead" (it overlaps, and steps are scheduled ahead: asynchronous scheduling)."""
     tok = ByteTokenizer()
-    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=overlaps, num_slots=num_slots)
+    ahead = overlaps == "ahead"
+    runner = FakeRunner(BLOCK, vocab_size=256, overlaps=bool(overlaps), num_slots=num_slots)
     if slow_s:  # steps that take time, so requests are in flight when the command comes
         execute = runner.execute
         runner.execute = lambda so: (time.sleep(slow_s), execute(so))[1]
     kv = KVCacheManager(64, BLOCK)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs")
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs",
+                          async_scheduling=ahead)  # fmt: skip
     core = EngineCore(Scheduler(cfg, kv, 256, migration_tokens_per_step=8), runner, tok, "fake")
     sink = Collector()
     core.start(sink)
     return core, runner, sink
 
 
-@pytest.fixture(params=[False, True], ids=["sync-runner", "overlapping-runner"])
+@pytest.fixture(
+    params=[False, True, "ahead"], ids=["sync-runner", "overlapping-runner", "async-scheduling"]
+)
 def overlaps(request):
     return request.param
 

@@ -242,3 +242,17 @@ def test_random_mix_of_finish_cancel_preempt_leaves_every_block_free(policy):
         sched.finish_request(req_id, FinishReason.ABORT)
     assert sched.kv_cache.num_used_blocks == 0
     assert sched.kv_cache.pool.num_free_blocks == 24
+
+
+def test_a_finish_in_a_step_with_nothing_to_run_reaches_the_runner_with_the_next_step(policy):
+    sched, runner = make_scheduler(policy)
+    sched.add_request(make_request("a", range(8)))
+    run_step(sched, runner)
+    sched.finish_request("a", FinishReason.ABORT)
+    empty = sched.schedule()  # nothing runs, so the engine launches nothing
+    assert empty.is_empty
+    sched.add_request(make_request("b", range(100, 104)))
+    so = sched.schedule()
+    assert "a" in so.finished_req_ids  # the runner drops its state now
+    runner.execute(so)
+    assert "a" not in runner.tokens

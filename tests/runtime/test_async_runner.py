@@ -1,0 +1,89 @@
+"""The model runner with steps launched ahead of the last one's result (asynchronous
+scheduling), on the CPU: a decode whose input token the last step is still sampling reads it
+from that step's output tensor. Tokens must equal one-step-at-a-time runs, greedy and sampled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
+from sitsd.engine.builder import build_runner
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.request import Request
+from sitsd.engine.scheduler import Scheduler
+from sitsd.model.arch import arch_from_hf_config
+from sitsd.types import SamplingParams, Tier
+from tests.weights.tiny_models import state_dict_of, tiny_llama_model
+
+BLOCK = 16
+
+
+def generate(
+    ahead: bool, temperature: float, seed: int, device: str = "cpu", mixed: bool = False
+) -> dict[str, list[int]]:
+    """Tokens of 7 requests. On the CPU they arrive over 10 steps with different lengths; on
+    the GPU (bf16, where a batch's composition may change the last bits) all at once with one
+    length, so that both modes batch the same rows."""
+    model = tiny_llama_model(seed=3)
+    arch, tensors = arch_from_hf_config(model.config.to_dict()), state_dict_of(model)
+    on_gpu = device != "cpu"
+    scheduler_config = SchedulerConfig(max_num_seqs=8 if on_gpu else 4,
+                                       max_num_batched_tokens=48, policy="fcfs",
+                                       async_scheduling=ahead)  # fmt: skip
+    model_config = ModelConfig(max_model_len=256, device=device, mixed_graphs=mixed,
+                               dtype="bfloat16" if on_gpu else "float32")  # fmt: skip
+    config = SitsdConfig(model=model_config, cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+                         scheduler=scheduler_config)  # fmt: skip
+    runner, _ = build_runner(config, arch, tensors, "v1")
+    sched = Scheduler(scheduler_config, KVCacheManager(64, BLOCK), 256)
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(7):  # prompts over several chunks
+        prompt = [rng.randrange(arch.vocab_size) for _ in range(rng.randrange(1, 70))]
+        max_tokens = 20 if on_gpu else rng.randrange(1, 24)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+        arrives = 0 if on_gpu else rng.randrange(0, 10)
+        arrivals.append((arrives, Request(f"r{i}", prompt, params, seed=i, tier=Tier.SILVER,
+                                          arrival_time=0.0, weights_version="v1")))  # fmt: skip
+    arrivals.sort(key=lambda x: x[0])
+    tokens: dict[str, list[int]] = {}
+    launched = None
+    step = 0
+    while arrivals or sched.has_work() or launched is not None:
+        while arrivals and arrivals[0][0] <= step:
+            sched.add_request(arrivals.pop(0)[1])
+        step += 1
+        so = sched.schedule()
+        nxt = (so, runner.launch(so)) if not so.is_empty else None
+        done = launched if ahead else nxt
+        if ahead:
+            launched = nxt
+            if nxt is None:
+                sched.drop_ahead()
+        if done is not None:
+            for update in sched.update_from_output(done[0], done[1].result()):
+                tokens.setdefault(update.request.req_id, []).extend(update.new_token_ids)
+        assert step < 2000
+    return tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_launched_ahead_sample_the_tokens_steps_in_turn_do(temperature):
+    seed = random.randrange(10**6)
+    in_turn = generate(False, temperature, seed)
+    ahead = generate(True, temperature, seed)
+    assert ahead == in_turn, f"seed {seed}"
+    assert len(in_turn) == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode-graphs", "mixed-graphs"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_on_the_gpu_steps_launched_ahead_sample_what_steps_in_turn_do(temperature, mixed):
+    seed = random.randrange(10**6)
+    in_turn = generate(False, temperature, seed, "cuda", mixed)
+    ahead = generate(True, temperature, seed, "cuda", mixed)
+    assert ahead == in_turn, f"seed {seed}"
+    assert all(len(t) == 20 for t in in_turn.values())
