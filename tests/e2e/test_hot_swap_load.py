@@ -191,6 +191,6 @@ def test_a_swap_under_load_fails_no_request_and_every_token_is_its_versions(
     want_v2 = generate_all(fresh["v2"], v2_queries)
     assert [b for _, b in old] == want_v1
     assert [a for _, _, a in spanning] + [r.token_ids for r in new] == want_v2
-    if spanning:  # the check can tell the versions apart: v1 would have continued otherwise
-        v1_after = generate_all(fresh["v1"], [(r.prompt + b, len(a)) for r, b, a in spanning])
-        assert v1_after != [a for _, _, a in spanning]
+    # The check can tell the versions apart: v1 would have computed other tokens for what v2
+    # did (over all of v2's tokens: a short continuation alone may agree under both).
+    assert generate_all(fresh["v1"], v2_queries) != want_v2
