@@ -14,6 +14,7 @@ from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.types import FinishReason, SamplingParams, Tier
 from tests.engine.fakes import FakeRunner
+from tests.engine.stepping import drive
 
 BLOCK = 4
 EOS = 700  # the fake model counts up: requests passing this id stop there
@@ -48,30 +49,18 @@ def run(sched: Scheduler, runner: FakeRunner, arrivals, ahead: bool, aborts: flo
     """Drive the scheduler like the engine core; {req_id: (tokens, finish reason)}."""
     rng = random.Random(7)
     results: dict[str, tuple[list[int], FinishReason | None]] = {}
-    pending = list(arrivals)
-    launched = None  # (SchedulerOutput, its pending result) of the step ahead
-    step = 0
-    while pending or sched.has_work() or launched is not None:
-        while pending and pending[0][0] <= step:
-            sched.add_request(pending.pop(0)[1])
+
+    def record(update) -> None:
+        tokens, _ = results.get(update.request.req_id, ([], None))
+        results[update.request.req_id] = (tokens + update.new_token_ids, update.finish_reason)
+
+    def abort_some() -> None:
         if aborts and sched.requests and rng.random() < aborts:
             victim = rng.choice(sorted(sched.requests))
             sched.finish_request(victim, FinishReason.ABORT)
             results[victim] = (results.get(victim, ([], None))[0], FinishReason.ABORT)
-        step += 1
-        so = sched.schedule()
-        nxt = (so, runner.launch(so)) if not so.is_empty else None
-        done = launched if ahead else nxt
-        if ahead:
-            launched = nxt
-            if nxt is None:
-                sched.drop_ahead()
-        if done is None:
-            continue
-        for update in sched.update_from_output(done[0], done[1].result()):
-            tokens, _ = results.get(update.request.req_id, ([], None))
-            results[update.request.req_id] = (tokens + update.new_token_ids, update.finish_reason)
-        assert step < 5000, "requests did not finish"
+
+    drive(sched, runner, arrivals, ahead, record, abort_some)
     return results
 
 

@@ -15,6 +15,7 @@ from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.types import SamplingParams, Tier
+from tests.engine.stepping import drive
 from tests.weights.tiny_models import state_dict_of, tiny_llama_model
 
 BLOCK = 16
@@ -49,23 +50,11 @@ def generate(
                                           arrival_time=0.0, weights_version="v1")))  # fmt: skip
     arrivals.sort(key=lambda x: x[0])
     tokens: dict[str, list[int]] = {}
-    launched = None
-    step = 0
-    while arrivals or sched.has_work() or launched is not None:
-        while arrivals and arrivals[0][0] <= step:
-            sched.add_request(arrivals.pop(0)[1])
-        step += 1
-        so = sched.schedule()
-        nxt = (so, runner.launch(so)) if not so.is_empty else None
-        done = launched if ahead else nxt
-        if ahead:
-            launched = nxt
-            if nxt is None:
-                sched.drop_ahead()
-        if done is not None:
-            for update in sched.update_from_output(done[0], done[1].result()):
-                tokens.setdefault(update.request.req_id, []).extend(update.new_token_ids)
-        assert step < 2000
+
+    def record(update) -> None:
+        tokens.setdefault(update.request.req_id, []).extend(update.new_token_ids)
+
+    drive(sched, runner, arrivals, ahead, record)
     return tokens
 
 
