@@ -14,7 +14,7 @@ step N+1 is launched, while the GPU computes: they leave the step's critical pat
 string is then found one step late; the extra token is discarded.) On the CPU the runner
 computes inside `launch`, so nothing would overlap and deltas go out at once. With
 `--async-scheduling` the loop goes further: it schedules and launches step N+1 before it takes
-step N's tokens (`_step_ahead`), so the GPU never waits for the host's update and scheduling;
+step N's tokens (`step_ahead.py`), so the GPU never waits for the host's update and scheduling;
 a request that stops at EOS learns it one step late and the extra token is dropped. Swaps and
 `EngineCall`s first finish the step ahead (`finish_ahead`) and run one step at a time. An
 `EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
@@ -45,6 +45,7 @@ from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver,
 from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
+from sitsd.engine.step_ahead import LaunchedStep, StepAhead
 from sitsd.engine.tiers import queue_key
 from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
 
@@ -74,7 +75,7 @@ class ModelRunnerLike(Protocol):
     def launch(self, sched_out: SchedulerOutput) -> PendingStepLike: ...
 
 
-class EngineCore:
+class EngineCore(StepAhead):
     """Runs the step loop; see the module docstring."""
 
     def __init__(
@@ -96,7 +97,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[TokenUpdate] = []  # last step's updates, not yet detokenized
         # Asynchronous scheduling: the launched step whose output is not in yet.
-        self._ahead: _LaunchedStep | None = None
+        self._ahead: LaunchedStep | None = None
         self._seeds = random.Random()  # seeds for requests that bring none; per engine
         self._on_deltas: DeltaSink = lambda deltas: None
         self._thread: threading.Thread | None = None
@@ -314,52 +315,6 @@ class EngineCore:
             return self._fail_step(exc, list(sched_out.num_scheduled_tokens))
         return deltas + self._updates(sched_out, runner_out, start, defer=True)
 
-    def _step_ahead(self) -> list[RequestDelta]:
-        """Asynchronous scheduling: schedule and launch the next step while the last one runs,
-        then take the last one's tokens. Finishes (EOS, stop strings) are learnt one step late:
-        a finished request's token from the next step is dropped."""
-        start = time.monotonic()
-        self.commits.on_step_start(start)
-        sched_out = self.scheduler.schedule()  # counts the step still running as done
-        self.commits.after_schedule(sched_out, start)
-        for req_id in sched_out.preempted_req_ids:
-            self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
-        ahead, self._ahead = self._ahead, None
-        launched = None
-        try:
-            if not sched_out.is_empty:
-                launched = _LaunchedStep(sched_out, self.runner.launch(sched_out), start)
-            deltas = self._flush_deferred()
-            if ahead is None:
-                self._ahead = launched
-                if launched is None:
-                    self.commits.after_step(time.monotonic())
-                return deltas
-            runner_out = ahead.pending.result()
-        except Exception as exc:  # both steps fail, the engine keeps serving
-            failed = [*(ahead.sched_out.num_scheduled_tokens if ahead else ()),
-                      *sched_out.num_scheduled_tokens]  # fmt: skip
-            self.scheduler.drop_ahead()
-            return self._fail_step(exc, list(dict.fromkeys(failed)))
-        self._ahead = launched
-        if launched is None:
-            self.scheduler.drop_ahead()
-        return deltas + self._updates(ahead.sched_out, runner_out, ahead.started, defer=False)
-
-    def finish_ahead(self) -> list[RequestDelta]:
-        """Take the launched step's tokens now (before a swap, a call on the engine thread,
-        or a step scheduled in turn); nothing when no step is ahead."""
-        ahead, self._ahead = self._ahead, None
-        self.scheduler.drop_ahead()
-        if ahead is None:
-            return []
-        deltas = self._flush_deferred()
-        try:
-            runner_out = ahead.pending.result()
-        except Exception as exc:
-            return deltas + self._fail_step(exc, list(ahead.sched_out.num_scheduled_tokens))
-        return deltas + self._updates(ahead.sched_out, runner_out, ahead.started, defer=False)
-
     def _fail_step(self, exc: Exception, req_ids: list[str]) -> list[RequestDelta]:
         log.exception("model step failed; failing its %d requests", len(req_ids), exc_info=exc)
         message = f"internal error in the model step: {type(exc).__name__}: {exc}"
@@ -471,12 +426,3 @@ class EngineCore:
             active_slot=slots.active,
             swapping=self.commits.busy,
         )
-
-
-@dataclasses.dataclass(slots=True)
-class _LaunchedStep:
-    """A step launched ahead of the last one's output (asynchronous scheduling)."""
-
-    sched_out: SchedulerOutput
-    pending: PendingStepLike
-    started: float
