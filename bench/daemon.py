@@ -73,18 +73,20 @@ class BenchDaemon:
 
     def histograms(self, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
         """{label value: [(bucket bound, cumulative count)]} of histogram `name` in the live
-        /metrics (`label` "" for an unlabelled one)."""
+        /metrics, its series summed per value of `label` ("" sums them all)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        out: dict[str, list[tuple[float, float]]] = {}
+        out: dict[str, dict[float, float]] = {}  # label value -> bound -> count
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == f"{name}_bucket":
                     key = sample.labels.get(label, "") if label else ""
-                    out.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
-        return {key: sorted(rows) for key, rows in out.items()}
+                    counts = out.setdefault(key, {})
+                    le = float(sample.labels["le"])  # series sharing a key add up
+                    counts[le] = counts.get(le, 0.0) + sample.value
+        return {key: sorted(counts.items()) for key, counts in out.items()}
 
     def token(self) -> str:
         return (self.state_dir / "admin-token").read_text().strip()

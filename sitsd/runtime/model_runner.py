@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -137,7 +138,9 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         if sched_out.is_empty:
             return PendingStep(self, req_ids, [], None)
-        awaiting = self._await_last_tokens(sched_out.num_scheduled_tokens)
+        last = self._last
+        awaiting = self._await_last_tokens(last, sched_out.num_scheduled_tokens)
+        source = last.device_tokens if last is not None else None
         groups: dict[str, list[CachedRequestState]] = {}  # version -> its sub-batch
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -148,7 +151,7 @@ class ModelRunner:
             # One sub-batch per version, in turn: on CUDA they queue on one stream, so the next
             # one's input copies wait for this one's forward, and its sampling is queued first.
             logits, inputs = self._forward(
-                version, states, sched_out.num_scheduled_tokens, awaiting
+                version, states, sched_out.num_scheduled_tokens, awaiting, source
             )
             group_rows = [self.requests[r] for r in inputs.sampled_req_ids]
             if group_rows:
@@ -172,12 +175,13 @@ class ModelRunner:
         self._last = pending
         return pending
 
-    def _await_last_tokens(self, num_sched: dict[str, int]) -> dict[str, tuple[int, PendingStep]]:
-        """Requests whose next input token is the one the last step is still sampling: each
-        gets a placeholder token, and {req_id: (that step's row, the step)} says where the real
-        one is on the device (asynchronous scheduling; empty otherwise)."""
-        last = self._last
-        awaiting: dict[str, tuple[int, PendingStep]] = {}
+    def _await_last_tokens(
+        self, last: PendingStep | None, num_sched: dict[str, int]
+    ) -> dict[str, int]:
+        """Requests whose next input token is the one `last` (launched, its result not taken)
+        is still sampling: each gets a placeholder token, and {req_id: row of `last`'s output}
+        says where the real one is on the device (asynchronous scheduling; empty otherwise)."""
+        awaiting: dict[str, int] = {}
         if last is None:
             return awaiting
         row_of = {state.req_id: i for i, state in enumerate(last.rows)}
@@ -188,7 +192,7 @@ class ModelRunner:
                 if row is None:
                     raise RuntimeError(f"{req_id!r} is scheduled past its known tokens")
                 state.token_ids.append(0)  # placeholder: the device has the real one
-                awaiting[req_id] = (row, last)
+                awaiting[req_id] = row
         return awaiting
 
     @staticmethod
@@ -205,7 +209,8 @@ class ModelRunner:
         version: str,
         states: list[CachedRequestState],
         num_sched: dict[str, int],
-        awaiting: dict[str, tuple[int, PendingStep]] | None = None,
+        awaiting: dict[str, int] | None = None,
+        source: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepInputs]:
         """Logits of the rows to sample ([num_sampled, vocab] float32) and the inputs, for a
         sub-batch of one version, on that version's slot."""
@@ -222,7 +227,7 @@ class ModelRunner:
         ):  # fmt: skip
             bucket = graphs.bucket_for(len(states))
             inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
-            self._patch.apply(inputs, awaiting)
+            self._patch.apply(inputs, awaiting, source)
             # Decode rows are laid out in order and each samples: row i is request i.
             return graphs.replay(bucket)[: len(states)], inputs
         mixed = self.slot_mixed.get(index)
@@ -230,11 +235,11 @@ class ModelRunner:
         if mixed is not None and mixed.fits(num_tokens, len(states)):
             bucket = mixed.bucket_for(num_tokens)
             inputs = self.builder.build(states, num_sched, pad_tokens_to=bucket)
-            self._patch.apply(inputs, awaiting)
+            self._patch.apply(inputs, awaiting, source)
             # Row i of the graph's logits is the i-th sampled row; the rest are padding.
             return mixed.run(bucket)[: len(inputs.sampled_req_ids)], inputs
         inputs = self.builder.build(states, num_sched)
-        self._patch.apply(inputs, awaiting)
+        self._patch.apply(inputs, awaiting, source)
         hidden = self.model.forward(
             weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
         )
@@ -321,25 +326,21 @@ class _InputPatch:
         self._copied = torch.cuda.Event() if on_cuda else None
 
     def apply(
-        self, inputs: StepInputs, awaiting: dict[str, tuple[int, PendingStep]] | None
+        self, inputs: StepInputs, awaiting: dict[str, int] | None, source: torch.Tensor | None
     ) -> None:
+        """`awaiting`: {req_id: row of `source`, the last step's sampled ids}."""
         if not awaiting:
             return
-        patch = [(row, src, step) for row, req_id in enumerate(inputs.req_ids)
-                 if (found := awaiting.get(req_id)) is not None
-                 for src, step in [found]]  # fmt: skip
+        patch = [(row, awaiting[req_id]) for row, req_id in enumerate(inputs.req_ids)
+                 if req_id in awaiting]  # fmt: skip
         if not patch:
             return
-        steps = {id(step): step for _, _, step in patch}
-        assert len(steps) == 1, "placeholders come from one step"
-        source = next(iter(steps.values())).device_tokens
         assert source is not None
         n = len(patch)
         if self._copied is not None:
             self._copied.synchronize()  # the last patch's copy has left the host buffer
         host = self._host.numpy()
-        host[0, :n] = [row for row, _, _ in patch]  # decodes come first: row i is token i
-        host[1, :n] = [src for _, src, _ in patch]
+        host[:, :n] = np.array(patch).T  # rows (decodes come first: row i is token i), sources
         index = self._dev[:, :n]
         if self._copied is not None:
             index.copy_(self._host[:, :n], non_blocking=True)
