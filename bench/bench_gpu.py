@@ -15,11 +15,15 @@ Random weights in Llama-3-8B shapes, bf16; every figure is measured in this run,
    TFLOP/s beside the matmul rate;
 5. SmolLM2-135M-shaped decode step time with and without CUDA graphs at batch 1 and 32;
 6. a mixed step (32 decodes + a 480-token chunk; a 512-token prompt alone), eager vs the
-   mixed-step CUDA graphs of `--mixed-graphs`: host, step and GPU ms (`bench/bench_mixed.py`);
-7. decode and the 256-request workload again with asynchronous scheduling (`--async-scheduling`).
+   mixed-step CUDA graphs (`--mixed-graphs`): host, step and GPU ms (`bench/bench_mixed.py`);
+7. decode and the 256-request workload again one step at a time (`--no-async-scheduling`):
+   what scheduling each step while the GPU runs the last one (the default on CUDA) buys.
+
+The engine runs with the daemon's CUDA defaults: decode and mixed-step graphs, asynchronous
+scheduling; FCFS (see `engine_config`).
 
 Runs on the device machine:  python3 bench/bench_gpu.py [--quick] [--skip-peer] [--skip-mixed]
-[--skip-async]
+[--skip-in-turn] [--mixed-first]
 Prints a table last; `--json PATH` writes every number.
 """
 
@@ -145,7 +149,7 @@ def prefill_flops(arch: LlamaArch, num_seqs: int, prompt: int) -> float:
 
 
 def engine_config(
-    max_num_seqs: int, eager: bool = False, util: float = 0.8, ahead: bool = False
+    max_num_seqs: int, eager: bool = False, util: float = 0.8, ahead: bool | None = None
 ) -> SitsdConfig:
     return SitsdConfig(
         model=ModelConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
@@ -187,10 +191,10 @@ async def run_batch(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 async def engine_benchmarks(
-    ckpt: Checkpoint, batches: list[int], quick: bool, ahead: bool = False
+    ckpt: Checkpoint, batches: list[int], quick: bool, ahead: bool | None = None
 ) -> dict:
-    """Decode at each batch size and the 256-request workload; `ahead`: with asynchronous
-    scheduling (`--async-scheduling`)."""
+    """Decode at each batch size and the 256-request workload; `ahead`: asynchronous
+    scheduling on or off (None: the default, on with CUDA)."""
     arch = ckpt.arch
     max_seqs = 256
     engine = build_engine(engine_config(max_seqs, ahead=ahead), checkpoint=ckpt)
@@ -206,7 +210,7 @@ async def engine_benchmarks(
     await run_batch(engine, prompts(2, 128), 8)  # warm-up
     for b in batches:
         out["decode"][b] = await run_batch(engine, prompts(b, 128), new_tokens)
-        print(f"  sitsd batch {b}{' (ahead)' if ahead else ''}: "
+        print(f"  sitsd batch {b}{' (in turn)' if ahead is False else ''}: "
               f"{out['decode'][b]['decode_tok_s']:.0f} decode tok/s", flush=True)  # fmt: skip
     n = 64 if quick else 256
     out["throughput"] = await run_batch(engine, prompts(n, 512), new_tokens)
@@ -309,7 +313,12 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true", help="no transformers peer")
     parser.add_argument("--skip-mixed", action="store_true", help="no mixed-step graphs case")
     parser.add_argument(
-        "--skip-async", action="store_true", help="no run with asynchronous scheduling"
+        "--mixed-first",
+        action="store_true",
+        help="the mixed-step case first: every later runner is built after its graphs are gone",
+    )
+    parser.add_argument(
+        "--skip-in-turn", action="store_true", help="no run with --no-async-scheduling"
     )
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
@@ -322,10 +331,15 @@ def main() -> None:
     bw, mm = copy_bandwidth(), matmul_rate()
     print(f"copy {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     results: dict = {"copy_bw": bw, "matmul_rate": mm}
+    ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
+    if args.mixed_first and not args.skip_mixed:
+        results["mixed_step"] = mixed_step_benchmark(ckpt)
+        print_mixed(results["mixed_step"])
+        gc.collect()
+        torch.cuda.empty_cache()
     step = graph_vs_eager(SMOLLM2)
     results["smollm2_step_ms"] = {f"{'eager' if e else 'graphs'}_b{b}": v
                                   for (e, b), v in step.items()}  # fmt: skip
-    ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
     batches = [1, 8, 32, 64, 128]
     eng = asyncio.run(engine_benchmarks(ckpt, batches, args.quick))
     results["engine"] = eng
@@ -340,14 +354,16 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
         print_table(results, batches, new_tokens)
-    if not args.skip_async:  # after the table: a case that breaks must not cost it
+    if not args.skip_in_turn:
         gc.collect()
         torch.cuda.empty_cache()
-        results["engine_ahead"] = asyncio.run(engine_benchmarks(ckpt, batches, args.quick, True))
+        results["engine_in_turn"] = asyncio.run(
+            engine_benchmarks(ckpt, batches, args.quick, ahead=False)
+        )
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
-        print_ahead(results, batches, new_tokens)
-    if not args.skip_mixed:  # last: a case that breaks must not cost the table above
+        print_in_turn(results, batches, new_tokens)
+    if not args.skip_mixed and not args.mixed_first:  # last: if it breaks, the tables stand
         gc.collect()
         torch.cuda.empty_cache()
         results["mixed_step"] = mixed_step_benchmark(ckpt)
@@ -356,10 +372,11 @@ def main() -> None:
         print_mixed(results["mixed_step"])
 
 
-def print_ahead(results: dict, batches: list[int], new_tokens: int) -> None:
-    """Steps in turn vs scheduled ahead (`--async-scheduling`), same run, same floors."""
+def print_in_turn(results: dict, batches: list[int], new_tokens: int) -> None:
+    """Steps in turn (`--no-async-scheduling`) vs scheduled ahead (the default), same run,
+    same floors."""
     arch, bw, mm = LLAMA3_8B, results["copy_bw"], results["matmul_rate"]
-    turn, ahead = results["engine"], results["engine_ahead"]
+    turn, ahead = results["engine_in_turn"], results["engine"]
     ctx = 128 + new_tokens / 2
     print("\nasynchronous scheduling (Llama-3-8B shapes): tok/s, fraction of the floor")
     print(f"{'measure':<30}{'in turn':>10}{'ahead':>10}{'floor':>10}{'ratio':>8}")

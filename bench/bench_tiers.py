@@ -52,6 +52,13 @@ def sitsctl_bench(daemon: BenchDaemon, args: list[str]) -> dict:
     return json.loads(result.stdout)
 
 
+def on_off(flag: str, value: bool | None) -> list[str]:
+    """A boolean flag passed on to the daemon: [flag], [--no-flag], or [] (its default)."""
+    if value is None:
+        return []
+    return [flag] if value else [f"--no-{flag.removeprefix('--')}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of offered load")
@@ -74,9 +81,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", default="16:64")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument(
-        "--mixed-graphs", action="store_true", help="the daemon's --mixed-graphs (CUDA)"
-    )
+    for flag in ("--mixed-graphs", "--async-scheduling"):  # CUDA; default: the daemon's
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                            help=f"the daemon's {flag} (default: the daemon's)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=60.0, help="gRPC deadline per request")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"))
@@ -95,7 +102,8 @@ def main() -> int:
         str(args.max_num_seqs),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
-        *(["--mixed-graphs"] if args.mixed_graphs else []),
+        *on_off("--mixed-graphs", args.mixed_graphs),
+        *on_off("--async-scheduling", args.async_scheduling),
     ]
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as state_dir:

@@ -127,10 +127,11 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--mixed-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="CUDA: also replay steps that carry prompt tokens as CUDA graphs, one per token "
-        "bucket (16, 32, 64, ... up to --max-num-batched-tokens); ignored with --enforce-eager "
-        "(default: off, such steps run eagerly)",
+        "bucket (16, 32, 64, ... up to --max-num-batched-tokens); --no-mixed-graphs runs them "
+        "eagerly (default: on with CUDA graphs, off with --enforce-eager)",
     )
 
 
@@ -213,10 +214,12 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule and launch each step before the last one's tokens reach the host, so "
         "the GPU never waits for the host between steps; a request that stops computes one "
-        "token more, which is dropped (default: off, one step at a time)",
+        "token more, which is dropped; --no-async-scheduling runs one step at a time "
+        "(default: on with CUDA, off on a CPU, whose steps do not overlap the host's work)",
     )
 
 

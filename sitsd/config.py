@@ -23,7 +23,9 @@ class ModelConfig:
     max_model_len: int = 0  # context length served; 0 = the model's own
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
-    mixed_graphs: bool = False  # CUDA: steps with prompt tokens replay a graph per token bucket
+    # CUDA: steps with prompt tokens replay a graph per token bucket too. None: on whenever
+    # CUDA graphs are (not with enforce_eager).
+    mixed_graphs: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class SchedulerConfig:
     # or "fcfs" (arrival order, preemption of the newest when blocks run out).
     policy: str = "tiers"
     # Schedule and launch step N+1 before step N's sampled tokens reach the host (the GPU runs
-    # N+1 while the host finishes N); finishes are learnt one step late. Off: one step at a time.
-    async_scheduling: bool = False
+    # N+1 while the host finishes N); finishes are learnt one step late. Off: one step at a
+    # time. None: on where the model runner returns before the device is done (CUDA).
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)

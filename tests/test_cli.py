@@ -186,6 +186,20 @@ def test_bad_values_are_refused_naming_the_flag(flag, value, complaint, capsys):
     assert complaint in error
 
 
+@pytest.mark.parametrize(
+    ("flags", "mixed", "ahead"),
+    [
+        ((), None, None),  # decided by the device when the engine is built
+        (("--mixed-graphs", "--async-scheduling"), True, True),
+        (("--no-mixed-graphs", "--no-async-scheduling"), False, False),
+    ],
+)
+def test_mixed_graphs_and_async_scheduling_are_on_off_or_the_devices_default(flags, mixed, ahead):
+    config = config_of(*flags)
+    assert config.model.mixed_graphs is mixed
+    assert config.scheduler.async_scheduling is ahead
+
+
 def test_state_dir_flag_wins_over_the_environment():
     assert config_of("--state-dir", "/flag").server.state_dir == "/flag"
 

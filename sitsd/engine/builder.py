@@ -35,6 +35,7 @@ from sitsd.runtime.input_batch import StepInputBuilder
 from sitsd.runtime.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
+    cuda_used_outside_torch,
     gpu_kv_budget,
 )
 from sitsd.runtime.memory_plan import decide_weight_slots, profile_peak_memory, size_kv_pool
@@ -123,8 +124,11 @@ def build_engine(
         if config.scheduler.policy == "tiers"
         else None
     )
+    scfg = config.scheduler
+    if scfg.async_scheduling is None:
+        scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
     scheduler = Scheduler(
-        config.scheduler, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller,
+        scfg, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller,
         migration_tokens_per_step=config.swap.tokens_per_step(str(runner.device.type)),
     )  # fmt: skip
     core = EngineCore(
@@ -134,12 +138,13 @@ def build_engine(
     dtype = runner.weights.embed_tokens.dtype
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
-        "KV capacity %d blocks x %d = %d tokens (%.0f MiB), context %d; CUDA graphs: %s",
+        "KV capacity %d blocks x %d = %d tokens (%.0f MiB), context %d; CUDA graphs: %s; "
+        "asynchronous scheduling: %s",
         name, time.monotonic() - t0, arch.num_layers, arch.num_parameters / 1e6,
         str(dtype).removeprefix("torch."), runner.device, runner.weights.nbytes / 2**20,
         info.num_blocks, block_size, info.num_blocks * block_size,
         info.num_blocks * bytes_per_block(arch, block_size, dtype) / 2**20, info.max_model_len,
-        graphs_summary(info),
+        graphs_summary(info), "on" if scfg.async_scheduling else "off",
     )  # fmt: skip
     log_weight_slots(info, runner.slots.slot_nbytes)
     model_info = ModelInfo(
@@ -157,7 +162,7 @@ def graphs_summary(info: RuntimeInfo) -> str:
     mixed = (
         f"token buckets {list(info.mixed_graph_buckets)} captured in "
         f"{info.mixed_graph_capture_s:.1f}s"
-        if info.mixed_graph_buckets else "eager (--mixed-graphs off)"
+        if info.mixed_graph_buckets else "eager (--no-mixed-graphs)"
     )  # fmt: skip
     return (
         f"buckets {list(info.graph_buckets)} captured in {info.graph_capture_s:.1f}s; "
@@ -176,6 +181,7 @@ def build_runner(
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+        baseline_outside_torch = cuda_used_outside_torch(device)
     elif mcfg.num_threads:
         torch.set_num_threads(mcfg.num_threads)
     max_model_len = served_max_model_len(mcfg, arch)
@@ -183,7 +189,7 @@ def build_runner(
     model = LlamaModel(arch, kernels_for(device), max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
-    mixed = device.type == "cuda" and mcfg.mixed_graphs and not mcfg.enforce_eager
+    mixed = device.type == "cuda" and mcfg.mixed_graphs is not False and not mcfg.enforce_eager
     mixed_buckets = token_buckets(max_num_tokens) if mixed else []
     # Per slot's graphs: their pool and logits (each mixed bucket keeps its own); then sampler
     # sort buffers and slack. The mixed graphs' activations are added once profiled.
@@ -203,7 +209,7 @@ def build_runner(
         activations = peak - torch.cuda.memory_allocated(device) if mixed else 0
         reserve = num_slots * (graph_reserve + activations) + 2 * vocab_bytes
         budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
-                               peak, reserve)  # fmt: skip
+                               peak, reserve, baseline_outside_torch)  # fmt: skip
         ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))
     num_blocks, max_model_len = size_kv_pool(ccfg, mcfg, arch, dtype, max_model_len)
     kv_caches = allocate_kv_caches(arch, num_blocks, ccfg.block_size, dtype, device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,30 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     buckets += list(range(16, max_num_seqs, 8))
     return sorted(set(buckets) | {max_num_seqs})
+
+
+def capture_graph(
+    forward: Callable[[], torch.Tensor], pool: GraphPool, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `forward` up on `stream` (Triton compiles, cuBLAS picks algorithms), then capture
+    it there; returns the graph and its static output.
+
+    One stream per model runner, for all its graphs, and never torch's process-wide default
+    capture stream: cuBLAS keeps a workspace per (handle, stream) whose address captured GEMMs
+    bake in, and destroying a graph drops the workspace of the stream it was captured on
+    (pytorch/pytorch#193402). On a shared stream, one runner's graphs going away would pull the
+    workspace from under another's. The eager warm-up allocates the stream's workspace
+    outside any graph's pool, before the first capture.
+    """
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = forward()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -61,20 +86,28 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_seqs)
 
     @torch.inference_mode()
-    def capture(self, weights: LlamaWeights, pool: GraphPool | None = None) -> float:
-        """Capture every bucket for `weights` (in `pool`, default a new one); returns the
-        seconds it took."""
+    def capture(
+        self,
+        weights: LlamaWeights,
+        pool: GraphPool | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> float:
+        """Capture every bucket for `weights` (in `pool`, default a new one; on `stream`,
+        default a new one: see `capture_graph`); returns the seconds it took."""
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = stream if stream is not None else torch.cuda.Stream()
         d = self.builder.dev
         d.slot_mapping.fill_(-1)  # capture-time garbage must not write into the KV pool
         d.seq_lens.zero_()
         for bucket in reversed(self.buckets):
-            self._capture_one(bucket, weights, pool)
+            self._capture_one(bucket, weights, pool, stream)
         torch.cuda.synchronize()
         return time.monotonic() - t0
 
-    def _capture_one(self, bucket: int, weights: LlamaWeights, pool: GraphPool) -> None:
+    def _capture_one(
+        self, bucket: int, weights: LlamaWeights, pool: GraphPool, stream: torch.cuda.Stream
+    ) -> None:
         d = self.builder.dev
         meta = self._static_meta(bucket)
         ids, pos = d.input_ids[:bucket], d.positions[:bucket]
@@ -83,17 +116,7 @@ class DecodeGraphs:
             hidden = self.model.forward(weights, ids, pos, meta, self.kv_caches)
             return self.model.compute_logits(weights, hidden)
 
-        # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms), then capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._logits[bucket] = forward()
-        self._graphs[bucket] = graph
+        self._graphs[bucket], self._logits[bucket] = capture_graph(forward, pool, stream)
 
     def _static_meta(self, bucket: int) -> AttentionMetadata:
         d = self.builder.dev

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sitsd.model.llama import LlamaModel, LlamaWeights
+from sitsd.runtime.cuda_graphs import capture_graph
 from sitsd.runtime.input_batch import StepInputBuilder
 
 if TYPE_CHECKING:
@@ -108,11 +109,15 @@ class MixedGraphs:
         return self._logits[bucket]
 
     @torch.inference_mode()
-    def capture(self, pool: GraphPool | None = None) -> float:
+    def capture(
+        self, pool: GraphPool | None = None, stream: torch.cuda.Stream | None = None
+    ) -> float:
         """Capture every bucket, largest first, in `pool` (shared with the slot's decode
-        graphs: they never run at the same time); returns the seconds it took."""
+        graphs: they never run at the same time) and on `stream` (the runner's, see
+        `capture_graph`); returns the seconds it took."""
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = stream if stream is not None else torch.cuda.Stream()
         d = self.builder.dev
         # Capture-time inputs must be harmless: no KV written, every sequence empty.
         d.slot_mapping.fill_(-1)
@@ -120,19 +125,8 @@ class MixedGraphs:
         d.query_start_loc.zero_()
         d.logits_indices.zero_()
         for bucket in reversed(self.buckets):
-            self._capture_one(bucket, pool)
+            self._graphs[bucket], self._logits[bucket] = capture_graph(
+                lambda b=bucket: self.forward(b), pool, stream
+            )
         torch.cuda.synchronize()
         return time.monotonic() - t0
-
-    def _capture_one(self, bucket: int, pool: GraphPool) -> None:
-        # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms), then capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._logits[bucket] = self.forward(bucket)
-        self._graphs[bucket] = graph

@@ -60,6 +60,8 @@ class ModelRunner:
         self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
+        # Every graph of this runner is captured on this stream (see `capture_graph`).
+        self._capture_stream = torch.cuda.Stream(self.device) if on_cuda else None
         # Two pinned buffers (and events) for the sampled ids, used in turn: with asynchronous
         # scheduling step N+1's copy is queued before the host has read step N's.
         self._tokens_host = [
@@ -98,7 +100,7 @@ class ModelRunner:
         for index in range(self.slots.num_slots):
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
             pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
-            seconds += graphs.capture(self.slots.weights(index), pool)
+            seconds += graphs.capture(self.slots.weights(index), pool, self._capture_stream)
             self.slot_graphs[index] = graphs
         return seconds
 
@@ -119,7 +121,7 @@ class ModelRunner:
             )
             if capture:
                 pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
-                seconds += mixed.capture(pool)
+                seconds += mixed.capture(pool, self._capture_stream)
             self.slot_mixed[index] = mixed
         return seconds
 

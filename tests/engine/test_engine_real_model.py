@@ -71,6 +71,13 @@ def generate(engine, requests):
     return asyncio.run_coroutine_threadsafe(all_of(), engine.test_loop).result(300)
 
 
+def test_a_cpu_engine_schedules_one_step_at_a_time_unless_asked(engine):
+    # Asynchronous scheduling is left to the device (None): a CPU step returns only when it is
+    # done, so there is nothing to overlap.
+    assert SchedulerConfig().async_scheduling is None
+    assert engine.core.scheduler.config.async_scheduling is False
+
+
 def test_greedy_output_is_the_same_alone_and_among_eight_mixed_requests(engine):
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     target = chat_ids(engine, QUESTIONS[0])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -114,6 +115,27 @@ def test_greedy_outputs_with_mixed_graphs_equal_eager_for_prefills_mixed_with_de
     off, off_info = gpu_runner(tensors, arch, eager=False, mixed=False)
     assert not off.slot_mixed
     assert off_info.mixed_graph_buckets == ()
+
+
+def test_a_runner_built_after_a_graph_runner_is_destroyed_computes_the_same_outputs():
+    # Destroying a runner resets its graphs, which drops the cuBLAS workspace of the stream
+    # they were captured on (pytorch/pytorch#193402): later GEMMs, eager or captured by the
+    # next runner, must not use it.
+    arch, tensors = tiny(random.randrange(1000))
+    rng = random.Random()
+    prompts = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))],
+                         "v1") for i in range(6)}  # fmt: skip
+    first, _ = gpu_runner(tensors, arch, eager=False, mixed=True)
+    want = staggered(first, prompts, 8, chunk=24)
+    del first
+    gc.collect()
+    torch.cuda.empty_cache()
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close((a @ b).float(), a.float() @ b.float(), atol=0.5, rtol=0.02)
+    second, _ = gpu_runner(tensors, arch, eager=False, mixed=True)
+    assert staggered(second, prompts, 8, chunk=24) == want
+    torch.cuda.synchronize()
 
 
 def test_each_weight_slot_replays_its_own_mixed_graphs():

@@ -153,7 +153,7 @@ def test_mixed_graphs_is_a_cuda_flag_the_cpu_runner_ignores():
     runner, info = build_runner(cfg, arch, tensors, "v1")
     assert not runner.slot_mixed
     assert info.mixed_graph_buckets == ()
-    assert not ModelConfig().mixed_graphs
+    assert ModelConfig().mixed_graphs is None  # on with CUDA graphs, unless turned off
 
 
 def test_a_step_past_the_largest_bucket_or_of_no_tokens_does_not_fit():
@@ -241,7 +241,7 @@ def test_the_start_up_log_names_decode_and_token_buckets():
     summary = graphs_summary(info)
     assert "buckets [1, 2, 4] captured in 1.2s" in summary
     assert "token buckets [16, 32, 48] captured in 2.5s" in summary
-    assert "--mixed-graphs off" in graphs_summary(replace(info, mixed_graph_buckets=()))
+    assert "--no-mixed-graphs" in graphs_summary(replace(info, mixed_graph_buckets=()))
     assert graphs_summary(replace(info, graph_buckets=())) == "off (eager)"
 
 
