@@ -33,7 +33,7 @@ def main() -> None:
     d.seq_lens.fill_(256)
     blocks = torch.arange(runner.builder.max_blocks_per_seq, dtype=torch.int32, device="cuda")
     d.block_tables.copy_(blocks.expand_as(d.block_tables))
-    for b in (1, 128):
+    for b in (1, 32, 128):
         bucket = runner.graphs.bucket_for(b)
         for _ in range(3):
             runner.graphs.replay(bucket)

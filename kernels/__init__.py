@@ -11,7 +11,9 @@ references). Accessing a wrapper without triton raises ImportError naming the mi
     rms_norm               RMSNorm
     fused_add_rms_norm     residual add + RMSNorm in one pass
     rotary_embedding       rotate-half RoPE, in place
+    rotary_and_cache       RoPE in place and the K/V cache write, in one launch
     silu_and_mul           SwiGLU activation on a fused gate/up output
+    gemv                   x @ weight.T for up to 16 rows (decode's linear layers), SwiGLU fusable
 
 When to use a kernel rather than its reference (device, dtype) is the model runner's decision.
 """
@@ -31,7 +33,9 @@ _WRAPPERS = {
     "rms_norm": "rmsnorm",
     "fused_add_rms_norm": "rmsnorm",
     "rotary_embedding": "rotary",
+    "rotary_and_cache": "rotary_cache",
     "silu_and_mul": "activation",
+    "gemv": "gemv",
 }
 
 __all__ = sorted(_WRAPPERS)

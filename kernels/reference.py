@@ -29,6 +29,7 @@ __all__ = [
     "compute_cos_sin_cache",
     "decode_attention_ref",
     "fused_add_rms_norm_ref",
+    "gemv_ref",
     "prefill_attention_ref",
     "reshape_and_cache_ref",
     "rms_norm_ref",
@@ -214,7 +215,41 @@ def rotary_embedding_ref(
     return rotate(query), rotate(key)
 
 
+def rotary_and_cache_ref(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_ref`, then `reshape_and_cache_ref` of the rotated keys and the values;
+    returns the rotated (new) query and key tensors."""
+    query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
+    reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    return query, key
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[..., :d]) * x[..., d:]` for the fused gate/up projection output of width 2d."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers at decode batch sizes
+# ---------------------------------------------------------------------------------------------
+
+
+def gemv_ref(
+    x: torch.Tensor,  # [M, K], or [M, 2K] (fused gate | up) with swiglu
+    weight: torch.Tensor,  # [N, K]
+    *,
+    swiglu: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """`x @ weight.T` in float32, rounded to x's dtype; with `swiglu`, on `silu_and_mul_ref(x)`."""
+    if swiglu:
+        x = silu_and_mul_ref(x)
+    return (x.float() @ weight.float().T).to(x.dtype)

@@ -1,4 +1,5 @@
-"""Paged attention for one layer: write the step's K/V into the cache, then attend.
+"""Paged attention for one layer, over a cache that already holds the step's K/V (the model
+writes them with its rotary embedding, `KernelSet.rotary_and_cache`).
 
 The batch is ragged: decodes (one query token each) come first, then prompt chunks. Decodes go
 to the decode kernel, chunks to the prefill kernel; both read every key from the paged cache
@@ -39,14 +40,11 @@ class AttentionMetadata:
 def paged_attention(
     kernels: KernelSet,
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     key_cache, value_cache = kv_cache
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens = query.shape[0]
     nd = meta.num_decode_tokens
     if nd == num_tokens and not meta.unified:

@@ -89,5 +89,21 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def rotary_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rotary_and_cache_ref` with this module's two halves."""
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return query, key
+
+
 silu_and_mul = reference.silu_and_mul_ref
 prefill_attention = reference.prefill_attention_ref

@@ -260,8 +260,11 @@ class LlamaModel:
         q = q.view(num_tokens, arch.num_heads, arch.head_dim)
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-        q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
-        out = paged_attention(self.kernels, q, k, v, kv_cache, meta, self.scale)
+        key_cache, value_cache = kv_cache
+        q, k = self.kernels.rotary_and_cache(
+            positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, meta.slot_mapping
+        )
+        out = paged_attention(self.kernels, q, kv_cache, meta, self.scale)
         return F.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj)
 
     def compute_logits(

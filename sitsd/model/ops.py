@@ -25,6 +25,7 @@ class KernelSet:
     rms_norm: Callable[..., object]
     fused_add_rms_norm: Callable[..., object]
     rotary_embedding: Callable[..., object]
+    rotary_and_cache: Callable[..., object]  # rotary_embedding, then reshape_and_cache of K/V
     silu_and_mul: Callable[..., object]
 
 
@@ -38,6 +39,7 @@ def reference_kernels() -> KernelSet:
         rms_norm=reference.rms_norm_ref,
         fused_add_rms_norm=reference.fused_add_rms_norm_ref,
         rotary_embedding=reference.rotary_embedding_ref,
+        rotary_and_cache=reference.rotary_and_cache_ref,
         silu_and_mul=reference.silu_and_mul_ref,
     )
 
@@ -54,6 +56,7 @@ def cpu_kernels() -> KernelSet:
         rms_norm=k.rms_norm,
         fused_add_rms_norm=k.fused_add_rms_norm,
         rotary_embedding=k.rotary_embedding,
+        rotary_and_cache=k.rotary_and_cache,
         silu_and_mul=k.silu_and_mul,
     )
 
@@ -66,6 +69,7 @@ def triton_kernels() -> KernelSet:
     from sitsd.kernels.reshape_and_cache import reshape_and_cache
     from sitsd.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from sitsd.kernels.rotary import rotary_embedding
+    from sitsd.kernels.rotary_cache import rotary_and_cache
 
     return KernelSet(
         name="triton",
@@ -75,5 +79,6 @@ def triton_kernels() -> KernelSet:
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         rotary_embedding=rotary_embedding,
+        rotary_and_cache=rotary_and_cache,
         silu_and_mul=silu_and_mul,
     )

@@ -1,0 +1,190 @@
+"""Triton kernel: rotary position embedding and the paged-cache write, in one launch.
+
+What `rotary_embedding` followed by `reshape_and_cache` does, for the new tokens of a step: one
+program per token rotates its query heads in place, rotates its key heads (in place, and into
+the token's cache slot) and copies its value heads into the slot. A decode step of a 32-layer
+model runs both once per layer, so fusing them saves a launch and a gap between kernels per
+layer, and the rotated keys are written from registers instead of being read back. Slot -1
+(padding, or a token whose K/V is already cached) writes nothing to the cache; its query and key
+are still rotated. Values are `reference.rotary_and_cache_ref`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sitsd.kernels._utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    next_power_of_2,
+)
+from sitsd.kernels.rotary import _rotate_heads
+
+__all__ = ["rotary_and_cache"]
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    positions_ptr,
+    slot_mapping_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_KV_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    row = cos_sin_ptr + pos * stride_cs
+    cos = tl.load(row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(
+        q_ptr + token * stride_qt, stride_qh, cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF
+    )
+
+    # Keys: rotate in registers, store to the key rows and to the cache slot.
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & d_mask[None, :]  # [BLOCK_KV_H, BLOCK_HALF]
+    k_ptrs = k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(k_ptrs, mask=mask, other=0.0)
+    k2 = tl.load(k_ptrs + HALF, mask=mask, other=0.0)
+    k1f = k1.to(tl.float32)
+    k2f = k2.to(tl.float32)
+    r1 = (k1f * cos - k2f * sin).to(k1.dtype)
+    r2 = (k2f * cos + k1f * sin).to(k1.dtype)
+    tl.store(k_ptrs, r1, mask=mask)
+    tl.store(k_ptrs + HALF, r2, mask=mask)
+
+    # The cache write: an all-false mask for slot -1 (see reshape_and_cache.py on why `where`).
+    heads_written = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    cmask = (offs_h[:, None] < heads_written) & d_mask[None, :]
+    block_id = slot // BLOCK_SIZE
+    block_offset = slot % BLOCK_SIZE
+    kc = (
+        key_cache_ptr
+        + block_id * stride_kcb
+        + block_offset * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :]
+    )
+    cache_ty = key_cache_ptr.dtype.element_ty
+    tl.store(kc, r1.to(cache_ty), mask=cmask)
+    tl.store(kc + HALF, r2.to(cache_ty), mask=cmask)
+    v_ptrs = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    vc = (
+        value_cache_ptr
+        + block_id * stride_vcb
+        + block_offset * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :]
+    )
+    v1 = tl.load(v_ptrs, mask=cmask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=cmask, other=0.0)
+    tl.store(vc, v1.to(cache_ty), mask=cmask)
+    tl.store(vc + HALF, v2.to(cache_ty), mask=cmask)
+
+
+def rotary_and_cache(
+    positions: torch.Tensor,  # [num_tokens] int64 (int32 accepted)
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos half, then sin half
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted), -1 = skip
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `query` and `key` **in place** (as `rotary_embedding`), write the rotated keys and
+    the values into the paged cache (as `reshape_and_cache`); returns `(query, key)`.
+
+    `query`/`key`/`value` may be strided views of a fused QKV output with a contiguous last
+    dimension. Positions and slots are not range-checked (no host sync).
+
+    Raises:
+        TypeError, ValueError: on a wrong dtype, shape, device or stride.
+    """
+    check_ndim("positions", positions, 1, "[num_tokens]")
+    check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
+    check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    check_ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, head_dim]")
+    check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key shape {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    check_shape("value", value, tuple(key.shape), "key's shape")
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
+    check_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
+    if cos_sin_cache.shape[1] != head_dim or head_dim % 2:
+        raise ValueError(
+            f"cos_sin_cache width {cos_sin_cache.shape[1]} must equal the even head_dim {head_dim}"
+        )
+    num_blocks, block_size = key_cache.shape[:2]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    check_shape("key_cache", key_cache, cache_shape, "[num_blocks, block_size, kv_heads, head_dim]")
+    check_shape("value_cache", value_cache, cache_shape, "key_cache's shape")
+    check_dtype("positions", positions, INDEX_DTYPES)
+    check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    check_dtype("query", query, FLOAT_DTYPES)
+    check_dtype("cos_sin_cache", cos_sin_cache, FLOAT_DTYPES)
+    check_dtype("key_cache", key_cache, FLOAT_DTYPES)
+    check_same_dtype(query=query, key=key, value=value)
+    check_same_dtype(key_cache=key_cache, value_cache=value_cache)
+    check_same_device(
+        query=query, key=key, value=value, positions=positions, cos_sin_cache=cos_sin_cache,
+        key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+    )  # fmt: skip
+    for name, t in (("query", query), ("key", key), ("value", value),
+                    ("cos_sin_cache", cos_sin_cache), ("key_cache", key_cache),
+                    ("value_cache", value_cache)):  # fmt: skip
+        check_last_dim_contiguous(name, t)
+    check_contiguous("positions", positions)
+    check_contiguous("slot_mapping", slot_mapping)
+    if num_tokens == 0:
+        return query, key
+
+    half = head_dim // 2
+    _rotary_and_cache_kernel[(num_tokens,)](
+        positions, slot_mapping, query, key, value, cos_sin_cache, key_cache, value_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), cos_sin_cache.stride(0),
+        *key_cache.stride()[:3], *value_cache.stride()[:3],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
+        BLOCK_H=next_power_of_2(num_heads), BLOCK_KV_H=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(half), num_warps=4,
+    )  # fmt: skip
+    return query, key

@@ -1,0 +1,97 @@
+"""rotary_and_cache (Triton) against rotary_and_cache_ref: rotated Q/K in place, rotated K and V
+in their slots, -1 skipped, nothing else touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # noqa: F401  (make test installs it: no kernel test may skip for want of it)
+
+from sitsd.kernels.reference import compute_cos_sin_cache, rotary_and_cache_ref
+from sitsd.kernels.rotary_cache import rotary_and_cache
+from tests.kernels.helpers import assert_close
+from tests.kernels.test_rotary import LLAMA3_SCALING
+
+
+def _inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, *, num_blocks=9,
+            block_size=16, max_position=2048, skip=0.3):  # fmt: skip
+    cos_sin = compute_cos_sin_cache(head_dim, max_position, 500000.0, LLAMA3_SCALING).to(device)
+    positions = torch.randint(0, max_position, (num_tokens,), device=device)
+    # One fused QKV row per token, as the model hands them over: strided views.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device=device).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # NaN everywhere: comparing with the reference also shows nothing else was written.
+    key_cache = torch.full(shape, float("nan"), device=device).to(dtype)
+    value_cache = torch.full(shape, float("nan"), device=device).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[torch.rand(num_tokens, device=device) < skip] = -1
+    return positions, q, k, v, cos_sin, key_cache, value_cache, slots
+
+
+def _check(positions, q, k, v, cos_sin, key_cache, value_cache, slots):
+    dtype = q.dtype
+    ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
+    ref_q, ref_k = rotary_and_cache_ref(positions, q, k, v, cos_sin, ref_kc, ref_vc, slots)
+    v_before = v.clone()
+    out_q, out_k = rotary_and_cache(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
+    assert out_q is q  # in place, as documented
+    assert out_k is k
+    assert_close(q, ref_q, dtype)
+    assert_close(k, ref_k, dtype)
+    assert torch.equal(v, v_before)
+    written = slots[slots >= 0]
+    flat = key_cache.shape[0] * key_cache.shape[1]
+    for cache, ref in ((key_cache, ref_kc), (value_cache, ref_vc)):
+        got, want = cache.view(flat, -1), ref.view(flat, -1)
+        if written.numel():
+            assert_close(got[written], want[written], dtype)
+        untouched = torch.ones(flat, dtype=torch.bool, device=cache.device)
+        untouched[written] = False
+        assert got[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (9, 3, 80)]
+)
+def test_matches_reference(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device):
+    _check(*_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device))
+
+
+def test_all_minus_one_rotates_but_writes_nothing(device):
+    args = _inputs(5, 4, 2, 64, torch.float16, device, skip=1.1)
+    _check(*args)
+    assert args[5].isnan().all()
+    assert args[6].isnan().all()
+
+
+def test_wrapper_rejects_bad_arguments_with_clear_errors(device):
+    positions, q, k, v, cos_sin, kc, vc, slots = _inputs(3, 4, 2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="value must have shape key's shape"):
+        rotary_and_cache(positions, q, k, v[:, :1], cos_sin, kc, vc, slots)
+    with pytest.raises(ValueError, match="slot_mapping must have shape"):
+        rotary_and_cache(positions, q, k, v, cos_sin, kc, vc, slots[:2])
+    with pytest.raises(TypeError, match="slot_mapping must have dtype"):
+        rotary_and_cache(positions, q, k, v, cos_sin, kc, vc, slots.float())
+    with pytest.raises(TypeError, match="dtypes must match"):
+        rotary_and_cache(positions, q, k, v.half(), cos_sin, kc, vc, slots)
+    with pytest.raises(ValueError, match="value_cache must have shape key_cache's shape"):
+        rotary_and_cache(positions, q, k, v, cos_sin, kc, vc[:2], slots)
+    with pytest.raises(ValueError, match="key_cache must have shape"):
+        rotary_and_cache(positions, q, k, v, cos_sin, kc[..., :32], vc, slots)
+    with pytest.raises(ValueError, match="cos_sin_cache width 32 must equal"):
+        rotary_and_cache(positions, q, k, v, cos_sin[:, :32], kc, vc, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(32, 8, 128), (32, 32, 128), (16, 2, 64), (9, 3, 64)],
+)
+def test_gpu_grid_matches_reference(dtype, num_heads, num_kv_heads, head_dim, device):
+    for num_tokens in (1, 7, 33, 4093):
+        _check(*_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device,
+                        num_blocks=300, max_position=131072))  # fmt: skip
