@@ -48,12 +48,6 @@ from sitsd.kernels._utils import (
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv"]
 
 MAX_ROWS = 16  # rows of x; past this a tiled GEMM (cuBLAS) is the right tool
-# Programs per SM the default BLOCK_N aims for: enough to keep every SM streaming while a few of
-# them finish early (there is no split-K to balance the tail).
-_PROGRAMS_PER_SM = 4
-# FMA path: the fp32 accumulator holds BLOCK_M * BLOCK_N * BLOCK_K elements; at most this many per
-# thread keeps it in registers.
-_MAX_ACC_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -170,50 +164,41 @@ def choose_gemv_config(
 ) -> GemvConfig:
     """The default launch configuration for `x [num_rows, k] @ weight[n, k].T`.
 
-    Reasoned from the sm_90 code Triton generates, not yet tuned by measurement
-    (`bench/bench_gemv.py` sweeps the alternatives):
+    The winners of `bench/bench_gemv.py`'s sweep on an H200 (bf16, Llama-3-8B shapes, inside
+    CUDA graphs, 2026-11-30), which were the same for nearly every shape:
 
-    * one row: FMAs (a padded MMA would waste 15/16 of it, and one FMA per weight element is
-      light work), with `block_k` = one 16-byte vector per thread across the program, the chunk
-      width at which weight, activation and accumulator share a register layout;
-    * more rows: `tl.dot`, whose tensor cores keep up with the weight stream where M FMAs per
-      weight element would not; 512-byte chunks of each weight row, 4-stage `cp.async` pipeline;
-    * `block_n`: the largest power of two giving at least `_PROGRAMS_PER_SM` programs per SM, at
-      least 8 for `tl.dot` (the MMA's N granularity) and at most 64; for FMAs small enough that
-      the 3-D accumulator stays in registers. With `swiglu`, at least twice the rows if that
-      leaves a program for every SM, so the activation (which every program recomputes) stays
-      cheap next to the weight stream.
+    * one row: FMAs (a padded MMA would waste 15/16 of it) into a 3-D accumulator, 4 weight
+      rows per program, `block_k` = one 16-byte vector per thread of 4 warps (1024 bf16), the
+      chunk width at which weight, activation and accumulator share a register layout; 1.11x
+      cuBLAS on down, 1.34x on o (qkv and lm_head did best with 2048 and 8 warps: the caller
+      may pass those);
+    * more rows: `tl.dot` on 16 weight rows, 512-byte chunks, 2 warps, a 4-stage `cp.async`
+      pipeline: 1.03-1.23x cuBLAS at 2-8 rows except on gate_up (0.98x).
+
+    With `swiglu` and more than one row the fused prologue measured 2-5x slower than a separate
+    `silu_and_mul`: callers should not fuse there (`sitsd.model.linear` does not).
 
     Args:
         num_rows: Rows of x (M).
         n: Output columns (rows of weight).
         k: Reduction length (columns of weight).
         dtype: The dtype of x and weight.
-        swiglu: Whether x holds fused [gate | up] rows.
-        num_sms: Streaming multiprocessors of the device.
+        swiglu: Whether x holds fused [gate | up] rows (same configuration).
+        num_sms: Streaming multiprocessors of the device (unused: kept for callers that tune).
     """
-    use_dot = num_rows > 1
-    num_warps = 4
+    del swiglu, num_sms
     elem_bytes = torch.finfo(dtype).bits // 8
-    block_k = 512 // elem_bytes if use_dot else 16 // elem_bytes * 32 * num_warps
-    block_k = max(16, min(block_k, next_power_of_2(k)))
-    block_m = next_power_of_2(num_rows)
-    num_sms = max(num_sms, 1)
-    block_n = _floor_power_of_2(n // (_PROGRAMS_PER_SM * num_sms))
-    if swiglu:
-        block_n = max(block_n, min(2 * block_m, _floor_power_of_2(n // num_sms)))
-    if use_dot:
-        block_n = max(block_n, 8)
+    if num_rows == 1:
+        num_warps, block_n, stages, use_dot = 4, 4, 2, False
+        block_k = 16 // elem_bytes * 32 * num_warps
     else:
-        acc_per_thread = max(block_m * block_k // (32 * num_warps), 1)  # per weight row
-        block_n = min(block_n, max(_MAX_ACC_PER_THREAD // acc_per_thread, 1))
-    block_n = min(block_n, 64, next_power_of_2(n))
-    return GemvConfig(block_n, block_k, num_warps, 4 if use_dot else 2, use_dot)
-
-
-def _floor_power_of_2(n: int) -> int:
-    """Largest power of two <= `n` (1 for n <= 1)."""
-    return 1 << max(n.bit_length() - 1, 0)
+        num_warps, block_n, stages, use_dot = 2, 16, 4, True
+        block_k = 512 // elem_bytes
+    block_k = max(16, min(block_k, next_power_of_2(k)))
+    block_n = min(block_n, next_power_of_2(n))
+    if use_dot:
+        block_n = max(block_n, 8)  # the MMA's N granularity
+    return GemvConfig(block_n, block_k, num_warps, stages, use_dot)
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> None:

@@ -239,8 +239,8 @@ class LlamaModel:
             x, residual = k.fused_add_rms_norm(
                 hidden, residual, layer.post_attn_norm, arch.rms_norm_eps
             )
-            gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate]
-            hidden = F.linear(k.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+            gate_up = k.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate]
+            hidden = k.swiglu_linear(gate_up, layer.down_proj)  # [T, hidden]
         assert residual is not None, "a model has at least one layer"
         hidden, _ = k.fused_add_rms_norm(hidden, residual, weights.norm, arch.rms_norm_eps)
         return hidden
@@ -255,7 +255,7 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden]
         arch = self.arch
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+        qkv = self.kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q + 2 * kv]
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
         q = q.view(num_tokens, arch.num_heads, arch.head_dim)
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
@@ -265,11 +265,11 @@ class LlamaModel:
             positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, meta.slot_mapping
         )
         out = paged_attention(self.kernels, q, kv_cache, meta, self.scale)
-        return F.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj)
+        return self.kernels.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj)
 
     def compute_logits(
         self,
         weights: LlamaWeights,
         hidden: torch.Tensor,  # [num_seqs, hidden]
     ) -> torch.Tensor:  # [num_seqs, vocab] float32
-        return F.linear(hidden, weights.lm_head).float()
+        return self.kernels.linear(hidden, weights.lm_head).float()

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
 
 from sitsd.kernels import reference
 
@@ -27,6 +31,17 @@ class KernelSet:
     rotary_embedding: Callable[..., object]
     rotary_and_cache: Callable[..., object]  # rotary_embedding, then reshape_and_cache of K/V
     silu_and_mul: Callable[..., object]
+    linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
+    swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
+
+
+def swiglu_linear(
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """The MLP's down projection of the SwiGLU activation, unfused."""
+    return F.linear(silu_and_mul(gate_up), weight)
 
 
 def reference_kernels() -> KernelSet:
@@ -41,6 +56,8 @@ def reference_kernels() -> KernelSet:
         rotary_embedding=reference.rotary_embedding_ref,
         rotary_and_cache=reference.rotary_and_cache_ref,
         silu_and_mul=reference.silu_and_mul_ref,
+        linear=F.linear,
+        swiglu_linear=partial(swiglu_linear, reference.silu_and_mul_ref),
     )
 
 
@@ -58,11 +75,18 @@ def cpu_kernels() -> KernelSet:
         rotary_embedding=k.rotary_embedding,
         rotary_and_cache=k.rotary_and_cache,
         silu_and_mul=k.silu_and_mul,
+        linear=F.linear,
+        swiglu_linear=partial(swiglu_linear, k.silu_and_mul),
     )
 
 
-def triton_kernels() -> KernelSet:
-    """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests)."""
+def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
+    """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
+
+    Linear layers go to cuBLAS, or to the Triton `gemv` for the shapes and row counts where it
+    measured faster (`sitsd.model.linear`); `use_gemv` None: where that table was measured
+    (an sm_90 device), False: never, True: always where the table says (tests).
+    """
     from sitsd.kernels.activation import silu_and_mul
     from sitsd.kernels.decode_attention import decode_attention
     from sitsd.kernels.prefill_attention import prefill_attention
@@ -70,7 +94,9 @@ def triton_kernels() -> KernelSet:
     from sitsd.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from sitsd.kernels.rotary import rotary_embedding
     from sitsd.kernels.rotary_cache import rotary_and_cache
+    from sitsd.model.linear import TunedLinear, measured_device
 
+    tuned = TunedLinear(measured_device() if use_gemv is None else use_gemv, silu_and_mul)
     return KernelSet(
         name="triton",
         reshape_and_cache=reshape_and_cache,
@@ -81,4 +107,6 @@ def triton_kernels() -> KernelSet:
         rotary_embedding=rotary_embedding,
         rotary_and_cache=rotary_and_cache,
         silu_and_mul=silu_and_mul,
+        linear=tuned.linear,
+        swiglu_linear=tuned.swiglu_linear,
     )

@@ -1,0 +1,88 @@
+"""The model's linear layers: gemv exactly where the measured table says, cuBLAS elsewhere, and
+the same values either way (CPU interpreter; a `gpu` test on Llama-3-8B layer shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sitsd.model.linear as linear_mod
+from sitsd.kernels.gemv import GemvConfig
+from sitsd.kernels.reference import silu_and_mul_ref
+from sitsd.model.linear import GEMV_MEASURED_FASTER, TunedLinear, measured_device
+from tests.kernels.helpers import assert_close
+
+N, K = 40, 96
+TABLE = {(N, K): (8, GemvConfig(4, 32, 1, 2, use_dot=False))}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every gemv call's (rows, swiglu, use_dot)."""
+    seen: list[tuple[int, bool, bool]] = []
+    real = linear_mod.gemv
+
+    def spy(x, weight, *, swiglu=False, **config):
+        seen.append((x.shape[0], swiglu, config["use_dot"]))
+        return real(x, weight, swiglu=swiglu, **config)
+
+    monkeypatch.setattr(linear_mod, "gemv", spy)
+    return seen
+
+
+def tuned(use_gemv=True):
+    return TunedLinear(use_gemv, silu_and_mul_ref, TABLE)
+
+
+@pytest.mark.parametrize(("rows", "use_dot"), [(1, False), (3, True), (8, True)])
+def test_measured_shapes_up_to_their_row_limit_go_to_gemv(calls, rows, use_dot):
+    x = torch.randn(rows, K).bfloat16()
+    w = torch.randn(N, K).bfloat16()
+    assert_close(tuned().linear(x, w), F.linear(x, w), torch.bfloat16)
+    assert calls == [(rows, False, use_dot)]
+
+
+def test_everything_else_goes_to_cublas(calls):
+    x, w = torch.randn(9, K).bfloat16(), torch.randn(N, K).bfloat16()
+    tuned().linear(x, w)  # past the row limit
+    tuned().linear(x[:1], torch.randn(N + 1, K).bfloat16())  # an unmeasured shape
+    tuned().linear(x[:1], w, torch.zeros(N).bfloat16())  # a bias
+    tuned().linear(x[:1].float(), w.float())  # float32: measured in 16 bits only
+    tuned(use_gemv=False).linear(x[:1], w)  # an unmeasured device
+    assert calls == []
+
+
+def test_swiglu_is_fused_at_one_row_and_separate_from_two(calls):
+    w = torch.randn(N, K).bfloat16()
+    for rows in (1, 2):
+        gate_up = torch.randn(rows, 2 * K).bfloat16()
+        want = F.linear(silu_and_mul_ref(gate_up), w)
+        assert_close(tuned().swiglu_linear(gate_up, w), want, torch.bfloat16)
+    assert calls == [(1, True, False), (2, False, True)]
+
+
+def test_the_table_holds_llama_3_8b_and_is_used_only_on_sm90():
+    assert set(GEMV_MEASURED_FASTER) == {(6144, 4096), (4096, 4096), (28672, 4096),
+                                         (4096, 14336), (128256, 4096)}  # fmt: skip
+    if not torch.cuda.is_available():
+        assert not measured_device()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+def test_gpu_llama_3_8b_layer_shapes_give_cublas_values(calls, rows):
+    on, off = TunedLinear(True, silu_and_mul_ref), TunedLinear(False, silu_and_mul_ref)
+    for n, k in GEMV_MEASURED_FASTER:
+        w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        assert_close(on.linear(x, w), off.linear(x, w), torch.bfloat16)
+        if k == 14336:
+            gate_up = torch.randn(rows, 2 * k, device="cuda").bfloat16()
+            got, want = on.swiglu_linear(gate_up, w), off.swiglu_linear(gate_up, w)
+            assert_close(got, want, torch.bfloat16)
+    if rows > 8:  # past every row limit in the table
+        assert calls == []
+    else:
+        assert calls, "no shape went to gemv"
+        assert all(r == rows for r, _, _ in calls)
