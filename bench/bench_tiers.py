@@ -85,6 +85,12 @@ def main() -> int:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                             help=f"the daemon's {flag} (default: the daemon's)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=60.0, help="gRPC deadline per request")
+    parser.add_argument(
+        "--policies",
+        default="fcfs,tiers",
+        help="which policies to run, comma-separated (default: both; one alone re-measures it "
+        "against an earlier run of the same seed and --capacity)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"))
     args = parser.parse_args()
@@ -131,7 +137,8 @@ def main() -> int:
         rate = args.overload * capacity
         print(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s", flush=True)
         reports = {}
-        for policy in ("fcfs", "tiers"):
+        policies = [p for p in ("fcfs", "tiers") if p in args.policies.split(",")]
+        for policy in policies:
             daemon = start(state_dir, policy, serve)
             try:
                 before = daemon_histograms(daemon)
@@ -156,9 +163,9 @@ def main() -> int:
                 daemon.stop()
             (out / f"{policy}.json").write_text(json.dumps(reports[policy], indent=2))
             print(f"{policy}: done, load average {os.getloadavg()[0]:.2f}", flush=True)
-    plot_reports([(p, reports[p]) for p in ("fcfs", "tiers")], str(out / "tiers-overload.png"))
+    plot_reports([(p, reports[p]) for p in policies], str(out / "tiers-overload.png"))
     print(comparison_table(reports, capacity, rate))
-    for policy in ("fcfs", "tiers"):
+    for policy in policies:
         d = reports[policy]["daemon"]
         ttft = ", ".join(f"{t} {ms(v)}" for t, v in sorted(d["ttft_p99_s"].items()))
         print(f"daemon side, {policy} (histogram buckets' upper bounds, ms): TTFT P99 {ttft}; "
@@ -203,14 +210,14 @@ def ms(seconds: float | None) -> str:
 
 def comparison_table(reports: dict[str, dict], capacity: float, rate: float) -> str:
     """Per tier and policy: TTFT P99 vs target, goodput, refusals; then the totals."""
-    targets = reports["tiers"]["targets_ms"]
+    targets = next(iter(reports.values()))["targets_ms"]
     lines = [
         f"offered {rate:.2f} req/s = {rate / capacity:.1f} x capacity {capacity:.2f} req/s",
         f"{'tier':<8}{'policy':<7}{'sent':>6}{'done':>6}{'refused':>8}{'other':>6}"
         f"{'TTFT p99 ms':>12}{'target':>8}{'met':>5}{'good':>6}{'goodput/s':>10}",
     ]
     for tier in ("gold", "silver", "bronze", "total"):
-        for policy in ("fcfs", "tiers"):
+        for policy in reports:
             r = reports[policy]
             s = r["total"] if tier == "total" else r["tiers"].get(tier)
             if s is None:

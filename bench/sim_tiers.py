@@ -63,8 +63,12 @@ def simulate(args: argparse.Namespace, policy: str, gold_step_tokens: int) -> di
     refused = dict.fromkeys(Tier, 0)
     shed = dict.fromkeys(Tier, 0)
     i = 0
+    # Asynchronous scheduling: the step scheduled now was scheduled while the last one ran, so
+    # it sees the arrivals up to the last step's start only.
+    visible = now
     while i < len(pending) or sched.has_work():
-        while i < len(pending) and pending[i][0] <= now:
+        horizon = visible if args.ahead else now
+        while i < len(pending) and pending[i][0] <= horizon:
             at, tier, prompt, output = pending[i]
             i += 1
             request = Request(
@@ -78,7 +82,7 @@ def simulate(args: argparse.Namespace, policy: str, gold_step_tokens: int) -> di
             sched.add_request(request)
             tier_of[request.req_id], arrived[request.req_id] = tier, at
         if not sched.has_work():
-            now = pending[i][0]
+            now = visible = max(now, pending[i][0])
             continue
         for req_id, _ in sched.overdue_requests(now):
             sched.finish_request(req_id, FinishReason.ABORT)
@@ -88,6 +92,7 @@ def simulate(args: argparse.Namespace, policy: str, gold_step_tokens: int) -> di
             now += 1e-3
             continue
         out = runner.execute(so)
+        visible = now
         decodes = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
         prompt_tokens = so.total_num_scheduled_tokens - decodes
         now += (args.base_ms + args.per_token_ms * prompt_tokens
@@ -116,6 +121,9 @@ def main() -> None:
     parser.add_argument("--base-ms", type=float, default=8.0)
     parser.add_argument("--per-token-ms", type=float, default=0.021)
     parser.add_argument("--per-seq-ms", type=float, default=0.03)
+    parser.add_argument("--ahead", action="store_true",
+                        help="model asynchronous scheduling (a step sees arrivals up to the "
+                        "start of the step before it)")  # fmt: skip
     args = parser.parse_args()
     print(f"{'policy':<24}{'tier':<8}{'first':>6}{'p50':>7}{'p90':>7}{'p99 ms':>8}"
           f"{'refused':>9}{'shed':>6}")  # fmt: skip

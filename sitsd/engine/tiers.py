@@ -260,7 +260,10 @@ class TierTracker:
         self.max_num_seqs = max_num_seqs
         self.controller = controller
         self.latency = {tier: TierLatency(config.window_s) for tier in TIER_ORDER}
-        self.caps = {tier: self._clamp(tier, config.max_batch_cap) for tier in TIER_ORDER}
+        # Until the controller's first update: the top tier the whole batch, the others the
+        # controller's largest cap.
+        self.caps = {tier: self._clamp(tier, max_num_seqs if rank == 0 else config.max_batch_cap)
+                     for rank, tier in enumerate(TIER_ORDER)}  # fmt: skip
         self.num_refused = dict.fromkeys(TIER_ORDER, 0)
         self.num_shed = dict.fromkeys(TIER_ORDER, 0)
         self.num_preempted = dict.fromkeys(TIER_ORDER, 0)

@@ -1,8 +1,12 @@
 """The default batch controller: each tier's P99 latency sets the caps of the tiers below it.
 
 For tier T, the *pressure* is the worst latency ratio (P99 / target, TTFT or inter-token,
-whichever is worse) among the tiers ranked above T; gold has none above it and keeps the
-largest cap. The pressure maps to a cap between `min_batch_cap` (4) and `max_batch_cap` (32):
+whichever is worse) among the tiers ranked above T. Gold has none above it: its cap is the
+whole batch (`--max-num-seqs`; its `max_batch_share` still applies), since caps exist to protect
+the tiers above a tier and none is above gold. (Capping gold at `max_batch_cap` made a burst of
+gold wait for gold to finish while batch slots stood free: the GPU overload benchmark's slow
+gold requests.) The pressure maps a lower tier's cap between `min_batch_cap` (4) and
+`max_batch_cap` (32):
 
     pressure <= 0.5      -> max cap (the tail has room: batch for throughput)
     pressure >= 1.0      -> min cap (a higher tier misses its target: protect its tail)
@@ -31,9 +35,11 @@ class P99BatchController:
     """Maps the P99 pressure from higher tiers to each tier's batch cap (see module docstring)."""
 
     def __init__(self, config: TiersConfig, max_num_seqs: int) -> None:
+        self.batch = max(1, max_num_seqs)
         self.max_cap = max(1, min(config.max_batch_cap, max_num_seqs))
         self.min_cap = max(1, min(config.min_batch_cap, self.max_cap))
         self.caps: dict[Tier, int] = {tier: self.max_cap for tier in TIER_ORDER}
+        self.caps[TIER_ORDER[0]] = self.batch
 
     def cap_for(self, pressure: float | None) -> int:
         """The cap a tier gets when the tiers above it are under `pressure`."""
@@ -46,8 +52,8 @@ class P99BatchController:
 
     def update(self, estimates: Mapping[Tier, TierEstimate], now: float) -> Mapping[Tier, int]:
         pressure: float | None = None
-        for tier in TIER_ORDER:
-            target = self.cap_for(pressure)
+        for rank, tier in enumerate(TIER_ORDER):
+            target = self.batch if rank == 0 else self.cap_for(pressure)
             current = self.caps[tier]
             if target < current:
                 self.caps[tier] = target

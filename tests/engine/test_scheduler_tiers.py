@@ -285,7 +285,7 @@ def test_controller_shrinks_lower_tier_caps_when_gold_p99_is_over_target_and_reg
         }
         return controller.update(estimates, 0.0)
 
-    assert caps(0.02) == {GOLD: 32, SILVER: 32, BRONZE: 32}
+    assert caps(0.02) == {GOLD: 32, SILVER: 32, BRONZE: 32}  # gold: the whole batch, 32
     over = caps(0.1)  # gold P99 125% of its target
     assert over[GOLD] == 32
     assert over[SILVER] == over[BRONZE] == 4
@@ -319,6 +319,23 @@ def test_scheduler_applies_the_caps_from_live_gold_latency():
         sim.add(BRONZE, max_tokens=50, req_id=f"b{i}")
     sim.step(step_s=0.3)
     assert sum(1 for r in sim.sched.running if r.tier is BRONZE) == 1
+
+
+def test_gold_runs_on_the_whole_batch_past_the_largest_lower_tier_cap():
+    # Caps protect the tiers above a tier; none is above gold. Capped at max_batch_cap, a gold
+    # burst waited for gold to finish while batch slots stood free.
+    controller = P99BatchController(TiersConfig(max_batch_cap=4), max_num_seqs=12)
+    assert controller.update({}, 0.0) == {GOLD: 12, SILVER: 4, BRONZE: 4}
+    sim = Sim(tiers=relaxed(max_batch_cap=4, min_batch_cap=1), max_num_seqs=12, budget=256)
+    for i in range(10):
+        sim.add(GOLD, max_tokens=20, req_id=f"gold-{i}")
+    for i in range(3):
+        sim.add(BRONZE, max_tokens=20, req_id=f"bronze-{i}")
+    sim.step()
+    running = [r.tier for r in sim.sched.running]
+    assert running.count(GOLD) == 10
+    assert running.count(BRONZE) == 2  # the two slots left
+    assert {t.tier: t.batch_cap for t in sim.sched.tier_stats()}["gold"] == 12
 
 
 @pytest.mark.parametrize("gold_step_tokens", [512, 8])
