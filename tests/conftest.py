@@ -1,6 +1,12 @@
 """Session fixtures shared across test folders: the embedded SmolLM2, ours and transformers'.
 
 Each is loaded once per session (transformers' GGUF load alone takes ~17 s).
+
+Without a GPU, Triton kernels run in the CPU interpreter. Triton decides at decoration time
+(`import triton` decorates its own `tl.sum` & co.) whether a `@triton.jit` function is
+interpreted, so TRITON_INTERPRET=1 is set here, when the root conftest is imported, before any
+test module (or transformers, at collection) imports triton: every folder, and any one test
+file run alone, gets it. The CPU runtime itself never runs Triton.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
 

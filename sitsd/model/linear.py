@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sitsd.kernels.gemv import GemvConfig, gemv
+from sitsd.kernels.gemv import GemvConfig, choose_gemv_config, gemv
 
 # (N, K) of the weight -> (most rows at which gemv beat cuBLAS, its one-row launch config).
-# Rows 2..8 use gemv's default tensor-core config. Speed-ups over cuBLAS at 1 / 2 / 4 / 8 rows.
+# From two rows, gemv's default (tensor-core) config, the sweep's winner on every shape.
+# Speed-ups over cuBLAS at 1 / 2 / 4 / 8 rows.
 GEMV_MEASURED_FASTER: dict[tuple[int, int], tuple[int, GemvConfig]] = {
     # Llama-3-8B qkv: 1.12 / 1.15 / 1.10 / 1.06
     (6144, 4096): (8, GemvConfig(4, 2048, 8, 2, use_dot=False)),
@@ -65,7 +66,9 @@ class TunedLinear:
         entry = self.measured.get(tuple(weight.shape))  # type: ignore[arg-type]
         if entry is None or not 0 < x.shape[0] <= entry[0]:
             return None
-        return entry[1] if x.shape[0] == 1 else _DOT
+        if x.shape[0] == 1:
+            return entry[1]
+        return choose_gemv_config(x.shape[0], *weight.shape, x.dtype)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -84,9 +87,6 @@ class TunedLinear:
             if config is not None:
                 return _gemv(gate_up, weight, config, swiglu=True)
         return self.linear(self.silu_and_mul(gate_up), weight)
-
-
-_DOT = GemvConfig(16, 256, 2, 4, use_dot=True)  # rows 2..8: the measured winner for every shape
 
 
 def _gemv(

@@ -1,7 +1,8 @@
 """Fixtures for the Triton kernel tests: interpreter switch, gpu marker, fresh seeds, device.
 
-Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
-any kernel launches), slowly: the marker-free tests keep their shapes tiny. Tests marked `gpu`
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+`tests/conftest.py` before anything imports triton), slowly: the marker-free tests keep their
+shapes tiny. Tests marked `gpu`
 are deselected without CUDA (tests/conftest.py); on the GPU machine every test runs there.
 Shared helpers (paged caches, error checks) live in `tests.kernels.helpers`.
 
@@ -11,16 +12,12 @@ says how to replay it (`torch.manual_seed(seed); random.seed(seed)`).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # The interpreter is chosen per launch, so setting it here (before any test runs) suffices.
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -38,15 +38,15 @@ def tuned(use_gemv=True):
 @pytest.mark.parametrize(("rows", "use_dot"), [(1, False), (3, True), (8, True)])
 def test_measured_shapes_up_to_their_row_limit_go_to_gemv(calls, rows, use_dot):
     x = torch.randn(rows, K).bfloat16()
-    w = torch.randn(N, K).bfloat16()
+    w = (torch.randn(N, K) / K**0.5).bfloat16()
     assert_close(tuned().linear(x, w), F.linear(x, w), torch.bfloat16)
     assert calls == [(rows, False, use_dot)]
 
 
 def test_everything_else_goes_to_cublas(calls):
-    x, w = torch.randn(9, K).bfloat16(), torch.randn(N, K).bfloat16()
+    x, w = torch.randn(9, K).bfloat16(), (torch.randn(N, K) / K**0.5).bfloat16()
     tuned().linear(x, w)  # past the row limit
-    tuned().linear(x[:1], torch.randn(N + 1, K).bfloat16())  # an unmeasured shape
+    tuned().linear(x[:1], (torch.randn(N + 1, K) / K**0.5).bfloat16())  # an unmeasured shape
     tuned().linear(x[:1], w, torch.zeros(N).bfloat16())  # a bias
     tuned().linear(x[:1].float(), w.float())  # float32: measured in 16 bits only
     tuned(use_gemv=False).linear(x[:1], w)  # an unmeasured device
@@ -54,7 +54,7 @@ def test_everything_else_goes_to_cublas(calls):
 
 
 def test_swiglu_is_fused_at_one_row_and_separate_from_two(calls):
-    w = torch.randn(N, K).bfloat16()
+    w = (torch.randn(N, K) / K**0.5).bfloat16()
     for rows in (1, 2):
         gate_up = torch.randn(rows, 2 * K).bfloat16()
         want = F.linear(silu_and_mul_ref(gate_up), w)
