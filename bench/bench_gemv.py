@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from sitsd.kernels import silu_and_mul
-from sitsd.kernels.gemv import GemvConfig, choose_gemv_config, gemv
+from sitsd.kernels.gemv import MAX_ROWS, GemvConfig, choose_gemv_config, gemv
 
 DTYPE = torch.bfloat16
 HIDDEN, INTERMEDIATE, NUM_LAYERS = 4096, 14336, 32  # Llama-3-8B
@@ -54,7 +54,7 @@ SHAPES = {  # layer: (N, K) of its weight
     "down": (HIDDEN, INTERMEDIATE),
     "lm_head": (128256, HIDDEN),
 }
-BATCHES = (1, 2, 4, 8)
+BATCHES = (1, 2, 4, 8)  # --rows adds more (up to gemv.MAX_ROWS)
 LAYER_BATCHES = (1, 4)
 _CALLS_PER_GRAPH = 20
 _REPLAYS = 10
@@ -195,7 +195,9 @@ def time_gemv(
     return rows, best
 
 
-def bench_layer(name: str, copy_gbs: float, do_sweep: bool) -> tuple[list[Row], dict]:
+def bench_layer(
+    name: str, copy_gbs: float, do_sweep: bool, batches: tuple[int, ...] = BATCHES
+) -> tuple[list[Row], dict]:
     """One layer shape at each batch: F.linear, gemv (and, for down, the SwiGLU variants).
 
     Returns the rows and the sweep's winners, keyed by (layer, M, swiglu).
@@ -204,7 +206,7 @@ def bench_layer(name: str, copy_gbs: float, do_sweep: bool) -> tuple[list[Row], 
     num_copies = min(max(_ROTATE_BYTES // (n * k * 2), 1), _CALLS_PER_GRAPH)
     case = LayerCase(name, [random_weight(n, k) for _ in range(num_copies)], copy_gbs)
     rows, winners = [], {}
-    for num_rows in BATCHES:
+    for num_rows in batches:
         x = torch.randn(num_rows, k, device="cuda", dtype=DTYPE)
         linear = functools.partial(F.linear, x)
         t_linear = case.time_us(linear)
@@ -214,7 +216,7 @@ def bench_layer(name: str, copy_gbs: float, do_sweep: bool) -> tuple[list[Row], 
             case, x, ref, t_linear, swiglu=False, do_sweep=do_sweep
         )
         rows += new_rows
-        if name != "down":
+        if name != "down" or num_rows > 8:  # SwiGLU fusion: measured slower from two rows
             continue
         gate_up = torch.randn(num_rows, 2 * k, device="cuda", dtype=DTYPE)
         unfused = lambda w, gate_up=gate_up: F.linear(silu_and_mul(gate_up), w)
@@ -309,7 +311,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every number here")
     parser.add_argument("--no-sweep", action="store_true", help="time gemv's default configs only")
     parser.add_argument("--skip-layers", action="store_true", help="skip the 32-layer sequences")
+    parser.add_argument(
+        "--rows",
+        default=",".join(map(str, BATCHES)),
+        help="rows of x per single-layer case, comma-separated (default: %(default)s; "
+        "e.g. 1,2,4,8,16,32 to see where cuBLAS takes over)",
+    )
     args = parser.parse_args(argv)
+    batches = tuple(int(r) for r in args.rows.split(","))
+    if not all(1 <= r <= MAX_ROWS for r in batches):
+        parser.error(f"--rows: each between 1 and {MAX_ROWS}")
     if not torch.cuda.is_available():
         sys.exit("bench_gemv.py needs a CUDA GPU")
     started = time.perf_counter()
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows, winners = [], {}
     for name in SHAPES:
-        new_rows, new_winners = bench_layer(name, copy_gbs, not args.no_sweep)
+        new_rows, new_winners = bench_layer(name, copy_gbs, not args.no_sweep, batches)
         for r in new_rows:
             print(f"  {name} M={r.num_rows} {r.variant}: {r.us:.2f} us, {r.frac:.1%} of copy, "
                   f"x{r.vs_linear:.2f}  {r.note}", flush=True)  # fmt: skip

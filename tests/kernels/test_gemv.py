@@ -29,7 +29,7 @@ def _inputs(num_rows, n, k, dtype, device, *, swiglu=False, x_scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("num_rows", [1, 3, 33])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_matches_reference_with_ragged_tiles(dtype, num_rows, swiglu, use_dot, device):
@@ -132,7 +132,7 @@ def test_gpu_llama_shapes_match_reference(dtype, name, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [3, 16])
+@pytest.mark.parametrize("num_rows", [3, 16, 33, 64])
 def test_gpu_odd_and_largest_batches_match_reference(num_rows, device):
     x, weight = _inputs(num_rows, 4096, 4096, torch.bfloat16, device)
     assert_close(gemv(x, weight), gemv_ref(x, weight), torch.bfloat16)
