@@ -10,7 +10,8 @@ replayed several times and timed with CUDA events; the figure is the median repl
 in it. So that no call finds its weight in the 50 MB L2, the calls of one graph cycle through
 enough copies of the weight to span `_ROTATE_BYTES`.
 
-1. Single layers: qkv, o, gate_up, down, lm_head (bf16 random weights) at M = 1, 2, 4, 8:
+1. Single layers: qkv, o, gate_up, down, lm_head (bf16 random weights) at M = 1, 2, 4, 8
+   (`--rows` for others):
    `F.linear`, `gemv` with its default config, and the best of a small config sweep (the
    winner's config is printed); for down also `silu_and_mul` + `F.linear` against `gemv(...,
    swiglu=True)`, default and swept. Every gemv config is checked against `F.linear` first.
@@ -20,8 +21,12 @@ enough copies of the weight to span `_ROTATE_BYTES`.
    the sweep's winners), gemv with a separate `silu_and_mul`, and gemv for qkv/o/gate_up with
    `silu_and_mul` + `F.linear` for down. Reported as ms per 32 layers and as the fraction of the
    floor weight bytes / copy bandwidth.
+3. The same 32 layers at M = 1 with their two pre-norms, routed as the model routes them
+   (`sitsd.model.linear`): `fused_add_rms_norm` + gemv against `norm_gemv` (add and norm inside
+   the qkv and gate_up kernels), which decides `TunedLinear.fuse_norm`.
 
-GPU only: `python3 bench/bench_gemv.py [--no-sweep] [--skip-layers] [--json PATH]`; prints a table
+GPU only: `python3 bench/bench_gemv.py [--no-sweep] [--skip-layers] [--rows 1,2,4,8,16,32]
+[--json PATH]`; prints a table
 last. Most of the run time is Triton compiling the swept configs (a warm ~/.triton cache halves it).
 """
 
@@ -292,6 +297,45 @@ def bench_layers(copy_gbs: float, winners: dict) -> list[Row]:
     return rows
 
 
+def bench_norm_layers(copy_gbs: float) -> list[Row]:
+    """32 layers at one row with their two pre-norms, as the model runs them with the measured
+    gemv table (`sitsd.model.linear`): `fused_add_rms_norm` then gemv, against `norm_gemv`
+    (the add and the norm inside the qkv and gate_up kernels: two launches fewer per layer).
+    `TunedLinear.fuse_norm` goes on if the second is faster."""
+    from sitsd.kernels import fused_add_rms_norm, rms_norm
+    from sitsd.kernels.reference import silu_and_mul_ref
+    from sitsd.model.linear import TunedLinear
+    from sitsd.model.ops import norm_linear
+
+    layers = [{op: random_weight(*SHAPES[op]) for op in _LAYER_OPS} for _ in range(NUM_LAYERS)]
+    norms = [(1 + 0.1 * torch.randn(2, HIDDEN, device="cuda")).to(DTYPE) for _ in layers]
+    total_gb = NUM_LAYERS * sum(n * k * 2 for n, k in (SHAPES[op] for op in _LAYER_OPS)) / 1e9
+    floor_ms = total_gb / copy_gbs * 1e3
+    unfused = functools.partial(norm_linear, rms_norm, fused_add_rms_norm)
+    rows, t_ref = [], None
+    for variant, fuse in (("gemv table, add+norm kernels", False),
+                          ("gemv table, norms in norm_gemv", True)):  # fmt: skip
+        tuned = TunedLinear(True, silu_and_mul_ref, unfused, fuse_norm=fuse)
+
+        def forward(h, tuned=tuned):
+            res = None  # the first layer has no residual to add, as in the model
+            for w, nw in zip(layers, norms, strict=True):
+                qkv, res = tuned.norm_linear(h, res, nw[0], 1e-5, w["qkv"])
+                h = tuned.linear(qkv[:, :HIDDEN], w["o"])  # stands in for attention's output
+                gate_up, res = tuned.norm_linear(h, res, nw[1], 1e-5, w["gate_up"])
+                h = tuned.swiglu_linear(gate_up, w["down"])
+            return h
+
+        h0 = torch.randn(1, HIDDEN, device="cuda", dtype=DTYPE)
+        ms = graph_us([functools.partial(forward, h0)]) / 1e3
+        t_ref = t_ref or ms
+        note = f"floor {floor_ms:.3f} ms"
+        rows.append(Row(f"{NUM_LAYERS} layers", 1, variant, ms, total_gb / ms * 1e3,
+                        floor_ms / ms, t_ref / ms, note, unit="ms"))  # fmt: skip
+        print(f"  {NUM_LAYERS} layers M=1 {variant}: {ms:.3f} ms", flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------------ report
 
 
@@ -339,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
     if not args.skip_layers:
         rows += bench_layers(copy_gbs, {} if args.no_sweep else winners)
+        rows += bench_norm_layers(copy_gbs)
     results = {
         "device": torch.cuda.get_device_name(),
         "copy_gbs": copy_gbs,

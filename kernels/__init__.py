@@ -13,7 +13,8 @@ references). Accessing a wrapper without triton raises ImportError naming the mi
     rotary_embedding       rotate-half RoPE, in place
     rotary_and_cache       RoPE in place and the K/V cache write, in one launch
     silu_and_mul           SwiGLU activation on a fused gate/up output
-    gemv                   x @ weight.T for up to 16 rows (decode's linear layers), SwiGLU fusable
+    gemv                   x @ weight.T for up to 64 rows (decode's linear layers), SwiGLU fusable
+    norm_gemv              residual add + RMSNorm + x @ weight.T for one row, in one launch
 
 When to use a kernel rather than its reference (device, dtype) is the model runner's decision.
 """
@@ -36,6 +37,7 @@ _WRAPPERS = {
     "rotary_and_cache": "rotary_cache",
     "silu_and_mul": "activation",
     "gemv": "gemv",
+    "norm_gemv": "norm_gemv",
 }
 
 __all__ = sorted(_WRAPPERS)

@@ -30,9 +30,11 @@ __all__ = [
     "decode_attention_ref",
     "fused_add_rms_norm_ref",
     "gemv_ref",
+    "norm_gemv_ref",
     "prefill_attention_ref",
     "reshape_and_cache_ref",
     "rms_norm_ref",
+    "rotary_and_cache_ref",
     "rotary_embedding_ref",
     "silu_and_mul_ref",
 ]
@@ -160,6 +162,23 @@ def fused_add_rms_norm_ref(
     """`residual = x + residual; return rms_norm(residual), residual`."""
     residual = x + residual
     return rms_norm_ref(residual, weight, eps), residual
+
+
+def norm_gemv_ref(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,  # [hidden]
+    eps: float,
+    weight: torch.Tensor,  # [N, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm linear layer: `fused_add_rms_norm_ref` (`rms_norm_ref` without a residual,
+    which is then `hidden` itself), then `x @ weight.T` in float32 rounded to the dtype;
+    returns `(out, residual)`."""
+    if residual is None:
+        x, residual = rms_norm_ref(hidden, norm_weight, eps), hidden
+    else:
+        x, residual = fused_add_rms_norm_ref(hidden, residual, norm_weight, eps)
+    return (x.float() @ weight.float().T).to(hidden.dtype), residual
 
 
 def compute_cos_sin_cache(

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sitsd.kernels.gemv import GemvConfig, choose_gemv_config, gemv
+from sitsd.kernels.norm_gemv import norm_gemv
 
 # (N, K) of the weight -> (most rows at which gemv beat cuBLAS, its one-row launch config).
 # From two rows, gemv's default (tensor-core) config, the sweep's winner on every shape.
@@ -55,9 +56,14 @@ class TunedLinear:
 
     use_gemv: bool
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # `ops.norm_linear` bound to the norm kernels: (linear, hidden, residual, ...) -> (out, res)
+    unfused_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     measured: dict[tuple[int, int], tuple[int, GemvConfig]] = field(
         default_factory=lambda: dict(GEMV_MEASURED_FASTER)
     )
+    # One row: add + RMSNorm inside the projection's kernel (`norm_gemv`). Not yet measured
+    # against fused_add_rms_norm + gemv on a GPU (`bench/bench_gemv.py` does): off until then.
+    fuse_norm: bool = False
 
     def _gemv_config(self, x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
         """The gemv launch for this call, or None when cuBLAS was measured as fast or faster."""
@@ -78,6 +84,27 @@ class TunedLinear:
         if config is None:
             return F.linear(x, weight, bias)
         return _gemv(x, weight, config, swiglu=False)
+
+    def norm_linear(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm projection (`ops.norm_linear`), in one `norm_gemv` launch at one row
+        where `fuse_norm` is on and the shape is measured."""
+        if self.fuse_norm and bias is None and hidden.dim() == 2 and hidden.shape[0] == 1:
+            config = self._gemv_config(hidden, weight)
+            if config is not None:
+                return norm_gemv(hidden, residual, norm_weight, eps, weight,
+                                 block_n=config.block_n, block_k=config.block_k,
+                                 num_warps=config.num_warps)  # fmt: skip
+        return self.unfused_norm_linear(
+            self.linear, hidden, residual, norm_weight, eps, weight, bias
+        )
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`F.linear(silu_and_mul(gate_up), weight)`: the MLP's down projection."""

@@ -227,19 +227,17 @@ class LlamaModel:
         arch, k = self.arch, self.kernels
         hidden = F.embedding(input_ids, weights.embed_tokens)  # [T, hidden]
         residual: torch.Tensor | None = None
+        eps = arch.rms_norm_eps
         for layer, kv_cache in zip(weights.layers, kv_caches):
-            if residual is None:
-                residual = hidden
-                x = k.rms_norm(hidden, layer.input_norm, arch.rms_norm_eps)
-            else:
-                x, residual = k.fused_add_rms_norm(
-                    hidden, residual, layer.input_norm, arch.rms_norm_eps
-                )
-            hidden = self._attention(layer, x, positions, meta, kv_cache)
-            x, residual = k.fused_add_rms_norm(
-                hidden, residual, layer.post_attn_norm, arch.rms_norm_eps
-            )
-            gate_up = k.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate]
+            # Pre-norm: (residual add +) RMSNorm, then the projection; the first layer has no
+            # residual to add yet.
+            qkv, residual = k.norm_linear(
+                hidden, residual, layer.input_norm, eps, layer.qkv_proj, layer.qkv_bias
+            )  # [T, q + 2 * kv]
+            hidden = self._attention(layer, qkv, positions, meta, kv_cache)
+            gate_up, residual = k.norm_linear(
+                hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj
+            )  # [T, 2 * intermediate]
             hidden = k.swiglu_linear(gate_up, layer.down_proj)  # [T, hidden]
         assert residual is not None, "a model has at least one layer"
         hidden, _ = k.fused_add_rms_norm(hidden, residual, weights.norm, arch.rms_norm_eps)
@@ -248,14 +246,13 @@ class LlamaModel:
     def _attention(
         self,
         layer: LayerWeights,
-        x: torch.Tensor,  # [T, hidden]
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size], the normed input's projection
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # [T, hidden]
         arch = self.arch
-        num_tokens = x.shape[0]
-        qkv = self.kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q + 2 * kv]
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
         q = q.view(num_tokens, arch.num_heads, arch.head_dim)
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)

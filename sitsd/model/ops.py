@@ -33,6 +33,9 @@ class KernelSet:
     silu_and_mul: Callable[..., object]
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
+    # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
+    # the pre-norm projection, `norm_linear` below or a fused kernel
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def swiglu_linear(
@@ -42,6 +45,26 @@ def swiglu_linear(
 ) -> torch.Tensor:
     """The MLP's down projection of the SwiGLU activation, unfused."""
     return F.linear(silu_and_mul(gate_up), weight)
+
+
+def norm_linear(
+    rms_norm: Callable[..., torch.Tensor],
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    linear: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm projection, unfused: `residual = hidden + residual` (no add without a
+    residual: `hidden` becomes it), RMSNorm, then `linear`; returns `(out, residual)`."""
+    if residual is None:
+        x, residual = rms_norm(hidden, norm_weight, eps), hidden
+    else:
+        x, residual = fused_add_rms_norm(hidden, residual, norm_weight, eps)
+    return linear(x, weight, bias), residual
 
 
 def reference_kernels() -> KernelSet:
@@ -58,6 +81,9 @@ def reference_kernels() -> KernelSet:
         silu_and_mul=reference.silu_and_mul_ref,
         linear=F.linear,
         swiglu_linear=partial(swiglu_linear, reference.silu_and_mul_ref),
+        norm_linear=partial(
+            norm_linear, reference.rms_norm_ref, reference.fused_add_rms_norm_ref, F.linear
+        ),
     )
 
 
@@ -77,6 +103,7 @@ def cpu_kernels() -> KernelSet:
         silu_and_mul=k.silu_and_mul,
         linear=F.linear,
         swiglu_linear=partial(swiglu_linear, k.silu_and_mul),
+        norm_linear=partial(norm_linear, k.rms_norm, k.fused_add_rms_norm, F.linear),
     )
 
 
@@ -96,7 +123,11 @@ def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
     from sitsd.kernels.rotary_cache import rotary_and_cache
     from sitsd.model.linear import TunedLinear, measured_device
 
-    tuned = TunedLinear(measured_device() if use_gemv is None else use_gemv, silu_and_mul)
+    tuned = TunedLinear(
+        measured_device() if use_gemv is None else use_gemv,
+        silu_and_mul,
+        partial(norm_linear, rms_norm, fused_add_rms_norm),
+    )
     return KernelSet(
         name="triton",
         reshape_and_cache=reshape_and_cache,
@@ -109,4 +140,5 @@ def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
         silu_and_mul=silu_and_mul,
         linear=tuned.linear,
         swiglu_linear=tuned.swiglu_linear,
+        norm_linear=tuned.norm_linear,
     )

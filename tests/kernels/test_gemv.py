@@ -36,7 +36,10 @@ def test_matches_reference_with_ragged_tiles(dtype, num_rows, swiglu, use_dot, d
     # Odd N and K: the last program's rows and the last K chunk are partial (masked loads).
     x, weight = _inputs(num_rows, 37, 100, dtype, device, swiglu=swiglu, x_scale=2.0)
     out = gemv(x, weight, swiglu=swiglu, block_n=8, block_k=32, use_dot=use_dot)
-    assert_close(out, gemv_ref(x, weight, swiglu=swiglu), dtype)
+    # bf16 under the interpreter: its fp32 -> bf16 casts truncate (kernels/NOTES.md), and the
+    # SwiGLU prologue casts twice per element: 33 rows meet the odd element at 1.0x the bound.
+    scale = 2.0 if dtype == torch.bfloat16 and x.device.type == "cpu" else 1.0
+    assert_close(out, gemv_ref(x, weight, swiglu=swiglu), dtype, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -3,15 +3,25 @@ the same values either way (CPU interpreter; a `gpu` test on Llama-3-8B layer sh
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sitsd.model.linear as linear_mod
 from sitsd.kernels.gemv import GemvConfig
-from sitsd.kernels.reference import silu_and_mul_ref
+from sitsd.kernels.reference import (
+    fused_add_rms_norm_ref,
+    norm_gemv_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+)
 from sitsd.model.linear import GEMV_MEASURED_FASTER, TunedLinear, measured_device
+from sitsd.model.ops import norm_linear
 from tests.kernels.helpers import assert_close
+
+UNFUSED = partial(norm_linear, rms_norm_ref, fused_add_rms_norm_ref)
 
 N, K = 40, 96
 TABLE = {(N, K): (8, GemvConfig(4, 32, 1, 2, use_dot=False))}
@@ -31,8 +41,8 @@ def calls(monkeypatch):
     return seen
 
 
-def tuned(use_gemv=True):
-    return TunedLinear(use_gemv, silu_and_mul_ref, TABLE)
+def tuned(use_gemv=True, fuse_norm=False):
+    return TunedLinear(use_gemv, silu_and_mul_ref, UNFUSED, TABLE, fuse_norm=fuse_norm)
 
 
 @pytest.mark.parametrize(("rows", "use_dot"), [(1, False), (3, True), (8, True)])
@@ -62,6 +72,28 @@ def test_swiglu_is_fused_at_one_row_and_separate_from_two(calls):
     assert calls == [(1, True, False), (2, False, True)]
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_linear_fuses_the_norm_at_one_row_only_when_asked(monkeypatch, with_residual):
+    fused: list[int] = []
+    real = linear_mod.norm_gemv
+
+    def spy(hidden, *args, **kwargs):
+        fused.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(linear_mod, "norm_gemv", spy)
+    w = (torch.randn(N, K) / K**0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(K)).bfloat16()
+    for rows, fuse in ((1, True), (1, False), (2, True)):
+        hidden = torch.randn(rows, K).bfloat16()
+        residual = torch.randn(rows, K).bfloat16() if with_residual else None
+        out, res = tuned(fuse_norm=fuse).norm_linear(hidden, residual, norm_w, 1e-5, w)
+        want, want_res = norm_gemv_ref(hidden, residual, norm_w, 1e-5, w)
+        assert_close(out, want, torch.bfloat16, scale=2.0)
+        assert_close(res, want_res, torch.bfloat16)
+    assert fused == [1]
+
+
 def test_the_table_holds_llama_3_8b_and_is_used_only_on_sm90():
     assert set(GEMV_MEASURED_FASTER) == {(6144, 4096), (4096, 4096), (28672, 4096),
                                          (4096, 14336), (128256, 4096)}  # fmt: skip
@@ -72,7 +104,7 @@ def test_the_table_holds_llama_3_8b_and_is_used_only_on_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
 def test_gpu_llama_3_8b_layer_shapes_give_cublas_values(calls, rows):
-    on, off = TunedLinear(True, silu_and_mul_ref), TunedLinear(False, silu_and_mul_ref)
+    on, off = (TunedLinear(use, silu_and_mul_ref, UNFUSED) for use in (True, False))
     for n, k in GEMV_MEASURED_FASTER:
         w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
         x = torch.randn(rows, k, device="cuda").bfloat16()
