@@ -99,11 +99,16 @@ def count_replays(runner) -> list[int]:
     return calls
 
 
+def random_prompts(vocab_size: int) -> dict[str, tuple[list[int], str]]:
+    """Six prompts of 3-69 tokens on version v1, for `staggered`."""
+    rng = random.Random()
+    return {f"r{i}": ([rng.randrange(vocab_size) for _ in range(rng.randrange(3, 70))], "v1")
+            for i in range(6)}  # fmt: skip
+
+
 def test_greedy_outputs_with_mixed_graphs_equal_eager_for_prefills_mixed_with_decodes():
     arch, tensors = tiny(random.randrange(1000))
-    rng = random.Random()
-    prompts = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))],
-                         "v1") for i in range(6)}  # fmt: skip
+    prompts = random_prompts(arch.vocab_size)
     eager, _ = gpu_runner(tensors, arch, eager=True, mixed=False)
     want = staggered(eager, prompts, 8, chunk=24)
     del eager
@@ -122,9 +127,7 @@ def test_a_runner_built_after_a_graph_runner_is_destroyed_computes_the_same_outp
     # they were captured on (pytorch/pytorch#193402): later GEMMs, eager or captured by the
     # next runner, must not use it.
     arch, tensors = tiny(random.randrange(1000))
-    rng = random.Random()
-    prompts = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))],
-                         "v1") for i in range(6)}  # fmt: skip
+    prompts = random_prompts(arch.vocab_size)
     first, _ = gpu_runner(tensors, arch, eager=False, mixed=True)
     want = staggered(first, prompts, 8, chunk=24)
     del first
