@@ -52,7 +52,8 @@ def measured_device(device: torch.device | str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class TunedLinear:
-    """`linear` and `swiglu_linear` for one model runner; `use_gemv` False: cuBLAS always."""
+    """`linear`, `swiglu_linear` and `norm_linear` for one model runner; `use_gemv` False:
+    cuBLAS always."""
 
     use_gemv: bool
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
