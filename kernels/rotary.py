@@ -46,10 +46,18 @@ def _rotate_heads(
     ptrs = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    r1, r2 = _rotate(x1, x2, cos, sin)
+    tl.store(ptrs, r1, mask=mask)
+    tl.store(ptrs + HALF, r2, mask=mask)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """The rotated halves of a head, in fp32 and cast back to the input dtype (the reference's
+    arithmetic)."""
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(ptrs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 
 
 @triton.jit

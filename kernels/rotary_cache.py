@@ -27,7 +27,7 @@ from sitsd.kernels._utils import (
     check_shape,
     next_power_of_2,
 )
-from sitsd.kernels.rotary import _rotate_heads
+from sitsd.kernels.rotary import _rotate, _rotate_heads
 
 __all__ = ["rotary_and_cache"]
 
@@ -81,10 +81,7 @@ def _rotary_and_cache_kernel(
     k_ptrs = k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     k1 = tl.load(k_ptrs, mask=mask, other=0.0)
     k2 = tl.load(k_ptrs + HALF, mask=mask, other=0.0)
-    k1f = k1.to(tl.float32)
-    k2f = k2.to(tl.float32)
-    r1 = (k1f * cos - k2f * sin).to(k1.dtype)
-    r2 = (k2f * cos + k1f * sin).to(k1.dtype)
+    r1, r2 = _rotate(k1, k2, cos, sin)
     tl.store(k_ptrs, r1, mask=mask)
     tl.store(k_ptrs + HALF, r2, mask=mask)
 

@@ -13,10 +13,11 @@ works asynchronously (CUDA), the detokenization and delivery of step N's tokens 
 step N+1 is launched, while the GPU computes: they leave the step's critical path. (A stop
 string is then found one step late; the extra token is discarded.) On the CPU the runner
 computes inside `launch`, so nothing would overlap and deltas go out at once. With
-`--async-scheduling` the loop goes further: it schedules and launches step N+1 before it takes
-step N's tokens (`step_ahead.py`), so the GPU never waits for the host's update and scheduling;
-a request that stops at EOS learns it one step late and the extra token is dropped. Swaps and
-`EngineCall`s first finish the step ahead (`finish_ahead`) and run one step at a time. An
+asynchronous scheduling (the default on CUDA; `--no-async-scheduling` turns it off) the loop
+goes further: it schedules and launches step N+1 before it takes step N's tokens
+(`step_ahead.py`), so the GPU never waits for the host's update and scheduling; a request that
+stops at EOS learns it one step late and the extra token is dropped. Swaps and `EngineCall`s
+first finish the step ahead (`finish_ahead`) and run one step at a time. An
 `EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
 preempted, migrated and finished, of every step and of the status after each turn. Weight
 swaps commit between two steps (`SwapCommand`, handled by `commit.CommitControl`); short work

@@ -1,5 +1,6 @@
-"""The engine core's asynchronous step (`--async-scheduling`): the next step is scheduled and
-launched while the last one runs, then the last one's tokens are taken.
+"""The engine core's asynchronous step (on by default with CUDA; `--no-async-scheduling`): the
+next step is scheduled and launched while the last one runs, then the last one's tokens are
+taken.
 
 `StepAhead` is part of `EngineCore` (a mixin, in its own file to keep `core.py` readable). The
 scheduler counts the running step's tokens as computed when it schedules the next one

@@ -23,13 +23,13 @@ class KernelSet:
     """Callables with the signatures of the functions in `sitsd.kernels.reference`."""
 
     name: str
-    reshape_and_cache: Callable[..., None]
     decode_attention: Callable[..., object]
     prefill_attention: Callable[..., object]
     rms_norm: Callable[..., object]
     fused_add_rms_norm: Callable[..., object]
-    rotary_embedding: Callable[..., object]
-    rotary_and_cache: Callable[..., object]  # rotary_embedding, then reshape_and_cache of K/V
+    # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`); the two
+    # halves, `rotary_embedding` and `reshape_and_cache`, stay kernels of their own
+    rotary_and_cache: Callable[..., object]
     silu_and_mul: Callable[..., object]
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
@@ -71,12 +71,10 @@ def reference_kernels() -> KernelSet:
     """The plain-PyTorch kernels (CPU, and the correctness baseline anywhere)."""
     return KernelSet(
         name="reference",
-        reshape_and_cache=reference.reshape_and_cache_ref,
         decode_attention=reference.decode_attention_ref,
         prefill_attention=reference.prefill_attention_ref,
         rms_norm=reference.rms_norm_ref,
         fused_add_rms_norm=reference.fused_add_rms_norm_ref,
-        rotary_embedding=reference.rotary_embedding_ref,
         rotary_and_cache=reference.rotary_and_cache_ref,
         silu_and_mul=reference.silu_and_mul_ref,
         linear=F.linear,
@@ -93,12 +91,10 @@ def cpu_kernels() -> KernelSet:
 
     return KernelSet(
         name="cpu",
-        reshape_and_cache=k.reshape_and_cache,
         decode_attention=k.decode_attention,
         prefill_attention=k.prefill_attention,
         rms_norm=k.rms_norm,
         fused_add_rms_norm=k.fused_add_rms_norm,
-        rotary_embedding=k.rotary_embedding,
         rotary_and_cache=k.rotary_and_cache,
         silu_and_mul=k.silu_and_mul,
         linear=F.linear,
@@ -117,9 +113,7 @@ def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
     from sitsd.kernels.activation import silu_and_mul
     from sitsd.kernels.decode_attention import decode_attention
     from sitsd.kernels.prefill_attention import prefill_attention
-    from sitsd.kernels.reshape_and_cache import reshape_and_cache
     from sitsd.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-    from sitsd.kernels.rotary import rotary_embedding
     from sitsd.kernels.rotary_cache import rotary_and_cache
     from sitsd.model.linear import TunedLinear, measured_device
 
@@ -130,12 +124,10 @@ def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
     )
     return KernelSet(
         name="triton",
-        reshape_and_cache=reshape_and_cache,
         decode_attention=decode_attention,
         prefill_attention=prefill_attention,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
-        rotary_embedding=rotary_embedding,
         rotary_and_cache=rotary_and_cache,
         silu_and_mul=silu_and_mul,
         linear=tuned.linear,
