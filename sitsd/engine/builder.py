@@ -204,7 +204,9 @@ def build_runner(
     # Allocated before the profiling pass, so the KV budget accounts for the second slot.
     slots = WeightSlots(arch, weights, weights_version, num_slots)
     if device.type == "cuda":
-        peak = profile_peak_memory(model, weights, arch, config, dtype, device, max_num_tokens)
+        peak = profile_peak_memory(
+            model, weights, arch, config, dtype, device, max_num_tokens, max_model_len
+        )
         # A mixed graph pool holds the activations of its largest bucket (the profiled step).
         activations = peak - torch.cuda.memory_allocated(device) if mixed else 0
         reserve = num_slots * (graph_reserve + activations) + 2 * vocab_bytes

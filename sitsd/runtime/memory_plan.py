@@ -70,6 +70,23 @@ def mem_available_bytes() -> int:
     return 2**62
 
 
+def profile_requests(
+    num_tokens: int, max_model_len: int, block_size: int, vocab_size: int
+) -> tuple[list[CachedRequestState], int]:
+    """(prompts, blocks they use) for the profiling step: `num_tokens` tokens in prompts of at
+    most `max_model_len`, each on blocks of its own."""
+    states, next_block = [], 0
+    for i, start in enumerate(range(0, num_tokens, max_model_len)):
+        length = min(max_model_len, num_tokens - start)
+        blocks = -(-length // block_size)
+        states.append(CachedRequestState(
+            f"profile-{i}", [(start + t) % vocab_size for t in range(length)], length,
+            SamplingParams(), 0, list(range(next_block, next_block + blocks)), 0,
+        ))  # fmt: skip
+        next_block += blocks
+    return states, next_block
+
+
 def profile_peak_memory(
     model: LlamaModel,
     weights: LlamaWeights,
@@ -78,18 +95,19 @@ def profile_peak_memory(
     dtype: torch.dtype,
     device: torch.device,
     num_tokens: int,
+    max_model_len: int,
 ) -> int:
-    """Peak bytes torch allocates for the largest step (one prefill of `num_tokens` tokens)."""
+    """Peak bytes torch allocates for the largest step: `num_tokens` prompt tokens, split into
+    prompts of at most `max_model_len` (no position past the served context: the rotary table
+    has `max_model_len` rows)."""
     block_size = config.cache.block_size
-    num_blocks = -(-num_tokens // block_size) + 1
+    states, num_blocks = profile_requests(num_tokens, max_model_len, block_size, arch.vocab_size)
     kv = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    state = CachedRequestState(
-        "profile", [i % arch.vocab_size for i in range(num_tokens)], num_tokens,
-        SamplingParams(), 0, list(range(num_blocks)), 0,
-    )  # fmt: skip
-    inputs = build_step_inputs([state], {"profile": num_tokens}, block_size, device)
+    inputs = build_step_inputs(
+        states, {s.req_id: s.num_prompt_tokens for s in states}, block_size, device
+    )
     with torch.inference_mode():
         hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, kv)
         rows = min(num_tokens, config.scheduler.max_num_seqs)
