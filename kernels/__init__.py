@@ -15,6 +15,7 @@ references). Accessing a wrapper without triton raises ImportError naming the mi
     silu_and_mul           SwiGLU activation on a fused gate/up output
     gemv                   x @ weight.T for up to 64 rows (decode's linear layers), SwiGLU fusable
     norm_gemv              residual add + RMSNorm + x @ weight.T for one row, in one launch
+    skinny_gemm            x @ weight.T for 2-64 rows, swapped MMA operands, split over K
 
 When to use a kernel rather than its reference (device, dtype) is the model runner's decision.
 """
@@ -38,6 +39,7 @@ _WRAPPERS = {
     "silu_and_mul": "activation",
     "gemv": "gemv",
     "norm_gemv": "norm_gemv",
+    "skinny_gemm": "skinny_gemm",
 }
 
 __all__ = sorted(_WRAPPERS)

@@ -145,3 +145,22 @@ def check_paged_attention(
     for name, t in indices.items():
         if name != "block_tables":
             check_contiguous(name, t)
+
+
+def check_pdl(pdl: bool, tensor: torch.Tensor) -> None:
+    """Raise `ValueError` when `pdl` (programmatic dependent launch, `kernels/_pdl.py`) is asked
+    for off a CUDA device of compute capability 9.0 or newer."""
+    if pdl and not supports_pdl(tensor.device):
+        raise ValueError(
+            f"pdl needs a CUDA device of compute capability >= 9.0, got {tensor.device}"
+        )
+
+
+def supports_pdl(device: torch.device | str | None = None) -> bool:
+    """Whether kernels on `device` may be launched with programmatic dependent launch."""
+    device = torch.device("cuda" if device is None else device)
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )

@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sitsd.kernels._utils import FLOAT_DTYPES, check_dtype, check_out, next_power_of_2
+from sitsd.kernels._pdl import pdl_enter
+from sitsd.kernels._utils import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_out,
+    check_pdl,
+    next_power_of_2,
+)
 
 __all__ = ["silu_and_mul"]
 
@@ -27,7 +34,9 @@ def _silu_and_mul_kernel(
     stride_o,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -42,6 +51,7 @@ def silu_and_mul(
     x: torch.Tensor,  # [..., 2 * d]
     *,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [..., d]
     """`silu(x[..., :d]) * x[..., d:]` (see `silu_and_mul_ref`).
 
@@ -49,6 +59,7 @@ def silu_and_mul(
         x: Fused gate/up activations, fp32/fp16/bf16, even last dimension; 2-D with a contiguous
             last dimension, or contiguous N-D.
         out: Optional preallocated contiguous output (keyword-only), `[..., d]` in `x`'s dtype.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
 
     Returns:
         The activated rows (`out` when given).
@@ -65,6 +76,7 @@ def silu_and_mul(
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     check_out("out", out, out_shape, x.dtype, x.device)
+    check_pdl(pdl, x)
     x2d = x if x.dim() == 2 else x.view(-1, 2 * d)
     num_rows = x2d.shape[0]
     if num_rows == 0 or d == 0:
@@ -72,6 +84,6 @@ def silu_and_mul(
 
     block = min(_BLOCK, next_power_of_2(d))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
-        x2d, out, x2d.stride(0), d, D=d, BLOCK=block, num_warps=4
+        x2d, out, x2d.stride(0), d, D=d, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl
     )
     return out

@@ -26,10 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     cdiv,
     check_out,
     check_paged_attention,
+    check_pdl,
     next_power_of_2,
     num_sms,
     runs_in_interpreter,
@@ -80,7 +82,9 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     UPCAST: tl.constexpr,  # feed tl.dot fp32 (the interpreter's bf16 dot is wrong)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,7 +177,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -249,6 +255,7 @@ def _launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    pdl: bool,
 ) -> None:
     """Allocate the split-K partials (if any) and launch the split and reduce kernels."""
     num_seqs, num_heads, head_dim = query.shape
@@ -275,14 +282,14 @@ def _launch(
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        WRITE_PARTIALS=write_partials, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        WRITE_PARTIALS=write_partials, UPCAST=upcast, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if write_partials:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=next_power_of_2(num_splits), num_warps=4,
+            BLOCK_S=next_power_of_2(num_splits), PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
 
 
@@ -300,6 +307,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new token per sequence over its paged context (see `decode_attention_ref`).
 
@@ -322,6 +330,7 @@ def decode_attention(
         num_warps: Warps per program of the split kernel; None picks 4.
         num_stages: Software-pipelining depth of the K/V loads; None picks one per dtype.
         out: Optional preallocated contiguous output, `query`'s shape and dtype.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
 
     Returns:
         The attention output, `query`'s shape and dtype (`out` when given).
@@ -341,9 +350,11 @@ def decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms(query.device))
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+    check_pdl(pdl, query)
     if num_seqs == 0:
         return out
 
+    num_stages = num_stages or (2 if query.dtype == torch.float32 else 3)
     _launch(query, key_cache, value_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
-            num_warps or 4, num_stages or (2 if query.dtype == torch.float32 else 3))  # fmt: skip
+            num_warps or 4, num_stages, pdl)  # fmt: skip
     return out

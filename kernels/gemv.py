@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
     cdiv,
@@ -38,6 +39,7 @@ from sitsd.kernels._utils import (
     check_last_dim_contiguous,
     check_ndim,
     check_out,
+    check_pdl,
     check_same_device,
     check_same_dtype,
     next_power_of_2,
@@ -146,7 +148,9 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,  # x rows are [gate | up], 2K wide; multiply by silu(gate) * up
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,  # feed tl.dot fp32 (the interpreter's bf16 dot is wrong)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -235,6 +239,7 @@ def gemv(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_dot: bool | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ weight.T` for up to 64 rows of x, optionally on `silu_and_mul(x)` (see `gemv_ref`).
 
@@ -253,6 +258,7 @@ def gemv(
         num_warps: Warps per program.
         num_stages: Software-pipelining depth of the chunk loads.
         use_dot: Multiply on the tensor cores (`tl.dot`) rather than with FMAs.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
 
     Returns:
         `[M, N]` in `x`'s dtype (`out` when given).
@@ -267,6 +273,7 @@ def gemv(
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
+    check_pdl(pdl, x)
     default = choose_gemv_config(num_rows, n, k, x.dtype, swiglu=swiglu, num_sms=num_sms(x.device))
     block_n = block_n or default.block_n
     block_k = block_k or default.block_k
@@ -286,6 +293,7 @@ def gemv(
         x, weight, out, num_rows, n, x.stride(0),
         K=k, BLOCK_M=next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=n % block_n == 0 and k % block_k == 0, SWIGLU=swiglu, USE_DOT=use_dot, UPCAST=upcast,
-        num_warps=num_warps or default.num_warps, num_stages=num_stages or default.num_stages,
+        PDL=pdl, num_warps=num_warps or default.num_warps,
+        num_stages=num_stages or default.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -66,7 +66,7 @@ def _norm_gemv_kernel(
         offs = k0 + offs_k
         mask = offs < K
         r = _row_chunk(h_ptr, res_ptr, offs, mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
+        if HAS_RESIDUAL:  # noqa: SIM102 (a constexpr branch, then a runtime one)
             if pid == 0:
                 tl.store(res_out_ptr + offs, r, mask=mask)
         rf = r.to(tl.float32)

@@ -15,11 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
     check_contiguous,
     check_dtype,
     check_out,
+    check_pdl,
     check_same_device,
     check_shape,
     next_power_of_2,
@@ -47,7 +49,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -88,7 +92,7 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {x.shape[-1]} exceeds {_MAX_HIDDEN}")
 
 
-def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float) -> None:
+def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float, pdl: bool) -> None:
     num_rows, hidden = x2d.shape
     if num_rows == 0:
         return
@@ -99,8 +103,8 @@ def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float) -> None:
     _rms_norm_kernel[(num_rows,)](
         x2d, residual2d, weight, out2d, residual_out2d, eps,
         x2d.stride(0), residual2d.stride(0), out2d.stride(0), residual_out2d.stride(0),
-        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add_residual,
-        num_warps=min(max(block // 256, 1), 16),
+        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add_residual, PDL=pdl,
+        num_warps=min(max(block // 256, 1), 16), launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -110,6 +114,7 @@ def rms_norm(
     eps: float,
     *,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [..., hidden]
     """RMSNorm of each row of `x` (see `rms_norm_ref`).
 
@@ -119,6 +124,7 @@ def rms_norm(
         eps: Added to the mean square before the reciprocal square root.
         out: Optional preallocated contiguous output (keyword-only), `x`'s shape and dtype
             `promote_types(x.dtype, weight.dtype)`.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
 
     Returns:
         The normed rows (`out` when given).
@@ -129,7 +135,8 @@ def rms_norm(
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     check_out("out", out, tuple(x.shape), out_dtype, x.device)
-    _launch(x2d, None, weight, out.view(-1, x.shape[-1]), None, eps)
+    check_pdl(pdl, x)
+    _launch(x2d, None, weight, out.view(-1, x.shape[-1]), None, eps, pdl)
     return out
 
 
@@ -138,6 +145,8 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [num_tokens, hidden], residual
     """`residual = x + residual; return rms_norm(residual), residual`, in one pass, in place.
 
@@ -150,6 +159,7 @@ def fused_add_rms_norm(
         residual: Residual stream, `x`'s shape and dtype; overwritten with `x + residual`.
         weight: Per-channel scale, fp32/fp16/bf16, contiguous.
         eps: Added to the mean square before the reciprocal square root.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
 
     Returns:
         `(normed, residual)`.
@@ -165,5 +175,6 @@ def fused_add_rms_norm(
     # Rows are read before they are written within one program, so normed may alias x.
     out = x if out_dtype == x.dtype else torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out2d = _as_rows("out", out)
-    _launch(x2d, residual2d, weight, out2d, residual2d, eps)
+    check_pdl(pdl, x)
+    _launch(x2d, residual2d, weight, out2d, residual2d, eps, pdl)
     return out, residual

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -22,6 +23,7 @@ from sitsd.kernels._utils import (
     check_dtype,
     check_last_dim_contiguous,
     check_ndim,
+    check_pdl,
     check_same_device,
     check_same_dtype,
     check_shape,
@@ -62,7 +64,9 @@ def _rotary_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -123,6 +127,8 @@ def rotary_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted), -1 = skip
+    *,
+    pdl: bool = False,  # programmatic dependent launch (`kernels/_pdl.py`; sm_90+)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query` and `key` **in place** (as `rotary_embedding`), write the rotated keys and
     the values into the paged cache (as `reshape_and_cache`); returns `(query, key)`.
@@ -171,6 +177,7 @@ def rotary_and_cache(
         check_last_dim_contiguous(name, t)
     check_contiguous("positions", positions)
     check_contiguous("slot_mapping", slot_mapping)
+    check_pdl(pdl, query)
     if num_tokens == 0:
         return query, key
 
@@ -182,6 +189,6 @@ def rotary_and_cache(
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
         BLOCK_H=next_power_of_2(num_heads), BLOCK_KV_H=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(half), num_warps=4,
+        BLOCK_HALF=next_power_of_2(half), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return query, key

@@ -133,6 +133,14 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         "bucket (16, 32, 64, ... up to --max-num-batched-tokens); --no-mixed-graphs runs them "
         "eagerly (default: on with CUDA graphs, off with --enforce-eager)",
     )
+    group.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA: launch the Triton decode kernels with programmatic dependent launch, so "
+        "each kernel's launch overlaps the tail of the one before it (default: on with "
+        "compute capability 9.0 or newer, where it exists)",
+    )
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -385,6 +393,7 @@ def config_from_args(
             num_threads=args.num_threads,
             enforce_eager=args.enforce_eager,
             mixed_graphs=args.mixed_graphs,
+            pdl=args.pdl,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

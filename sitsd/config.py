@@ -26,6 +26,9 @@ class ModelConfig:
     # CUDA: steps with prompt tokens replay a graph per token bucket too. None: on whenever
     # CUDA graphs are (not with enforce_eager).
     mixed_graphs: bool | None = None
+    # CUDA: launch the decode kernels with programmatic dependent launch (each one's launch
+    # overlaps the tail of the kernel before it). None: on where supported (sm_90+).
+    pdl: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ def test_every_flag_reaches_its_config_field():
         "--num-threads",
         "2",
         "--mixed-graphs",
+        "--no-pdl",
         "--block-size",
         "32",
         "--kv-cache-memory",
@@ -84,6 +85,7 @@ def test_every_flag_reaches_its_config_field():
             max_model_len=4096,
             num_threads=2,
             mixed_graphs=True,
+            pdl=False,
         ),
         cache=CacheConfig(
             block_size=32,
@@ -187,17 +189,20 @@ def test_bad_values_are_refused_naming_the_flag(flag, value, complaint, capsys):
 
 
 @pytest.mark.parametrize(
-    ("flags", "mixed", "ahead"),
+    ("flags", "mixed", "ahead", "pdl"),
     [
-        ((), None, None),  # decided by the device when the engine is built
-        (("--mixed-graphs", "--async-scheduling"), True, True),
-        (("--no-mixed-graphs", "--no-async-scheduling"), False, False),
+        ((), None, None, None),  # decided by the device when the engine is built
+        (("--mixed-graphs", "--async-scheduling", "--pdl"), True, True, True),
+        (("--no-mixed-graphs", "--no-async-scheduling", "--no-pdl"), False, False, False),
     ],
 )
-def test_mixed_graphs_and_async_scheduling_are_on_off_or_the_devices_default(flags, mixed, ahead):
+def test_mixed_graphs_async_scheduling_and_pdl_are_on_off_or_the_devices_default(
+    flags, mixed, ahead, pdl
+):
     config = config_of(*flags)
     assert config.model.mixed_graphs is mixed
     assert config.scheduler.async_scheduling is ahead
+    assert config.model.pdl is pdl
 
 
 def test_state_dir_flag_wins_over_the_environment():

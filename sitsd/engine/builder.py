@@ -77,8 +77,8 @@ def weights_version_of(ckpt: Checkpoint) -> str:
     return f"{ckpt.name}@{h.hexdigest()}"
 
 
-def kernels_for(device: torch.device) -> KernelSet:
-    return cpu_kernels() if device.type == "cpu" else triton_kernels()
+def kernels_for(device: torch.device, mcfg: ModelConfig) -> KernelSet:
+    return cpu_kernels() if device.type == "cpu" else triton_kernels(pdl=mcfg.pdl)
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,12 @@ def build_engine(
     log.info(
         "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
         "KV capacity %d blocks x %d = %d tokens (%.0f MiB), context %d; CUDA graphs: %s; "
-        "asynchronous scheduling: %s",
+        "asynchronous scheduling: %s; kernels: %s",
         name, time.monotonic() - t0, arch.num_layers, arch.num_parameters / 1e6,
         str(dtype).removeprefix("torch."), runner.device, runner.weights.nbytes / 2**20,
         info.num_blocks, block_size, info.num_blocks * block_size,
         info.num_blocks * bytes_per_block(arch, block_size, dtype) / 2**20, info.max_model_len,
-        graphs_summary(info), "on" if scfg.async_scheduling else "off",
+        graphs_summary(info), "on" if scfg.async_scheduling else "off", runner.model.kernels.name,
     )  # fmt: skip
     log_weight_slots(info, runner.slots.slot_nbytes)
     model_info = ModelInfo(
@@ -186,7 +186,7 @@ def build_runner(
         torch.set_num_threads(mcfg.num_threads)
     max_model_len = served_max_model_len(mcfg, arch)
     weights = build_weights(arch, tensors, device, dtype)
-    model = LlamaModel(arch, kernels_for(device), max_model_len, device)
+    model = LlamaModel(arch, kernels_for(device, mcfg), max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
     mixed = device.type == "cuda" and mcfg.mixed_graphs is not False and not mcfg.enforce_eager

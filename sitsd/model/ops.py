@@ -103,13 +103,18 @@ def cpu_kernels() -> KernelSet:
     )
 
 
-def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
+def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> KernelSet:
     """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
 
     Linear layers go to cuBLAS, or to the Triton `gemv` for the shapes and row counts where it
     measured faster (`sitsd.model.linear`); `use_gemv` None: where that table was measured
     (an sm_90 device), False: never, True: always where the table says (tests).
+
+    `pdl`: the decode kernels (norms, gemv, rotary + cache write, decode attention, SwiGLU) are
+    launched with programmatic dependent launch (`kernels/_pdl.py`); None: where the CUDA
+    device supports it (sm_90+).
     """
+    from sitsd.kernels._utils import supports_pdl
     from sitsd.kernels.activation import silu_and_mul
     from sitsd.kernels.decode_attention import decode_attention
     from sitsd.kernels.prefill_attention import prefill_attention
@@ -117,18 +122,23 @@ def triton_kernels(use_gemv: bool | None = None) -> KernelSet:
     from sitsd.kernels.rotary_cache import rotary_and_cache
     from sitsd.model.linear import TunedLinear, measured_device
 
+    pdl = supports_pdl() if pdl is None else pdl
+    rms_norm = partial(rms_norm, pdl=pdl)
+    fused_add_rms_norm = partial(fused_add_rms_norm, pdl=pdl)
+    silu_and_mul = partial(silu_and_mul, pdl=pdl)
     tuned = TunedLinear(
         measured_device() if use_gemv is None else use_gemv,
         silu_and_mul,
         partial(norm_linear, rms_norm, fused_add_rms_norm),
+        pdl=pdl,
     )
     return KernelSet(
-        name="triton",
-        decode_attention=decode_attention,
+        name="triton-pdl" if pdl else "triton",
+        decode_attention=partial(decode_attention, pdl=pdl),
         prefill_attention=prefill_attention,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
-        rotary_and_cache=rotary_and_cache,
+        rotary_and_cache=partial(rotary_and_cache, pdl=pdl),
         silu_and_mul=silu_and_mul,
         linear=tuned.linear,
         swiglu_linear=tuned.swiglu_linear,

@@ -64,9 +64,11 @@ def test_triton_model_logits_match_transformers(dtype, atol, num_kv_heads):
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
-def runner_for(ckpt, *, eager, dtype="float32", max_num_seqs=16):
+def runner_for(ckpt, *, eager, dtype="float32", max_num_seqs=16, pdl=None, max_model_len=1024):
     cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=1024),
+        model=ModelConfig(
+            device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=max_model_len, pdl=pdl
+        ),
         cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=16 * 2**30),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
     )
@@ -131,6 +133,22 @@ def test_smollm2_greedy_is_identical_with_and_without_cuda_graphs(smollm2_on_gpu
     assert greedy(eager, prompts, 32) == with_graphs
     text = smollm2_on_gpu.tokenizer.decode(with_graphs[0])
     assert "Paris" in text
+
+
+def test_smollm2_greedy_is_identical_with_and_without_pdl(smollm2_on_gpu):
+    """bf16, CUDA graphs: the decode kernels launched with programmatic dependent launch (the
+    sm_90+ default) against plain launches. The second runner's context (256) is shorter than
+    its batch budget (512): the start-up profiling step splits its tokens."""
+    prompts = [chat_ids(smollm2_on_gpu, q) for q in QUESTIONS[:4]]
+    with_pdl, _ = runner_for(smollm2_on_gpu, eager=False, dtype="bfloat16", pdl=True)
+    assert with_pdl.model.kernels.name == "triton-pdl"
+    want = greedy(with_pdl, prompts, 32)
+    del with_pdl
+    torch.cuda.empty_cache()
+    plain, _ = runner_for(smollm2_on_gpu, eager=False, dtype="bfloat16", pdl=False,
+                          max_model_len=256)  # fmt: skip
+    assert plain.model.kernels.name == "triton"
+    assert greedy(plain, prompts, 32) == want
 
 
 def test_smollm2_greedy_is_identical_alone_and_batched(smollm2_on_gpu):
