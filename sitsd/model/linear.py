@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sitsd.kernels._utils import pdl_pays
 from sitsd.kernels.gemv import GemvConfig, choose_gemv_config, gemv
 from sitsd.kernels.norm_gemv import norm_gemv
 from sitsd.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
@@ -90,7 +91,8 @@ class TunedLinear:
     # than fused_add_rms_norm + gemv over 32 layers (3.80 against 3.69 ms, `bench_gemv.py`:
     # every program re-reads the row to norm it): off.
     fuse_norm: bool = False
-    # Launch gemv and skinny_gemm with programmatic dependent launch (`kernels/_pdl.py`).
+    # Launch gemv and skinny_gemm with programmatic dependent launch (`kernels/_pdl.py`) at
+    # the row counts where it measured faster (`pdl_pays`).
     pdl: bool = False
 
     def _gemv_config(self, x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
@@ -103,6 +105,9 @@ class TunedLinear:
         if x.shape[0] == 1:
             return entry[1]
         return choose_gemv_config(x.shape[0], *weight.shape, x.dtype)
+
+    def _pdl(self, x: torch.Tensor) -> bool:
+        return self.pdl and pdl_pays(x.shape[0])
 
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
         """The skinny_gemm launch for this call, or None: not measured faster for its rows."""
@@ -122,13 +127,13 @@ class TunedLinear:
             return F.linear(x, weight, bias)
         config = self._gemv_config(x, weight)
         if config is not None:
-            return _gemv(x, weight, config, swiglu=False, pdl=self.pdl)
+            return _gemv(x, weight, config, swiglu=False, pdl=self._pdl(x))
         skinny = self._skinny_config(x, weight)
         if skinny is not None:
             return skinny_gemm(
                 x, weight, block_n=skinny.block_n, block_k=skinny.block_k,
                 split_k=skinny.split_k, num_warps=skinny.num_warps,
-                num_stages=skinny.num_stages, pdl=self.pdl,
+                num_stages=skinny.num_stages, pdl=self._pdl(x),
             )  # fmt: skip
         return F.linear(x, weight)
 
@@ -159,7 +164,7 @@ class TunedLinear:
             half = gate_up[:, : gate_up.shape[1] // 2]
             config = self._gemv_config(half, weight)
             if config is not None:
-                return _gemv(gate_up, weight, config, swiglu=True, pdl=self.pdl)
+                return _gemv(gate_up, weight, config, swiglu=True, pdl=self._pdl(gate_up))
         return self.linear(self.silu_and_mul(gate_up), weight)
 
 

@@ -67,6 +67,18 @@ def norm_linear(
     return linear(x, weight, bias), residual
 
 
+def with_pdl(
+    kernel: Callable[..., object], when: Callable[[int], bool], rows: torch.Tensor, *args, **kwargs
+) -> object:
+    """`kernel(rows, *args, pdl=..., **kwargs)`: programmatic dependent launch when `when` says
+    so for the call's first dimension (tokens, or sequences for decode attention)."""
+    return kernel(rows, *args, pdl=when(rows.shape[0]), **kwargs)
+
+
+def _never(rows: int) -> bool:
+    return False
+
+
 def reference_kernels() -> KernelSet:
     """The plain-PyTorch kernels (CPU, and the correctness baseline anywhere)."""
     return KernelSet(
@@ -110,11 +122,12 @@ def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> Ker
     measured faster (`sitsd.model.linear`); `use_gemv` None: where that table was measured
     (an sm_90 device), False: never, True: always where the table says (tests).
 
-    `pdl`: the decode kernels (norms, gemv, rotary + cache write, decode attention, SwiGLU) are
-    launched with programmatic dependent launch (`kernels/_pdl.py`); None: where the CUDA
-    device supports it (sm_90+).
+    `pdl`: the decode kernels (norms, gemv, skinny_gemm, rotary + cache write, decode
+    attention, SwiGLU) are launched with programmatic dependent launch (`kernels/_pdl.py`) at
+    the row counts where it measured faster (`pdl_pays`); None: where the CUDA device
+    supports it (sm_90+).
     """
-    from sitsd.kernels._utils import supports_pdl
+    from sitsd.kernels._utils import pdl_pays, supports_pdl
     from sitsd.kernels.activation import silu_and_mul
     from sitsd.kernels.decode_attention import decode_attention
     from sitsd.kernels.prefill_attention import prefill_attention
@@ -123,9 +136,10 @@ def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> Ker
     from sitsd.model.linear import TunedLinear, measured_device
 
     pdl = supports_pdl() if pdl is None else pdl
-    rms_norm = partial(rms_norm, pdl=pdl)
-    fused_add_rms_norm = partial(fused_add_rms_norm, pdl=pdl)
-    silu_and_mul = partial(silu_and_mul, pdl=pdl)
+    when = pdl_pays if pdl else _never
+    rms_norm = partial(with_pdl, rms_norm, when)
+    fused_add_rms_norm = partial(with_pdl, fused_add_rms_norm, when)
+    silu_and_mul = partial(with_pdl, silu_and_mul, when)
     tuned = TunedLinear(
         measured_device() if use_gemv is None else use_gemv,
         silu_and_mul,
@@ -134,11 +148,11 @@ def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> Ker
     )
     return KernelSet(
         name="triton-pdl" if pdl else "triton",
-        decode_attention=partial(decode_attention, pdl=pdl),
+        decode_attention=partial(with_pdl, decode_attention, when),
         prefill_attention=prefill_attention,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
-        rotary_and_cache=partial(rotary_and_cache, pdl=pdl),
+        rotary_and_cache=partial(with_pdl, rotary_and_cache, when),
         silu_and_mul=silu_and_mul,
         linear=tuned.linear,
         swiglu_linear=tuned.swiglu_linear,
