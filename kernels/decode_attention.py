@@ -13,7 +13,10 @@ built around reading each K/V byte once:
   into `num_splits` equal, `BLOCK_N`-aligned ranges. Each split writes a partial result (its
   normalised output and log-sum-exp), and `_decode_reduce_kernel` merges them. The number of
   splits is fixed per launch (so a CUDA graph can capture it) while the split length follows each
-  sequence's own `seq_len` on the device.
+  sequence's own `seq_len` on the device;
+* with `split_counters` (caller-owned zeros) the merge needs no second launch: each split counts
+  itself in with an atomic (release after its partial stores, acquire for the last), and the
+  last split of a (sequence, kv head) merges the group's partials and zeroes its counter.
 
 With one split the first kernel writes the final output and no reduce runs. A sequence with
 `seq_len == 0` (CUDA-graph padding) gets zeros. Choosing which blocks a sequence owns is the KV
@@ -29,9 +32,12 @@ import triton.language as tl
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     cdiv,
+    check_contiguous,
+    check_dtype,
     check_out,
     check_paged_attention,
     check_pdl,
+    check_same_device,
     next_power_of_2,
     num_sms,
     runs_in_interpreter,
@@ -60,6 +66,7 @@ def _decode_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counters_ptr,  # FUSED_REDUCE: [num_seqs * num_kv_heads] int32, zeros (left zero)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_splits,
     stride_qs,
@@ -81,6 +88,7 @@ def _decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,  # the last split of each (seq, kv head) merges the partials
     UPCAST: tl.constexpr,  # feed tl.dot fp32 (the interpreter's bf16 dot is wrong)
     PDL: tl.constexpr,
 ):
@@ -157,12 +165,55 @@ def _decode_attention_kernel(
         # the clamp only keeps log2 away from 0 and the log-sum-exp stays exact.
         lse = m_i + tl.log2(tl.maximum(l_i, 1.0))  # [BLOCK_G]
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        if FUSED_REDUCE:
+            # Every thread's partial stores are done (barrier) before one thread's release
+            # increment; the split that counts last acquires them all and merges.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * (NUM_HEADS // GROUP) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)  # zero for the next launch (stream-ordered after this one)
+                first = (seq * NUM_HEADS + head_ids) * num_splits  # [BLOCK_G]
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_splits,
+                              seq * stride_os + head_ids * stride_oh, offs_d, g_mask, d_mask,
+                              HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
     else:
         tl.store(
             out_ptr + seq * stride_os + head_ids[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_splits, out_offs, offs_d,
+                  g_mask, d_mask, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr):  # fmt: skip
+    """Merge the `num_splits` partials of rows `first` (one per head of a GQA group) into the
+    output: log-sum-exp weights, as `_decode_reduce_kernel` does for one head. L1 is bypassed
+    (`.cg`): the partials were written by other programs."""
+    lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        lse_max = tl.maximum(lse_max, lse)
+    # All splits empty (seq_len 0): keep exp2 finite; every weight is then 0 and the output 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    mask = g_mask[:, None] & d_mask[None, :]
+    for split in range(num_splits):
+        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(lse - lse_max)  # [BLOCK_G]
+        part = tl.load(part_out_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + out_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -256,8 +307,10 @@ def _launch(
     num_warps: int,
     num_stages: int,
     pdl: bool,
+    split_counters: torch.Tensor | None,
 ) -> None:
-    """Allocate the split-K partials (if any) and launch the split and reduce kernels."""
+    """Allocate the split-K partials (if any) and launch the split kernel, and the reduce
+    kernel unless the splits merge their partials themselves (`split_counters`)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -273,19 +326,21 @@ def _launch(
         )  # [S, H, splits]
     else:
         part_out = part_lse = out  # unused: the kernel writes `out` directly
+    fused = write_partials and split_counters is not None
+    counters = split_counters if fused else seq_lens  # unused without the fused merge
     block_d = max(next_power_of_2(head_dim), 16)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        counters, scale * _LOG2E, num_splits,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        WRITE_PARTIALS=write_partials, UPCAST=upcast, PDL=pdl,
+        WRITE_PARTIALS=write_partials, FUSED_REDUCE=fused, UPCAST=upcast, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    if write_partials:
+    if write_partials and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
@@ -308,6 +363,7 @@ def decode_attention(
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new token per sequence over its paged context (see `decode_attention_ref`).
 
@@ -331,6 +387,10 @@ def decode_attention(
         num_stages: Software-pipelining depth of the K/V loads; None picks one per dtype.
         out: Optional preallocated contiguous output, `query`'s shape and dtype.
         pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
+        split_counters: int32 zeros, contiguous, at least `num_seqs * num_kv_heads` of them,
+            owned by the caller and left zero by every call; with them the last split of each
+            (sequence, kv head) to finish merges the partials (an atomic count), and the reduce
+            kernel is not launched. Calls sharing them must not overlap (one stream).
 
     Returns:
         The attention output, `query`'s shape and dtype (`out` when given).
@@ -351,10 +411,19 @@ def decode_attention(
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
     check_pdl(pdl, query)
+    if split_counters is not None:
+        check_dtype("split_counters", split_counters, (torch.int32,))
+        check_contiguous("split_counters", split_counters)
+        check_same_device(query=query, split_counters=split_counters)
+        if split_counters.numel() < num_seqs * num_kv_heads:
+            raise ValueError(
+                f"split_counters holds {split_counters.numel()} counters; "
+                f"{num_seqs} sequences x {num_kv_heads} kv heads need {num_seqs * num_kv_heads}"
+            )
     if num_seqs == 0:
         return out
 
     num_stages = num_stages or (2 if query.dtype == torch.float32 else 3)
     _launch(query, key_cache, value_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
-            num_warps or 4, num_stages, pdl)  # fmt: skip
+            num_warps or 4, num_stages, pdl, split_counters)  # fmt: skip
     return out

@@ -77,8 +77,15 @@ def weights_version_of(ckpt: Checkpoint) -> str:
     return f"{ckpt.name}@{h.hexdigest()}"
 
 
-def kernels_for(device: torch.device, mcfg: ModelConfig) -> KernelSet:
-    return cpu_kernels() if device.type == "cpu" else triton_kernels(pdl=mcfg.pdl)
+def kernels_for(
+    device: torch.device, mcfg: ModelConfig, arch: LlamaArch, max_num_seqs: int
+) -> KernelSet:
+    """The CPU kernels, or the Triton ones with the decode-attention split counters (zeros,
+    one per sequence x kv head of the largest decode batch)."""
+    if device.type == "cpu":
+        return cpu_kernels()
+    counters = torch.zeros(max_num_seqs * arch.num_kv_heads, dtype=torch.int32, device=device)
+    return triton_kernels(pdl=mcfg.pdl, split_counters=counters)
 
 
 @dataclass(frozen=True)
@@ -186,7 +193,8 @@ def build_runner(
         torch.set_num_threads(mcfg.num_threads)
     max_model_len = served_max_model_len(mcfg, arch)
     weights = build_weights(arch, tensors, device, dtype)
-    model = LlamaModel(arch, kernels_for(device, mcfg), max_model_len, device)
+    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs)
+    model = LlamaModel(arch, kernels, max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
     mixed = device.type == "cuda" and mcfg.mixed_graphs is not False and not mcfg.enforce_eager

@@ -115,7 +115,11 @@ def cpu_kernels() -> KernelSet:
     )
 
 
-def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> KernelSet:
+def triton_kernels(
+    use_gemv: bool | None = None,
+    pdl: bool | None = None,
+    split_counters: torch.Tensor | None = None,
+) -> KernelSet:
     """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
 
     Linear layers go to cuBLAS, or to the Triton `gemv` for the shapes and row counts where it
@@ -126,6 +130,10 @@ def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> Ker
     attention, SwiGLU) are launched with programmatic dependent launch (`kernels/_pdl.py`) at
     the row counts where it measured faster (`pdl_pays`); None: where the CUDA device
     supports it (sm_90+).
+
+    `split_counters` (int32 zeros on the device, one per decode sequence x kv head, owned by
+    the model runner): decode attention's splits merge their partials themselves, one launch
+    instead of two per layer (`decode_attention`); None: a reduce kernel merges them.
     """
     from sitsd.kernels._utils import pdl_pays, supports_pdl
     from sitsd.kernels.activation import silu_and_mul
@@ -148,7 +156,9 @@ def triton_kernels(use_gemv: bool | None = None, pdl: bool | None = None) -> Ker
     )
     return KernelSet(
         name="triton-pdl" if pdl else "triton",
-        decode_attention=partial(with_pdl, decode_attention, when),
+        decode_attention=partial(
+            with_pdl, partial(decode_attention, split_counters=split_counters), when
+        ),
         prefill_attention=prefill_attention,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,

@@ -85,6 +85,37 @@ def test_split_k_matches_reference_for_long_contexts(num_splits, device):
     )
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_fused_split_merge_matches_reference_and_leaves_its_counters_zero(num_splits, device):
+    # The last split of each (sequence, kv head) merges the partials: no reduce launch.
+    counters = torch.zeros(3 * 2 + 5, dtype=torch.int32, device=device)  # room to spare
+    for _ in range(2):  # the counters serve the next call as they were left
+        _run_and_check(
+            [random.randint(600, 700), 1, 20],
+            num_kv_heads=2,
+            group=4,
+            head_dim=64,
+            dtype=torch.float16,
+            device=device,
+            num_splits=num_splits,
+            split_counters=counters,
+        )
+        assert not counters.any()
+
+
+def test_split_counters_are_checked(device):
+    kv = make_paged_kv([40, 9], num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(2, 4, 64, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="2 sequences x 2 kv heads need 4"):
+        decode_attention(
+            *args, num_splits=2, split_counters=torch.zeros(3, dtype=torch.int32, device=device)
+        )
+    with pytest.raises(TypeError, match="split_counters must have dtype"):
+        decode_attention(*args, num_splits=2, split_counters=torch.zeros(4, device=device))
+
+
 def test_automatic_split_count_matches_reference(device):
     _run_and_check(
         [random.randint(300, 400)],
@@ -265,15 +296,23 @@ def test_gpu_grid_matches_reference(dtype, group, head_dim, device):
         device=device,
         max_seq_len=8192,
     )
+    counters = torch.zeros(64 * 8, dtype=torch.int32, device=device)
+    for split_counters in (None, counters):  # the reduce kernel, then the fused merge
+        _run_and_check(
+            [8192, 3000, 1, 77],
+            num_kv_heads=2,
+            group=group,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            num_splits=7,
+            split_counters=split_counters,
+        )
     _run_and_check(
-        [8192, 3000, 1, 77],
-        num_kv_heads=2,
-        group=group,
-        head_dim=head_dim,
-        dtype=dtype,
-        device=device,
-        num_splits=7,
-    )
+        seq_lens, num_kv_heads=8, group=group, head_dim=head_dim, dtype=dtype, device=device,
+        num_splits=3, split_counters=counters,
+    )  # fmt: skip
+    assert not counters.any()
 
 
 @pytest.mark.gpu
@@ -301,3 +340,36 @@ def test_gpu_is_captured_and_replayed_by_a_cuda_graph(device):
         query, kv.clean_key_cache, kv.clean_value_cache, kv.block_tables, kv.seq_lens, 128**-0.5
     )
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_gpu_fused_merge_gives_the_same_output_over_many_graph_replays(num_splits, device):
+    """A merge that read a partial before its split had stored it would show as a difference
+    between replays (the programs' order varies from launch to launch)."""
+    lens = [random.randint(1, 2048) for _ in range(32)]
+    kv = make_paged_kv(lens, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                       device=device)  # fmt: skip
+    query = torch.randn(32, 32, 128, device=device).bfloat16()
+    out = torch.empty_like(query)
+    counters = torch.zeros(32 * 8, dtype=torch.int32, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
+
+    def run():
+        decode_attention(*args, out=out, num_splits=num_splits, split_counters=counters)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    first = out.clone()
+    ref = decode_attention_ref(
+        query, kv.clean_key_cache, kv.clean_value_cache, kv.block_tables, kv.seq_lens, 128**-0.5
+    )
+    assert_close(first, ref, torch.bfloat16)
+    for _ in range(200):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, first)
+    assert not counters.any()

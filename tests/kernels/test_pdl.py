@@ -36,8 +36,9 @@ def layer_weights(device, dtype=torch.bfloat16):
 
 def decode_layer(x, residual, layers, cache, seq_lens, block_tables, positions, slots, *, pdl):
     """A few Llama layers' decode kernels in the model's order, all launched with `pdl` (gemv for
-    every projection, so that each kernel follows another PDL kernel)."""
-    cos_sin, key_cache, value_cache = cache
+    every projection, so that each kernel follows another PDL kernel; decode attention merges
+    its splits itself, through the counters)."""
+    cos_sin, key_cache, value_cache, counters = cache
     for w in layers:
         x, residual = fused_add_rms_norm(x, residual, w["norm"], 1e-5, pdl=pdl)
         qkv = gemv(x, w["qkv"], pdl=pdl)
@@ -48,7 +49,7 @@ def decode_layer(x, residual, layers, cache, seq_lens, block_tables, positions, 
         )  # fmt: skip
         attn = decode_attention(
             q, key_cache, value_cache, block_tables, seq_lens, HEAD_DIM**-0.5, num_splits=4,
-            pdl=pdl,
+            pdl=pdl, split_counters=counters,
         )  # fmt: skip
         x = gemv(attn.view(-1, Q), w["o"], pdl=pdl)
         x, residual = fused_add_rms_norm(x, residual, w["norm"], 1e-5, pdl=pdl)
@@ -72,8 +73,9 @@ def decode_inputs(num_seqs: int):
     slots = (block_tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK).long()
     x = torch.randn(num_seqs, HIDDEN, device=dev).bfloat16()
     residual = torch.randn_like(x)
-    return x, residual, layers, (cos_sin, key_cache, value_cache), seq_lens, block_tables, \
-        positions, slots  # fmt: skip
+    counters = torch.zeros(num_seqs * KV_HEADS, dtype=torch.int32, device=dev)
+    cache = (cos_sin, key_cache, value_cache, counters)
+    return x, residual, layers, cache, seq_lens, block_tables, positions, slots
 
 
 def run(num_seqs: int, *, pdl: bool, graph: bool) -> torch.Tensor:
@@ -81,7 +83,7 @@ def run(num_seqs: int, *, pdl: bool, graph: bool) -> torch.Tensor:
     if not graph:
         return decode_layer(x.clone(), residual.clone(), layers, cache, *rest, pdl=pdl)
     static_x, static_res = x.clone(), residual.clone()
-    _, key_cache, value_cache = cache
+    _, key_cache, value_cache, _ = cache
     saved = key_cache.clone(), value_cache.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
