@@ -89,6 +89,8 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,  # the last split of each (seq, kv head) merges the partials
+    GROUP_P2: tl.constexpr,  # the merge's rows: GROUP rounded up to a power of two
+    SPLIT_CHUNK: tl.constexpr,  # splits the merge loads at once
     UPCAST: tl.constexpr,  # feed tl.dot fp32 (the interpreter's bf16 dot is wrong)
     PDL: tl.constexpr,
 ):
@@ -174,10 +176,10 @@ def _decode_attention_kernel(
             if arrived == num_splits - 1:
                 tl.debug_barrier()
                 tl.store(counter, 0)  # zero for the next launch (stream-ordered after this one)
-                first = (seq * NUM_HEADS + head_ids) * num_splits  # [BLOCK_G]
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_splits,
-                              seq * stride_os + head_ids * stride_oh, offs_d, g_mask, d_mask,
-                              HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr,
+                              seq * NUM_HEADS + kv_head * GROUP, num_splits,
+                              seq * stride_os + kv_head * GROUP * stride_oh, stride_oh, GROUP,
+                              GROUP_P2, HEAD_DIM, BLOCK_D, SPLIT_CHUNK)  # fmt: skip
     else:
         tl.store(
             out_ptr + seq * stride_os + head_ids[:, None] * stride_oh + offs_d[None, :],
@@ -187,33 +189,44 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, num_splits, out_offs, offs_d,
-                  g_mask, d_mask, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
-    """Merge the `num_splits` partials of rows `first` (one per head of a GQA group) into the
-    output: log-sum-exp weights, as `_decode_reduce_kernel` does for one head. L1 is bypassed
-    (`.cg`): the partials were written by other programs."""
-    lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for split in range(num_splits):
-        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        lse_max = tl.maximum(lse_max, lse)
-    # All splits empty (seq_len 0): keep exp2 finite; every weight is then 0 and the output 0.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    mask = g_mask[:, None] & d_mask[None, :]
-    for split in range(num_splits):
-        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        weight = tl.exp2(lse - lse_max)  # [BLOCK_G]
-        part = tl.load(part_out_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += part * weight[:, None]
-        total += weight
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_splits, out_base,
+                  stride_oh, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr):  # fmt: skip
+    """Merge the `num_splits` partials of the GQA group's heads (rows `first_row + g`, g <
+    GROUP) into the output with log-sum-exp weights, as `_decode_reduce_kernel` does per head:
+    `SPLIT_CHUNK` splits per load, with a running maximum, so that up to that many splits
+    take one round trip to L2. L1 is bypassed (`.cg`): other programs wrote the partials."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    rows = (first_row + offs_g) * num_splits  # [GROUP_P2]: each head's first partial
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+    for chunk in range(0, num_splits, SPLIT_CHUNK):
+        c_mask = chunk + offs_c < num_splits
+        idx = rows[:, None] + chunk + offs_c[None, :]  # [GROUP_P2, SPLIT_CHUNK]
+        gc_mask = g_mask[:, None] & c_mask[None, :]
+        lse = tl.load(part_lse_ptr + idx, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(
+            part_out_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=gc_mask[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [GROUP_P2, SPLIT_CHUNK, BLOCK_D]
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        # Empty splits (seq_len 0) keep -inf: exp2 stays finite, their weights 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m_i - m_safe)  # [GROUP_P2]
+        weights = tl.exp2(lse - m_safe[:, None])  # [GROUP_P2, SPLIT_CHUNK]
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.sum(parts * weights[:, :, None], 1)
+        m_i = m_new
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + out_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + out_base + offs_g[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -337,7 +350,8 @@ def _launch(
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        WRITE_PARTIALS=write_partials, FUSED_REDUCE=fused, UPCAST=upcast, PDL=pdl,
+        WRITE_PARTIALS=write_partials, FUSED_REDUCE=fused, GROUP_P2=next_power_of_2(group),
+        SPLIT_CHUNK=min(8, next_power_of_2(num_splits)), UPCAST=upcast, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if write_partials and not fused:

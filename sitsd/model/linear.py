@@ -39,12 +39,14 @@ from sitsd.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 # From two rows, gemv's default (tensor-core) config, the sweep's winner on every shape.
 # Speed-ups over cuBLAS at 1 / 2 / 4 / 8 rows.
 GEMV_MEASURED_FASTER: dict[tuple[int, int], tuple[int, GemvConfig]] = {
-    # Llama-3-8B qkv: 1.12 / 1.15 / 1.10 / 1.06
-    (6144, 4096): (8, GemvConfig(4, 2048, 8, 2, use_dot=False)),
+    # Llama-3-8B qkv: 1.12 / 1.15 / 1.10 / 1.06 (one row: 1.17 with 1024-wide chunks, the best
+    # of nine in the 2026-11-30 rerun)
+    (6144, 4096): (8, GemvConfig(4, 1024, 4, 2, use_dot=False)),
     # o: 1.34 / 1.23 / 1.23 / 1.20 (cuBLAS adds a split-K reduce)
     (4096, 4096): (8, GemvConfig(4, 1024, 4, 2, use_dot=False)),
-    # gate_up: 1.04 at one row; 0.98 from two
-    (28672, 4096): (1, GemvConfig(4, 1024, 4, 2, use_dot=False)),
+    # gate_up: 1.13 at one row with 2048-wide chunks and 8 warps (54.6 against 56.6 us with
+    # 1024 and 4, 2026-11-30 rerun); 0.98 from two
+    (28672, 4096): (1, GemvConfig(4, 2048, 8, 2, use_dot=False)),
     # down: 1.11 / 1.04 / 1.03 / 1.05; with SwiGLU fused at one row 1.07 against
     # silu_and_mul + cuBLAS
     (4096, 14336): (8, GemvConfig(4, 1024, 4, 2, use_dot=False)),

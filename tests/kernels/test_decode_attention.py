@@ -85,15 +85,18 @@ def test_split_k_matches_reference_for_long_contexts(num_splits, device):
     )
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
-def test_fused_split_merge_matches_reference_and_leaves_its_counters_zero(num_splits, device):
-    # The last split of each (sequence, kv head) merges the partials: no reduce launch.
+@pytest.mark.parametrize(("num_splits", "group"), [(2, 4), (3, 4), (8, 1), (12, 3)])
+def test_fused_split_merge_matches_reference_and_leaves_its_counters_zero(
+    num_splits, group, device
+):
+    # The last split of each (sequence, kv head) merges the partials: no reduce launch; 12
+    # splits take two chunks of the merge's loads.
     counters = torch.zeros(3 * 2 + 5, dtype=torch.int32, device=device)  # room to spare
     for _ in range(2):  # the counters serve the next call as they were left
         _run_and_check(
             [random.randint(600, 700), 1, 20],
             num_kv_heads=2,
-            group=4,
+            group=group,
             head_dim=64,
             dtype=torch.float16,
             device=device,
