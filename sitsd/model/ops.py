@@ -122,9 +122,10 @@ def triton_kernels(
 ) -> KernelSet:
     """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
 
-    Linear layers go to cuBLAS, or to the Triton `gemv` for the shapes and row counts where it
-    measured faster (`sitsd.model.linear`); `use_gemv` None: where that table was measured
-    (an sm_90 device), False: never, True: always where the table says (tests).
+    Linear layers go to cuBLAS, or to the Triton `gemv` and `skinny_gemm` for the shapes and
+    row counts where they measured faster (`sitsd.model.linear`); `use_gemv` None: where those
+    tables were measured (an sm_90 device), False: never, True: wherever the tables say
+    (tests).
 
     `pdl`: the decode kernels (norms, gemv, skinny_gemm, rotary + cache write, decode
     attention, SwiGLU) are launched with programmatic dependent launch (`kernels/_pdl.py`) at
