@@ -166,6 +166,13 @@ class LayerCase:
         return graph_us([functools.partial(fn, copies[i % len(copies)])
                          for i in range(_CALLS_PER_GRAPH)])  # fmt: skip
 
+    @classmethod
+    def random(cls, name: str, copy_gbs: float) -> LayerCase:
+        """Random weights of layer `name`'s shape: as many copies as span `_ROTATE_BYTES`."""
+        n, k = SHAPES[name]
+        num_copies = min(max(_ROTATE_BYTES // (n * k * 2), 1), _CALLS_PER_GRAPH)
+        return cls(name, [random_weight(n, k) for _ in range(num_copies)], copy_gbs)
+
     def row(self, num_rows: int, variant: str, us: float, t_ref: float, note: str = "") -> Row:
         gbs = self.weight_gb / us * 1e6
         return Row(self.name, num_rows, variant, us, gbs, gbs / self.copy_gbs, t_ref / us, note)
@@ -207,9 +214,8 @@ def bench_layer(
 
     Returns the rows and the sweep's winners, keyed by (layer, M, swiglu).
     """
-    n, k = SHAPES[name]
-    num_copies = min(max(_ROTATE_BYTES // (n * k * 2), 1), _CALLS_PER_GRAPH)
-    case = LayerCase(name, [random_weight(n, k) for _ in range(num_copies)], copy_gbs)
+    k = SHAPES[name][1]
+    case = LayerCase.random(name, copy_gbs)
     rows, winners = [], {}
     for num_rows in batches:
         x = torch.randn(num_rows, k, device="cuda", dtype=DTYPE)

@@ -26,16 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import (
-    _CALLS_PER_GRAPH,
-    _ROTATE_BYTES,
-    DTYPE,
-    SHAPES,
-    LayerCase,
-    check_close,
-    copy_bandwidth,
-    random_weight,
-)
+from bench_gemv import DTYPE, SHAPES, LayerCase, check_close, copy_bandwidth
 
 from sitsd.kernels.gemv import gemv
 from sitsd.kernels.skinny_gemm import SkinnyConfig, choose_skinny_config, skinny_gemm
@@ -57,8 +48,7 @@ def configs_for(n: int, k: int, num_rows: int) -> list[SkinnyConfig]:
 
 def bench_shape(name: str, rows: list[int], copy_gbs: float) -> list[dict]:
     n, k = SHAPES[name]
-    num_copies = min(max(_ROTATE_BYTES // (n * k * 2), 1), _CALLS_PER_GRAPH)
-    case = LayerCase(name, [random_weight(n, k) for _ in range(num_copies)], copy_gbs)
+    case = LayerCase.random(name, copy_gbs)
     out = []
     for num_rows in rows:
         x = torch.randn(num_rows, k, device="cuda", dtype=DTYPE)

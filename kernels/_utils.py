@@ -174,3 +174,30 @@ def supports_pdl(device: torch.device | str | None = None) -> bool:
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
+
+
+def check_small_linear(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, max_rows: int, *, swiglu: bool = False
+) -> None:
+    """Raise unless `x @ weight.T` fits a small-batch linear kernel (`gemv`, `skinny_gemm`):
+    2-D float tensors of one dtype and device, `x` `[M, K]` (with `swiglu` the fused
+    `[M, 2 * K]`) contiguous in its last dimension, `weight` `[N, K]` contiguous, M <= max_rows.
+    """
+    layout = "[M, 2 * K] (fused gate | up)" if swiglu else "[M, K]"
+    check_ndim("x", x, 2, layout)
+    check_ndim("weight", weight, 2, "[N, K]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_same_dtype(x=x, weight=weight)
+    check_same_device(x=x, weight=weight)
+    check_last_dim_contiguous("x", x)
+    check_contiguous("weight", weight)
+    k = weight.shape[1]
+    if x.shape[1] != (2 * k if swiglu else k):
+        raise ValueError(
+            f"x must have shape {layout} for weight [N, K] = {tuple(weight.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    if x.shape[0] > max_rows:
+        raise ValueError(
+            f"{kernel} is a small-batch kernel: x has {x.shape[0]} rows, at most {max_rows}"
+        )

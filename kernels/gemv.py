@@ -32,16 +32,10 @@ import triton.language as tl
 
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
-    FLOAT_DTYPES,
     cdiv,
-    check_contiguous,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_ndim,
     check_out,
     check_pdl,
-    check_same_device,
-    check_same_dtype,
+    check_small_linear,
     next_power_of_2,
     num_sms,
     runs_in_interpreter,
@@ -207,27 +201,6 @@ def choose_gemv_config(
     return GemvConfig(block_n, block_k, num_warps, stages, use_dot)
 
 
-def _check_args(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> None:
-    layout = "[M, 2 * K] (fused gate | up)" if swiglu else "[M, K]"
-    check_ndim("x", x, 2, layout)
-    check_ndim("weight", weight, 2, "[N, K]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    check_same_dtype(x=x, weight=weight)
-    check_same_device(x=x, weight=weight)
-    check_last_dim_contiguous("x", x)
-    check_contiguous("weight", weight)
-    k = weight.shape[1]
-    if x.shape[1] != (2 * k if swiglu else k):
-        raise ValueError(
-            f"x must have shape {layout} for weight [N, K] = {tuple(weight.shape)}, "
-            f"got {tuple(x.shape)}"
-        )
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(
-            f"gemv is a small-batch kernel: x has {x.shape[0]} rows, at most {MAX_ROWS}"
-        )
-
-
 def gemv(
     x: torch.Tensor,  # [M, K], or [M, 2K] with swiglu
     weight: torch.Tensor,  # [N, K]
@@ -267,7 +240,7 @@ def gemv(
         ValueError: Shapes, strides or devices that do not fit, or M > 64.
         TypeError: Unsupported or mismatched dtypes.
     """
-    _check_args(x, weight, swiglu)
+    check_small_linear("gemv", x, weight, MAX_ROWS, swiglu=swiglu)
     num_rows = x.shape[0]
     n, k = weight.shape
     if out is None:

@@ -33,15 +33,10 @@ import triton.language as tl
 
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
-    FLOAT_DTYPES,
     cdiv,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_ndim,
     check_out,
     check_pdl,
-    check_same_device,
-    check_same_dtype,
+    check_small_linear,
     next_power_of_2,
     num_sms,
     runs_in_interpreter,
@@ -143,21 +138,6 @@ def choose_skinny_config(num_rows: int, n: int, k: int, *, num_sms: int = 132) -
     return SkinnyConfig(block_n, block_k, split_k)
 
 
-def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_ndim("x", x, 2, "[M, K]")
-    check_ndim("weight", weight, 2, "[N, K]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    check_same_dtype(x=x, weight=weight)
-    check_same_device(x=x, weight=weight)
-    check_last_dim_contiguous("x", x)
-    if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x has K = {x.shape[1]} columns, weight has {weight.shape[1]}")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x has {x.shape[0]} rows; skinny_gemm takes at most {MAX_ROWS}")
-
-
 def skinny_gemm(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
@@ -195,7 +175,7 @@ def skinny_gemm(
         ValueError: Shapes, strides, devices or tilings that do not fit, or M > 64.
         TypeError: Unsupported or mismatched dtypes.
     """
-    _check_args(x, weight)
+    check_small_linear("skinny_gemm", x, weight, MAX_ROWS)
     num_rows, k = x.shape
     n = weight.shape[0]
     if out is None:

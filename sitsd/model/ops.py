@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sitsd.kernels import reference
+from sitsd.kernels._utils import pdl_pays
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,12 @@ def norm_linear(
 
 
 def with_pdl(
-    kernel: Callable[..., object], when: Callable[[int], bool], rows: torch.Tensor, *args, **kwargs
+    kernel: Callable[..., object], pdl: bool, rows: torch.Tensor, *args, **kwargs
 ) -> object:
-    """`kernel(rows, *args, pdl=..., **kwargs)`: programmatic dependent launch when `when` says
-    so for the call's first dimension (tokens, or sequences for decode attention)."""
-    return kernel(rows, *args, pdl=when(rows.shape[0]), **kwargs)
-
-
-def _never(rows: int) -> bool:
-    return False
+    """`kernel(rows, *args, pdl=..., **kwargs)`: programmatic dependent launch when `pdl` is on
+    and it measured faster for the call's first dimension (tokens, or sequences for decode
+    attention: `pdl_pays`)."""
+    return kernel(rows, *args, pdl=pdl and pdl_pays(rows.shape[0]), **kwargs)
 
 
 def reference_kernels() -> KernelSet:
@@ -136,7 +134,7 @@ def triton_kernels(
     the model runner): decode attention's splits merge their partials themselves, one launch
     instead of two per layer (`decode_attention`); None: a reduce kernel merges them.
     """
-    from sitsd.kernels._utils import pdl_pays, supports_pdl
+    from sitsd.kernels._utils import supports_pdl
     from sitsd.kernels.activation import silu_and_mul
     from sitsd.kernels.decode_attention import decode_attention
     from sitsd.kernels.prefill_attention import prefill_attention
@@ -145,10 +143,9 @@ def triton_kernels(
     from sitsd.model.linear import TunedLinear, measured_device
 
     pdl = supports_pdl() if pdl is None else pdl
-    when = pdl_pays if pdl else _never
-    rms_norm = partial(with_pdl, rms_norm, when)
-    fused_add_rms_norm = partial(with_pdl, fused_add_rms_norm, when)
-    silu_and_mul = partial(with_pdl, silu_and_mul, when)
+    rms_norm = partial(with_pdl, rms_norm, pdl)
+    fused_add_rms_norm = partial(with_pdl, fused_add_rms_norm, pdl)
+    silu_and_mul = partial(with_pdl, silu_and_mul, pdl)
     tuned = TunedLinear(
         measured_device() if use_gemv is None else use_gemv,
         silu_and_mul,
@@ -158,12 +155,12 @@ def triton_kernels(
     return KernelSet(
         name="triton-pdl" if pdl else "triton",
         decode_attention=partial(
-            with_pdl, partial(decode_attention, split_counters=split_counters), when
+            with_pdl, partial(decode_attention, split_counters=split_counters), pdl
         ),
         prefill_attention=prefill_attention,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
-        rotary_and_cache=partial(with_pdl, rotary_and_cache, when),
+        rotary_and_cache=partial(with_pdl, rotary_and_cache, pdl),
         silu_and_mul=silu_and_mul,
         linear=tuned.linear,
         swiglu_linear=tuned.swiglu_linear,

@@ -18,7 +18,7 @@ from sitsd.kernels import (
 )
 from sitsd.kernels._utils import pdl_pays, supports_pdl
 from sitsd.kernels.reference import compute_cos_sin_cache
-from sitsd.model.ops import _never, with_pdl
+from sitsd.model.ops import with_pdl
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 256, 8, 2, 64, 16, 128
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -139,7 +139,7 @@ def test_pdl_goes_on_at_the_decode_batches_where_it_measured_faster():
         seen.append((x.shape[0], scale, pdl, out))
 
     for rows in (1, 8, 32):
-        with_pdl(kernel, pdl_pays, torch.zeros(rows, 4), 0.5, out="o")
-    with_pdl(kernel, _never, torch.zeros(1, 4), 0.5)
+        with_pdl(kernel, True, torch.zeros(rows, 4), 0.5, out="o")
+    with_pdl(kernel, False, torch.zeros(1, 4), 0.5)  # off: never, whatever the rows
     assert seen == [(1, 0.5, True, "o"), (8, 0.5, False, "o"), (32, 0.5, True, "o"),
                     (1, 0.5, False, None)]  # fmt: skip
