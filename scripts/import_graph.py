@@ -67,8 +67,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("api", ("sitsd.api",)),
     ("http", ("sitsd.http",)),
     ("ctl", ("sitsd.ctl",)),
-    ("app", ("sitsd.app", "sitsd.cli", "sitsd.cli_observability", "sitsd.daemon",
-             "sitsd.__main__", "sitsd.builder")),
+    (
+        "app",
+        (
+            "sitsd.app",
+            "sitsd.cli",
+            "sitsd.cli_observability",
+            "sitsd.daemon",
+            "sitsd.__main__",
+            "sitsd.builder",
+        ),
+    ),
     ("testing", ("sitsd.testing",)),
 )
 
@@ -134,9 +143,10 @@ def layer_of(module: str) -> int | None:
     best: tuple[int, int] | None = None  # (prefix length, layer)
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            hit = module.startswith(prefix) if prefix.endswith(".") else (
-                module == prefix or module.startswith(prefix + ".") and prefix != "sitsd"
-            )
+            if prefix.endswith("."):
+                hit = module.startswith(prefix)
+            else:  # the package itself and its modules; "sitsd" alone is only the root
+                hit = module == prefix or (module.startswith(prefix + ".") and prefix != "sitsd")
             if hit and (best is None or len(prefix) > best[0]):
                 best = (len(prefix), index)
     return None if best is None else best[1]
@@ -228,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for loop in loops:
         print("loop: " + " <-> ".join(loop))
     for module, target in upward:
-        mine, theirs = layer_of(module), layer_of(target)
-        assert mine is not None and theirs is not None
+        mine, theirs = layer_of(module) or 0, layer_of(target) or 0
         print(f"upward: {module} ({LAYERS[mine][0]}) -> {target} ({LAYERS[theirs][0]})")
     for module in unlayered:
         print(f"no layer: {module}")
