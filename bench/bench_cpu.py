@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from sitsd.builder import launch_engine
 from sitsd.config import CacheConfig, SitsdConfig
-from sitsd.engine.builder import launch_engine
 from sitsd.types import SamplingParams
 from sitsd.weights import load_checkpoint, resolve_model_path
 

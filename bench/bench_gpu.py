@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_mixed import mixed_step_benchmark, print_mixed  # this script's folder
 
+from sitsd.builder import build_engine, build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
 from sitsd.daemon import freeze_startup_objects
-from sitsd.engine.builder import build_engine, build_runner
-from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import expected_shapes
+from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.types import SamplingParams
 from sitsd.weights.formats import Checkpoint
 

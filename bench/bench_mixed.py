@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
-from sitsd.engine.builder import build_runner
-from sitsd.engine.outputs import NewRequestData, SchedulerOutput
+from sitsd.outputs import NewRequestData, SchedulerOutput
 from sitsd.types import SamplingParams
 from sitsd.weights.formats import Checkpoint
 

@@ -32,7 +32,7 @@ from bench_gpu import (
     random_checkpoint,
 )
 
-from sitsd.engine.builder import build_runner
+from sitsd.builder import build_runner
 
 CONTEXT = 256
 

@@ -40,8 +40,8 @@ from opentelemetry.trace import SpanKind
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.observability.otlp_receiver
 
 from bench.bench_cpu import prompts_ids
+from sitsd.builder import launch_engine
 from sitsd.config import CacheConfig, ObservabilityConfig, SitsdConfig
-from sitsd.engine.builder import launch_engine
 from sitsd.engine.observer import NullObserver
 from sitsd.observability import Observability
 from sitsd.observability.logs import setup_logging

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import LLAMA3_8B, engine_config, random_checkpoint
 
+from sitsd.builder import build_engine
 from sitsd.daemon import freeze_startup_objects
-from sitsd.engine.builder import build_engine
 from sitsd.types import SamplingParams
 
 

@@ -21,7 +21,7 @@ from bench_gpu import (
     timed_ms,
 )
 
-from sitsd.engine.builder import build_runner
+from sitsd.builder import build_runner
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE ->
            second signal exits at once.
 A model that fails to load is logged and the process exits 1, never hangs.
 
-What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.engine.builder` (the engine),
+What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.builder` (the engine),
 `sitsd.weights.startup` (restart recovery, the swap manager), `sitsd.weights.watcher`,
 `sitsd.observability` (metrics, traces, logs; it is the one place logging is configured).
 """
@@ -228,7 +228,7 @@ async def _launch_engine(
     during a minutes-long model load would wait for the load to finish.
     """
     # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
-    from sitsd.engine.builder import launch_engine
+    from sitsd.builder import launch_engine
 
     return await launch_engine(config, observer=obs.telemetry, weights_version=version)
 

@@ -8,7 +8,7 @@ which gRPC status an error becomes is `sitsd.api.interceptors`' business.
 from __future__ import annotations
 
 from sitsd.api.v1 import admin_pb2, inference_pb2
-from sitsd.engine.outputs import EngineStatus, ModelInfo, TierStats
+from sitsd.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
 from sitsd.weights.progress import SwapProgress
 from sitsd.weights.versions import VersionState, WeightVersion

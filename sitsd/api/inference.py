@@ -22,8 +22,8 @@ from sitsd.api import convert
 from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
-from sitsd.engine.outputs import EngineStatus, ModelInfo
 from sitsd.observability.tracing import current_request_span
+from sitsd.outputs import EngineStatus, ModelInfo
 from sitsd.types import RequestDelta, SamplingParams, Tier
 
 

@@ -28,7 +28,7 @@ from sitsd.engine.errors import (
     QueueFullError,
 )
 from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
-from sitsd.engine.outputs import EngineStatus, ModelInfo
+from sitsd.outputs import EngineStatus, ModelInfo
 from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
 
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class AsyncEngine:
         self._accepting = True
 
     def run_core(self) -> None:
-        """Run the engine loop on the calling thread (see `sitsd.engine.builder.launch_engine`)."""
+        """Run the engine loop on the calling thread (see `sitsd.builder.launch_engine`)."""
         self.core.run(self._on_deltas_threadsafe)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:

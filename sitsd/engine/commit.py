@@ -29,9 +29,9 @@ from typing import Protocol
 
 from sitsd.engine.messages import SwapCommand
 from sitsd.engine.observer import EngineObserver
-from sitsd.engine.outputs import SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.swap_phases import VersionSwitch
+from sitsd.outputs import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,11 @@ from sitsd.engine.commit import CommitControl, WeightSlotsLike
 from sitsd.engine.detokenizer import IncrementalDetokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
 from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
-from sitsd.engine.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
 from sitsd.engine.step_ahead import LaunchedStep, StepAhead
 from sitsd.engine.tiers import queue_key
+from sitsd.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
 from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sitsd.engine.kv_cache_manager import KVCacheManager
-from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.engine.request import Request, RequestStatus
+from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 _SHADOW_SUFFIX = "\x00shadow"  # request ids with a NUL are refused at the API: no collision
 

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sitsd.engine.outputs import EngineStatus, SchedulerOutput
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import TokenUpdate
+from sitsd.outputs import EngineStatus, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -56,12 +56,6 @@ from dataclasses import dataclass
 from sitsd.config import SchedulerConfig, TiersConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.migration import Migration
-from sitsd.engine.outputs import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
 from sitsd.engine.request import Request, RequestStatus
 from sitsd.engine.swap_phases import SwapPhases
 from sitsd.engine.tier_phases import TierPhases
@@ -71,6 +65,12 @@ from sitsd.engine.tiers import (
     lower_tier_prefill_allowance,
 )
 from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
+from sitsd.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from sitsd.types import FinishReason
 
 POLICIES = ("tiers", "fcfs")

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.types import RequestDelta
 
 if TYPE_CHECKING:

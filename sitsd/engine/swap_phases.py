@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sitsd.engine.migration import Migration
-from sitsd.engine.outputs import MigratedRequest, SchedulerOutput
 from sitsd.engine.request import Request
+from sitsd.outputs import MigratedRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from sitsd.engine.kv_cache_manager import KVCacheManager

@@ -21,9 +21,9 @@ from sitsd.engine.admission import (
     running_entry,
     waiting_entry,
 )
-from sitsd.engine.outputs import SchedulerOutput, TierStats
 from sitsd.engine.request import Request
 from sitsd.engine.tiers import TIER_ORDER, TierTracker, queue_key
+from sitsd.outputs import SchedulerOutput, TierStats
 from sitsd.types import Tier
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ import yaml
 
 from sitsd.config import TierConfig, TiersConfig
 from sitsd.engine.latency import TierLatency
-from sitsd.engine.outputs import TierStats
 from sitsd.engine.request import Request
+from sitsd.outputs import TierStats
 from sitsd.types import Tier
 
 TIER_ORDER = (Tier.GOLD, Tier.SILVER, Tier.BRONZE)  # highest priority first

@@ -28,10 +28,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span
 
 from sitsd.engine.observer import StepRecord
-from sitsd.engine.outputs import EngineStatus
 from sitsd.engine.request import Request
 from sitsd.observability.metrics import Metrics
 from sitsd.observability.tracing import MonotonicClock, trace_id_hex
+from sitsd.outputs import EngineStatus
 from sitsd.types import FinishReason, Tier
 
 log = logging.getLogger("sitsd.requests")

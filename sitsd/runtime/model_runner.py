@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.model.llama import LlamaModel, LlamaWeights
+from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.runtime.cuda_graphs import DecodeGraphs
 from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, StepInputs
 from sitsd.runtime.mixed_graphs import MixedGraphs

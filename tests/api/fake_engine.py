@@ -25,7 +25,7 @@ from sitsd.engine.errors import (
     OverloadedError,
     QueueFullError,
 )
-from sitsd.engine.outputs import EngineStatus, ModelInfo, TierStats
+from sitsd.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import (
     AbortCause,
     FinishReason,

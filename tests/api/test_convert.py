@@ -7,7 +7,7 @@ import pytest
 from sitsd.api import convert
 from sitsd.api.v1 import admin_pb2
 from sitsd.api.v1 import inference_pb2 as pb
-from sitsd.engine.outputs import EngineStatus
+from sitsd.outputs import EngineStatus
 from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier, Usage
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sitsd.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class FakeSlots:

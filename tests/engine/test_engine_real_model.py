@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from sitsd.builder import build_engine
 from sitsd.config import CacheConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import build_engine
 from sitsd.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow

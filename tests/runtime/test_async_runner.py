@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import build_runner
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler

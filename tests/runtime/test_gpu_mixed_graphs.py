@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
-from sitsd.engine.builder import build_runner
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import triton_kernels

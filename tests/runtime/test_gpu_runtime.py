@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import build_runner
-from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import triton_kernels
+from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
 from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.types import SamplingParams
@@ -163,7 +163,7 @@ KV_SIZING_CHILD = """
 import json, torch
 from tests.runtime.test_gpu_runtime import tiny_hf
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import build_runner
+from sitsd.builder import build_runner
 from sitsd.runtime.kv_cache import bytes_per_block
 hf, arch = tiny_hf()
 tensors = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}

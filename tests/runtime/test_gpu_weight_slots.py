@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
-from sitsd.engine.builder import build_runner
 from tests.runtime.test_weight_slots import greedy, tiny
 
 pytestmark = pytest.mark.gpu

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from sitsd.builder import RuntimeInfo, build_runner, graphs_summary
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
-from sitsd.engine.builder import RuntimeInfo, build_runner, graphs_summary
-from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import cpu_kernels, triton_kernels
+from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder
 from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.runtime.mixed_graphs import MixedGraphs, token_buckets

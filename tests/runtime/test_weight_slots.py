@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
+from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
-from sitsd.engine.builder import build_runner
-from sitsd.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.model.arch import arch_from_hf_config
 from sitsd.model.llama import build_weights
+from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.runtime.weight_slots import WeightSlots, row_chunks
 from sitsd.types import SamplingParams
 from tests.weights.tiny_models import state_dict_of, tiny_llama_model

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sitsd.builder import build_engine
 from sitsd.config import (
     CacheConfig,
     ModelConfig,
@@ -24,7 +25,6 @@ from sitsd.config import (
     SwapConfig,
     WeightsConfig,
 )
-from sitsd.engine.builder import build_engine
 from sitsd.observability import Observability
 from sitsd.types import FinishReason, SamplingParams
 from sitsd.weights.errors import SwapRefusedError, UnknownVersionError, VersionRejectedError

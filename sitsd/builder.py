@@ -24,12 +24,12 @@ from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import EngineObserver
-from sitsd.engine.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
+from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.runtime.cuda_graphs import decode_buckets
 from sitsd.runtime.input_batch import StepInputBuilder
 from sitsd.runtime.kv_cache import (
