@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sitsd.config import TiersConfig
-from sitsd.engine.tiers import TierEstimate
+from sitsd.plugins.interface import TierEstimate
 from sitsd.types import Tier
 
 

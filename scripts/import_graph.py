@@ -10,7 +10,7 @@ the top-level `kernels/` folder (the package ships it as `sitsd.kernels`).
 
 Layers, lowest first; a package may import its own layer and the layers below it:
 
-    base       sitsd (the package root), types, outputs, config, flag_types
+    base       sitsd (the package root), types, outputs, config, flag_types, tiers_file
     kernels    the Triton kernels and their references
     plugins    the plugin interface and the bundled plugins
     model      the Llama model, its layers and linear dispatch
@@ -39,7 +39,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("sitsd", "sitsd.types", "sitsd.outputs", "sitsd.config", "sitsd.flag_types")),
+    (
+        "base",
+        (
+            "sitsd",
+            "sitsd.types",
+            "sitsd.outputs",
+            "sitsd.config",
+            "sitsd.flag_types",
+            "sitsd.tiers_file",
+        ),
+    ),
     ("kernels", ("sitsd.kernels",)),
     ("plugins", ("sitsd.plugins",)),
     ("model", ("sitsd.model",)),

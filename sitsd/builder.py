@@ -25,7 +25,6 @@ from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import EngineObserver
 from sitsd.engine.scheduler import Scheduler
-from sitsd.engine.tiers import load_batch_controller
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
@@ -126,16 +125,11 @@ def build_engine(
     name = mcfg.served_model_name or checkpoint.name
     block_size = config.cache.block_size
     kv_cache = KVCacheManager(info.num_blocks, block_size, config.cache.enable_prefix_caching)
-    controller = (
-        load_batch_controller(config.tiers, config.scheduler.max_num_seqs)
-        if config.scheduler.policy == "tiers"
-        else None
-    )
     scfg = config.scheduler
     if scfg.async_scheduling is None:
         scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
     scheduler = Scheduler(
-        scfg, kv_cache, info.max_model_len, tiers=config.tiers, controller=controller,
+        scfg, kv_cache, info.max_model_len, tiers=config.tiers,
         migration_tokens_per_step=config.swap.tokens_per_step(str(runner.device.type)),
     )  # fmt: skip
     core = EngineCore(

@@ -139,9 +139,10 @@ class ObservabilityConfig:
     log_level: str = "info"  # debug, info, warning, error
 
 
-WATCH_COMMIT_MODES = ("auto", "stage-only")
+WATCH_COMMIT_MODES = ("auto", "stage-only")  # what the watcher does with a new valid version
 WEIGHT_SLOT_MODES = ("auto", "1", "2")
-SWAP_POLICIES = ("migrate", "drain", "restart")
+SWAP_POLICIES = ("migrate", "drain", "restart")  # what a commit does with requests in flight
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # the most a staging copy or check moves at once
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class WeightsConfig:
     canary_max_kl: float = 0.5
     canary_max_tokens: int = 256  # canary prompts are cut to this many tokens
     # Staging copies and checks move at most this much at once (4 MiB on a CPU device).
-    chunk_bytes: int = 64 * 2**20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Of one core, the most staging uses on a CPU device (it sleeps between chunks, so serving
     # keeps its cores); 0 = 0.1. With CUDA the copies are the GPU's and staging runs unpaced.
     staging_cpu_share: float = 0.0

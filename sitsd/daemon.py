@@ -174,7 +174,7 @@ async def _start_weights(
     if engine is None:
         return None
     try:
-        swaps = create_swap_manager(engine, config, choice, obs)
+        swaps = create_swap_manager(engine.swap_port(), engine.tokenizer, config, choice, obs)
         watcher = None
         if config.weights.watch_dir:
             from sitsd.weights.watcher import VersionWatcher

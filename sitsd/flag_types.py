@@ -76,7 +76,7 @@ def seconds(text: str) -> float:
 
 
 def tiers_file(text: str) -> TiersConfig:
-    from sitsd.engine.tiers import load_tiers_file  # yaml and the plugin loader: only when used
+    from sitsd.tiers_file import load_tiers_file  # yaml: only when used
 
     try:
         return load_tiers_file(text)

@@ -24,7 +24,8 @@ class Tier(enum.StrEnum):
         return _TIER_RANK[self]
 
 
-_TIER_RANK = {Tier.GOLD: 0, Tier.SILVER: 1, Tier.BRONZE: 2}
+TIER_ORDER = (Tier.GOLD, Tier.SILVER, Tier.BRONZE)  # highest priority first
+_TIER_RANK = {tier: rank for rank, tier in enumerate(TIER_ORDER)}
 
 
 class FinishReason(enum.StrEnum):

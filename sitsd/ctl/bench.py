@@ -176,7 +176,7 @@ def tier_targets(
     from sitsd.config import TiersConfig
 
     if args.tiers:
-        from sitsd.engine.tiers import load_tiers_file
+        from sitsd.tiers_file import load_tiers_file
 
         try:
             config = load_tiers_file(args.tiers)

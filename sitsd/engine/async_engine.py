@@ -2,24 +2,20 @@
 
 `AsyncEngine` lives on the asyncio event loop of the API layer. It validates a request, puts an
 `AddRequest` on the engine core's inbox and hands back a `RequestStream`; the engine thread
-posts each step's deltas back with `loop.call_soon_threadsafe`. `call(fn)` runs short work on
-the engine thread between two steps, `commit(...)` streams the events of a weight swap's
-commit. Model execution and scheduling are `EngineCore`'s business (`sitsd.engine.core`); this
-module only crosses threads.
+posts each step's deltas back with `loop.call_soon_threadsafe`. Hot-swap crosses threads
+through its own door, `swap_port()` (`sitsd.engine.swap_port`). Model execution and scheduling
+are `EngineCore`'s business (`sitsd.engine.core`); this module only crosses threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
-from sitsd.engine.commit import SwapEvent
 from sitsd.engine.core import EngineCore
 from sitsd.engine.errors import (
     EngineStoppedError,
@@ -27,11 +23,10 @@ from sitsd.engine.errors import (
     OverloadedError,
     QueueFullError,
 )
-from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
+from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.swap_port import SwapPort
 from sitsd.outputs import EngineStatus, ModelInfo
 from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
-
-T = TypeVar("T")
 
 
 class RequestStream:
@@ -239,42 +234,9 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------- hot-swap
 
-    async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(core)` on the engine thread between two steps and return its result."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[T] = loop.create_future()
-
-        def settle(result: Any, exc: BaseException | None) -> None:
-            if not done.done():
-                done.set_result(result) if exc is None else done.set_exception(exc)
-
-        def reply(result: Any, exc: BaseException | None) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(settle, result, exc)
-
-        self.core.submit(EngineCall(fn, reply))
-        return await done
-
-    async def commit(
-        self, version: str, policy: str, copy_in_place: Callable[[], None] | None = None
-    ) -> AsyncIterator[SwapEvent]:
-        """Commit `version` between two steps; yields its events until "committed" or "failed".
-
-        See `sitsd.engine.commit` (and `SwapCommand` for `copy_in_place`, one slot only).
-        """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[SwapEvent] = asyncio.Queue()
-
-        def on_event(event: SwapEvent) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-        self.core.submit(SwapCommand(version, policy, on_event, copy_in_place))
-        while True:
-            event = await events.get()
-            yield event
-            if event.kind in ("committed", "failed"):
-                return
+    def swap_port(self) -> SwapPort:
+        """The engine's hot-swap operations, for the weights subsystem (`SwapPort`)."""
+        return SwapPort(self.core)
 
     # -------------------------------------------------------------------------------- status
 

@@ -1,30 +1,23 @@
 """The engine core: one loop on its own thread that owns the scheduler and the model runner.
 
-Each turn of the loop drains the inbox (new requests, aborts; a request admission control
-refuses is finished at once), aborts requests whose deadline has passed and drops those that
-waited past their tier's queue limit, then runs one step:
+Each turn of the loop:
 
-    scheduler.schedule() -> SchedulerOutput
-    runner.launch()      -> (GPU busy)  ... .result() -> ModelRunnerOutput
-    scheduler.update_from_output() -> token updates -> detokenizer -> RequestDeltas
+    inbox      new requests (one admission control refuses is finished at once), aborts,
+               swap commands (the swap controller's), engine calls (short work between steps)
+    expiry     requests whose deadline has passed are aborted; those that waited past their
+               tier's queue limit are shed
+    step       schedule -> execute -> update -> deltas (`sitsd.engine.step`: in turn, or one
+               step ahead with asynchronous scheduling, chosen once when the core is built)
+    status     a snapshot for other threads, then the deltas go to `on_deltas`
 
-and hands the deltas to `on_deltas` (the asyncio side posts them to its loop). When the runner
-works asynchronously (CUDA), the detokenization and delivery of step N's tokens happen after
-step N+1 is launched, while the GPU computes: they leave the step's critical path. (A stop
-string is then found one step late; the extra token is discarded.) On the CPU the runner
-computes inside `launch`, so nothing would overlap and deltas go out at once. With
-asynchronous scheduling (the default on CUDA; `--no-async-scheduling` turns it off) the loop
-goes further: it schedules and launches step N+1 before it takes step N's tokens
-(`step_ahead.py`), so the GPU never waits for the host's update and scheduling; a request that
-stops at EOS learns it one step late and the extra token is dropped. Swaps and `EngineCall`s
-first finish the step ahead (`finish_ahead`) and run one step at a time. An
-`EngineObserver` (`observer.py`; telemetry implements it) is told of every request added,
-preempted, migrated and finished, of every step and of the status after each turn. Weight
-swaps commit between two steps (`SwapCommand`, handled by `commit.CommitControl`); short work
-that must not race the loop (reserving a weight slot, a canary prompt) comes as `EngineCall`s.
-Nothing else touches the scheduler or the runner, so no lock guards them; other threads read
-`status()`, a snapshot replaced after every turn, and `admission_refusal()`, which checks a new
-request against the queue snapshot of the last turn.
+Its parts: the `Scheduler` (which tokens to compute), the model runner (computing them), the
+`OutputProcessor` (token updates -> `RequestDelta`s), the `SwapController` (weight slots and
+commits, `sitsd.engine.swap_controller`) and an `EngineObserver` (telemetry), told of every
+request added, preempted, migrated and finished, of every step and of the status after each
+turn. Swap commands and engine calls first finish a step launched ahead. Nothing else touches
+the scheduler or the runner, so no lock guards them; other threads read `status()`, a snapshot
+replaced after every turn, and `admission_refusal()`, which checks a new request against the
+queue snapshot of the last turn.
 """
 
 from __future__ import annotations
@@ -36,19 +29,19 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-from sitsd.engine.admission import QueueSnapshot, refusal_reason
-from sitsd.engine.commit import CommitControl, WeightSlotsLike
-from sitsd.engine.detokenizer import IncrementalDetokenizer
+from sitsd.engine.admission import QueueSnapshot
+from sitsd.engine.detokenizer import EngineTokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
-from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver, StepRecord
+from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver
+from sitsd.engine.output import OutputProcessor
 from sitsd.engine.request import Request
-from sitsd.engine.scheduler import Scheduler, TokenUpdate
-from sitsd.engine.step_ahead import LaunchedStep, StepAhead
-from sitsd.engine.tiers import queue_key
-from sitsd.outputs import EngineStatus, ModelRunnerOutput, SchedulerOutput
-from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, Usage
+from sitsd.engine.runner import ModelRunnerLike
+from sitsd.engine.scheduler import Scheduler
+from sitsd.engine.step import AheadStep, HookList, InTurnStep, ObserverHooks, StepParts
+from sitsd.engine.swap_controller import SwapController
+from sitsd.outputs import EngineStatus
+from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier
 
 log = logging.getLogger(__name__)
 
@@ -56,34 +49,14 @@ DeltaSink = Callable[[list[RequestDelta]], None]
 Message = AddRequest | AbortRequest | SwapCommand | EngineCall
 
 
-class PendingStepLike(Protocol):
-    def result(self) -> ModelRunnerOutput: ...
-
-
-class ModelRunnerLike(Protocol):
-    """What the core needs of a model runner (see `sitsd.runtime.model_runner.ModelRunner`)."""
-
-    @property
-    def slots(self) -> WeightSlotsLike:
-        """The weight slots: which version each holds, which one is active."""
-        ...
-
-    @property
-    def overlaps_host_work(self) -> bool:
-        """True when `launch` returns before the device has finished the step."""
-        ...
-
-    def launch(self, sched_out: SchedulerOutput) -> PendingStepLike: ...
-
-
-class EngineCore(StepAhead):
+class EngineCore:
     """Runs the step loop; see the module docstring."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         runner: ModelRunnerLike,
-        tokenizer: object,
+        tokenizer: EngineTokenizer,
         model_name: str,
         default_tier: Tier = Tier.SILVER,
         observer: EngineObserver | None = None,
@@ -93,21 +66,23 @@ class EngineCore(StepAhead):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_tier = default_tier
-        self._eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._deferred: list[TokenUpdate] = []  # last step's updates, not yet detokenized
-        # Asynchronous scheduling: the launched step whose output is not in yet.
-        self._ahead: LaunchedStep | None = None
         self._seeds = random.Random()  # seeds for requests that bring none; per engine
-        self._on_deltas: DeltaSink = lambda deltas: None
+        self._on_deltas: DeltaSink = _drop_deltas
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Told of requests and steps; a failing hook is logged, never costs a request.
         self.observer = GuardedObserver(observer or NullObserver())
+        self.output = OutputProcessor(scheduler, tokenizer, self.observer)
         # Replies and swap events go out after the status snapshot shows their effect.
-        self.commits = CommitControl(scheduler, runner.slots, self.observer, self._refresh)
-        self.num_steps = 0
+        self.swaps = SwapController(scheduler, runner, self.observer, self._refresh)
+        hooks = HookList([self.swaps, ObserverHooks(self.observer, scheduler)])
+        in_turn = InTurnStep(StepParts(scheduler, runner, self.output, hooks))
+        # The step function, chosen once.
+        self._step: InTurnStep | AheadStep = (
+            AheadStep(in_turn, self.swaps) if scheduler.config.async_scheduling else in_turn
+        )
         # Refusals by `admission_refusal` (the API's thread; read here for the status).
         self._early_refusals: dict[str, int] = {}
         self._queue: QueueSnapshot = scheduler.queue_snapshot()
@@ -145,6 +120,10 @@ class EngineCore(StepAhead):
         self._inbox.put(message)
 
     @property
+    def num_steps(self) -> int:
+        return self._step.num_steps
+
+    @property
     def max_num_live_requests(self) -> int:
         cfg = self.scheduler.config
         return cfg.max_num_seqs + cfg.max_num_waiting
@@ -158,54 +137,49 @@ class EngineCore(StepAhead):
         Called on the API's thread against the queue as of the last engine turn; the engine
         thread checks again with its live queue (`Scheduler.admission_refusal`).
         """
-        snapshot = self._queue
-        if not snapshot.enabled:
-            return None
         tier = tier or self.default_tier
-        tier_config = self.scheduler.tiers_config.tier(tier.value)
-        key = queue_key(arrival_time, tier_config)
-        reason = refusal_reason(snapshot, tier, key, tier_config.max_queue_wait_s)
+        reason = self.scheduler.policy.early_refusal(self._queue, tier, arrival_time)
         if reason is not None:
             self._early_refusals[tier.value] = self._early_refusals.get(tier.value, 0) + 1
         return reason
 
     # ---------------------------------------------------------------------------------- loop
 
+    def step(self) -> list[RequestDelta]:
+        """One engine step: schedule -> execute -> update -> deltas (`sitsd.engine.step`)."""
+        return self._step()
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             deltas: list[RequestDelta] = []
             try:
-                busy = self.scheduler.has_work() or self._ahead is not None
+                busy = self.scheduler.has_work() or self._step.has_pending
                 deltas += self._drain_inbox(block=not busy)
                 deltas += self._abort_expired()
-                if self.scheduler.has_work() or self._ahead is not None:
-                    deltas += self.step()  # flushes the last step's updates after its launch
+                if self.scheduler.has_work() or self._step.has_pending:
+                    deltas += self.step()
                 else:
-                    deltas += self._flush_deferred()
-                    self.commits.when_idle()
+                    deltas += self.output.flush()
+                    self.swaps.when_idle()
             except Exception as exc:  # a bug must cost requests, never the engine thread
                 log.exception("engine loop failed; failing every live request")
-                deltas += self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}")
+                deltas += self.output.finish_all(
+                    f"internal engine error: {type(exc).__name__}: {exc}"
+                )
             # Snapshot before delivering, so a client that sees its last delta also sees the
             # blocks it held returned.
             self._status = self._snapshot()
             self.observer.on_status(self._status)
             self._queue = self.scheduler.queue_snapshot()
-            self._on_deltas_safe(deltas)
+            self._deliver(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
-        deltas = self._flush_deferred() + self._drain_inbox(block=False)
-        deltas += self._fail_all("the engine stopped", FinishReason.ABORT)
+        deltas = self.output.flush() + self._drain_inbox(block=False)
+        deltas += self.output.finish_all("the engine stopped", FinishReason.ABORT)
         self._status = self._snapshot()
-        self._on_deltas_safe(deltas)
-
-    def _fail_all(
-        self, message: str, reason: FinishReason = FinishReason.ERROR
-    ) -> list[RequestDelta]:
-        deltas = [self._finish(req_id, reason, message) for req_id in list(self.scheduler.requests)]
-        return [d for d in deltas if d is not None]
+        self._deliver(deltas)
 
     def _drain_inbox(self, block: bool) -> list[RequestDelta]:
-        deltas = []
+        deltas: list[RequestDelta] = []
         try:
             message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
@@ -214,14 +188,14 @@ class EngineCore(StepAhead):
                     if refused is not None:
                         deltas.append(refused)
                 elif isinstance(message, AbortRequest):
-                    delta = self._finish(message.req_id, FinishReason.ABORT, message.reason)
+                    delta = self.output.finish(message.req_id, FinishReason.ABORT, message.reason)
                     if delta is not None:
                         deltas.append(delta)
                 elif isinstance(message, SwapCommand):
-                    deltas += self.finish_ahead()  # a commit goes between two finished steps
-                    self.commits.handle(message)
+                    deltas += self._step.finish_ahead()  # a commit goes between finished steps
+                    self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
-                    deltas += self.finish_ahead()  # the call may run the model
+                    deltas += self._step.finish_ahead()  # the call may run the model
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -230,7 +204,7 @@ class EngineCore(StepAhead):
 
     def _call(self, message: EngineCall) -> None:
         try:
-            result = message.fn(self)
+            result = message.fn()
         except Exception as exc:  # the caller's failure, reported to it; the loop goes on
             message.reply(None, exc)
         else:
@@ -257,143 +231,26 @@ class EngineCore(StepAhead):
         )
         refusal = self.scheduler.admission_refusal(request)
         if refusal is not None:  # never queued: nothing to free
-            return RequestDelta(
-                req_id=msg.req_id,
-                finish_reason=FinishReason.ABORT,
-                usage=self._usage(request),
-                weights_version=request.weights_version,
-                error=refusal,
-                abort_cause=AbortCause.OVERLOADED,
-            )
+            return self.output.refused(request, refusal)
         self.scheduler.add_request(request)
         self.observer.on_request_added(request)
-        self._detok[msg.req_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            msg.prompt_token_ids,
-            msg.params.stop,  # type: ignore[arg-type]
-        )
+        self.output.add(request)
         return None
 
     def _abort_expired(self) -> list[RequestDelta]:
         now = time.monotonic()
+        finish = self.output.finish
         deltas = [
-            self._finish(r, FinishReason.ABORT, "deadline exceeded", AbortCause.DEADLINE)
+            finish(r, FinishReason.ABORT, "deadline exceeded", AbortCause.DEADLINE)
             for r in self.scheduler.expired_req_ids(now)
         ]
         deltas += [
-            self._finish(r, FinishReason.ABORT, why, AbortCause.OVERLOADED)
+            finish(r, FinishReason.ABORT, why, AbortCause.OVERLOADED)
             for r, why in self.scheduler.overdue_requests(now)
         ]
         return [d for d in deltas if d is not None]
 
-    # ---------------------------------------------------------------------------------- step
-
-    def step(self) -> list[RequestDelta]:
-        """Schedule, launch, collect; returns the deltas ready now (see the module docstring)."""
-        if self.scheduler.config.async_scheduling:
-            if not self.commits.busy and self.scheduler.migration is None:
-                return self._step_ahead()
-            deltas = self.finish_ahead()  # swaps run one step at a time
-            return deltas + (self._step_in_turn() if self.scheduler.has_work() else [])
-        return self._step_in_turn()
-
-    def _step_in_turn(self) -> list[RequestDelta]:
-        """One step: schedule, launch, wait for its tokens, update."""
-        start = time.monotonic()
-        self.commits.on_step_start(start)
-        sched_out = self.scheduler.schedule()
-        self.commits.after_schedule(sched_out, start)
-        for req_id in sched_out.preempted_req_ids:
-            self.observer.on_request_preempted(self.scheduler.requests[req_id], start)
-        if sched_out.is_empty:
-            self.commits.after_step(time.monotonic())
-            return self._flush_deferred()
-        try:
-            pending = self.runner.launch(sched_out)
-            deltas = self._flush_deferred()  # overlaps the GPU's work on this step
-            runner_out = pending.result()
-        except Exception as exc:  # the batch fails, the engine keeps serving
-            return self._fail_step(exc, list(sched_out.num_scheduled_tokens))
-        return deltas + self._updates(sched_out, runner_out, start, defer=True)
-
-    def _fail_step(self, exc: Exception, req_ids: list[str]) -> list[RequestDelta]:
-        log.exception("model step failed; failing its %d requests", len(req_ids), exc_info=exc)
-        message = f"internal error in the model step: {type(exc).__name__}: {exc}"
-        deltas = self._flush_deferred()
-        failed = [self._finish(r, FinishReason.ERROR, message) for r in req_ids]
-        return deltas + [d for d in failed if d is not None]
-
-    def _updates(
-        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, start: float, defer: bool
-    ) -> list[RequestDelta]:
-        """Apply a finished step's tokens; their deltas now, or deferred to the next launch."""
-        self.num_steps += 1
-        updates = self.scheduler.update_from_output(sched_out, runner_out)
-        end = time.monotonic()
-        self.observer.on_step(StepRecord(sched_out, updates, start, end))
-        self.commits.after_step(end)
-        if defer and self.runner.overlaps_host_work and self.scheduler.has_work():
-            self._deferred = updates
-            return []
-        return [self._to_delta(u) for u in updates]
-
-    def _flush_deferred(self) -> list[RequestDelta]:
-        updates, self._deferred = self._deferred, []
-        # A request may have finished since (abort): its detokenizer is gone, skip it.
-        return [self._to_delta(u) for u in updates if u.request.req_id in self._detok]
-
-    def _to_delta(self, update: TokenUpdate) -> RequestDelta:
-        request = update.request
-        detok = self._detok[request.req_id]
-        text = detok.step(update.new_token_ids)
-        reason = update.finish_reason
-        if reason is None and detok.stopped:
-            reason = FinishReason.STOP
-            self.scheduler.finish_request(request.req_id, reason)
-        if reason is not None:
-            text += detok.flush()
-            del self._detok[request.req_id]
-            self.observer.on_request_finished(request, time.monotonic())
-        return RequestDelta(
-            req_id=request.req_id,
-            new_token_ids=update.new_token_ids,
-            text=text,
-            finish_reason=reason,
-            usage=self._usage(request) if reason is not None else None,
-            weights_version=update.weights_version or request.weights_version,
-        )
-
-    def _finish(
-        self,
-        req_id: str,
-        reason: FinishReason,
-        message: str,
-        cause: AbortCause | None = None,
-    ) -> RequestDelta | None:
-        request = self.scheduler.finish_request(req_id, reason)
-        detok = self._detok.pop(req_id, None)
-        if request is None:
-            return None
-        self.observer.on_request_finished(request, time.monotonic())
-        return RequestDelta(
-            req_id=req_id,
-            text=detok.flush() if detok is not None and reason is not FinishReason.ERROR else "",
-            finish_reason=reason,
-            usage=self._usage(request),
-            weights_version=request.weights_version,
-            error=message,
-            abort_cause=cause,
-        )
-
-    @staticmethod
-    def _usage(request: Request) -> Usage:
-        return Usage(
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            cached_tokens=max(request.num_cached_tokens, 0),
-        )
-
-    def _on_deltas_safe(self, deltas: list[RequestDelta]) -> None:
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
         if not deltas:
             return
         try:
@@ -416,7 +273,7 @@ class EngineCore(StepAhead):
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
-            scheduling_policy=self.scheduler.config.policy,
+            scheduling_policy=self.scheduler.policy.name,
             tiers=tuple(
                 dataclasses.replace(
                     t, num_refused=t.num_refused + self._early_refusals.get(t.tier, 0)
@@ -425,5 +282,9 @@ class EngineCore(StepAhead):
             ),
             slot_versions=tuple(v or "" for v in slots.versions),
             active_slot=slots.active,
-            swapping=self.commits.busy,
+            swapping=self.swaps.busy,
         )
+
+
+def _drop_deltas(deltas: list[RequestDelta]) -> None:
+    """The delta sink before `run` sets the real one."""

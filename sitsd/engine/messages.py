@@ -1,12 +1,16 @@
-"""Messages on the engine core's inbox, posted from other threads, handled between steps."""
+"""Messages on the engine core's inbox, posted from other threads, handled between steps; and
+`SwapEvent`, what a swap command reports back."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sitsd.types import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,30 +34,56 @@ class AbortRequest:
     reason: str = "aborted"
 
 
+@dataclass(frozen=True)
+class SwapEvent:
+    """Progress of one commit, as the engine thread reports it."""
+
+    kind: str  # "migrating", "committed" or "failed"
+    version: str  # the version being committed
+    policy: str  # the policy applied (restart when one slot forced it)
+    from_version: str = ""  # the version in-flight requests ran on
+    num_migrating: int = 0  # requests whose KV is being recomputed
+    num_caught_up: int = 0  # of those, shadows caught up with their request
+    num_restarted: int = 0  # requests recomputed from their tokens on the new weights
+    num_draining: int = 0  # requests left to finish on the old weights
+    flip_s: float = 0.0  # the flip itself (the in-place copy with one slot)
+    pause_s: float = 0.0  # longest time between two steps around the flip
+    typical_gap_s: float = 0.0  # the median time between two busy steps before the commit
+    message: str = ""  # why it failed
+
+
+@dataclass(frozen=True, slots=True)
+class InPlaceCopy:
+    """With one weight slot: the checkpoint tensors a commit copies over the only slot."""
+
+    tensors: Mapping[str, torch.Tensor]  # Hugging Face names, shapes already checked
+    chunk_bytes: int  # the most copied at once
+
+
 @dataclass(frozen=True, slots=True)
 class SwapCommand:
     """Commit weights `version` between two steps; in-flight requests follow `policy`.
 
     With two slots, `version` must already be in the standby slot: the commit flips the active
-    index. With one slot, `copy_in_place` (run on the engine thread, between two steps) copies
-    the new version over the only slot, and in-flight requests are recomputed (`restart`).
-    `on_event` is called on the engine thread with each `sitsd.engine.commit.SwapEvent`; the
-    last one is "committed" or "failed".
+    index. With one slot, `in_place` is copied over the only slot on the engine thread, between
+    two steps, and in-flight requests are recomputed (`restart`). `on_event` is called on the
+    engine thread with each `SwapEvent`; the last one is "committed" or "failed".
     """
 
     version: str
     policy: str  # migrate, drain or restart
-    on_event: Callable[[Any], None]
-    copy_in_place: Callable[[], None] | None = None
+    on_event: Callable[[SwapEvent], None]
+    in_place: InPlaceCopy | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """Run `fn(core)` on the engine thread between two steps; then `reply(result, error)`.
+    """Run `fn()` on the engine thread between two steps; then `reply(result, error)`.
 
-    For short work that must not race the step loop: reserving a weight slot, one canary
-    prompt. It delays the next step by as long as it takes.
+    For short work that must not race the step loop (the swap controller's slot operations,
+    one canary prompt). It delays the next step by as long as it takes; a step launched ahead
+    is finished first.
     """
 
-    fn: Callable[[Any], Any]
-    reply: Callable[[Any, BaseException | None], None]
+    fn: Callable[[], object]
+    reply: Callable[[object, BaseException | None], None]

@@ -1,39 +1,25 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
 One rule covers prefill, chunked prefill, prefix-cache hits and decode: each step, a request's
-`num_computed_tokens` catches up with its `num_tokens` under the step's token budget. Two
-policies (`SchedulerConfig.policy`) decide the order; `schedule()` runs them as named phases.
+`num_computed_tokens` catches up with its `num_tokens` under the step's token budget; a
+running request that finds no free block preempts from the end of the batch (by recompute:
+its blocks are freed, the full ones stay in the prefix cache until evicted, and it goes back
+to the queue keeping its place). `schedule()` runs the step's phases:
 
-`fcfs`: running requests go first, in admission order; waiting requests are admitted in arrival
-order while budget, batch slots and KV blocks last. When a running request cannot get a block,
-the most recently admitted running request is preempted by recompute: its blocks are freed
-(they stay in the prefix cache until evicted) and it goes back to the front of the queue.
+    0. ahead     asynchronous scheduling: the step still computing counts as done
+       flip      a migration whose shadows all caught up flips (`swaps.flip_if_ready`)
+    1. caps      the tiers' live P99s, once per control interval; the policy sets caps, the
+                 order of the running requests and this step's prompt allowance
+    2. running   running requests in the policy's order, preempting from the end for blocks
+    3. admission the policy admits waiting requests (`policy.admit`), possibly preempting
+    4. shadows   migration shadows, in what the step has left (`swaps.schedule_shadows`)
 
-`tiers` (the SLA tiers: rules in `sitsd.engine.tiers`, phases in `sitsd.engine.tier_phases`),
-the same rule plus:
-  1. caps: the batch controller refreshes each tier's batch cap from its live P99s;
-  2. running: gold first, then silver, then bronze (oldest first within a tier), so block
-     pressure preempts the newest bronze work first;
-  3. gold steps: while gold has prompt tokens to compute, lower tiers' prompt chunks are cut
-     to `lower_tier_prefill_allowance` (the step stays within `gold_step_tokens`);
-  4. admission: waiting requests by queue deadline (aging); a tier at its cap is skipped; a
-     gold request that finds no slot or blocks preempts running bronze, then silver work
-     (newest first, each request at most `max_tier_preemptions` times); once a request is
-     blocked, only gold may still be admitted behind it;
-  5. shedding and admission control (`overdue_requests`, `admission_refusal`, called by the
-     engine core): a request whose expected queue wait exceeds its tier's maximum is refused,
-     one still waiting for its first token past it is dropped; both become RESOURCE_EXHAUSTED.
-Preempted requests keep their arrival time, hence their place, and their full blocks stay in
-the prefix cache, so resuming them mostly recomputes less than one block.
-
-Weights versions (hot-swap): every request runs on one version, and a step's batch may hold two
-(the runner runs one sub-batch per version). `switch_weights`, called by the engine core between
-steps when a swap commits, applies the swap policy to the requests in flight: `drain` leaves
-those that started on the old version, `restart` preempts them onto the new one, `migrate` gives
-each a shadow (`sitsd.engine.migration`) that the `shadows` phase, last in a step, schedules
-under a per-step allowance less the prefill already in the step; the `flip` phase, first in a
-step, moves them all to their shadows' blocks once every shadow has caught up. Requests that
-have not started yet move to the new version at once.
+Its composed parts decide, it moves: the scheduling policy (`sitsd.engine.policy`: FCFS, or
+the SLA tiers of `sitsd.engine.tier_policy`) answers order, caps, chunk sizes, admission and
+preemption victims; the swap policies (`sitsd.engine.swap_policies`) switch requests in
+flight to a new weights version. Both act through the primitives of `sitsd.engine.batch`,
+so this class stays the one writer of request state. The per-tier statistics (latency
+windows, counters: every request has a tier under either policy) are a `TierTracker`.
 
 Asynchronous scheduling (`SchedulerConfig.async_scheduling`): `schedule()` may run while the
 last step it scheduled is still computing. Its phase 0 then counts that step's tokens as
@@ -42,9 +28,9 @@ decode is scheduled for the position of a token the host has not seen (the runne
 the device); `update_from_output` of that step then appends tokens without advancing again. A
 request whose pending token is its last (max_tokens, the context) is not scheduled again.
 
-What the model computes is the runner's business; stop strings and text are the detokenizer's;
-the engine core (`core.py`) drives one `schedule()` -> execute -> `update_from_output()` cycle
-per step.
+What the model computes is the runner's business; stop strings and text are the output
+processor's; the engine core (`core.py`) drives one `schedule()` -> execute ->
+`update_from_output()` cycle per step.
 """
 
 from __future__ import annotations
@@ -54,26 +40,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sitsd.config import SchedulerConfig, TiersConfig
+from sitsd.engine.admission import QueueSnapshot
 from sitsd.engine.kv_cache_manager import KVCacheManager
-from sitsd.engine.migration import Migration
+from sitsd.engine.policy import make_policy
 from sitsd.engine.request import Request, RequestStatus
-from sitsd.engine.swap_phases import SwapPhases
-from sitsd.engine.tier_phases import TierPhases
-from sitsd.engine.tiers import (
-    BatchController,
-    TierTracker,
-    lower_tier_prefill_allowance,
-)
-from sitsd.engine.waiting_queue import FcfsQueue, TierQueue
+from sitsd.engine.swap_policies import SwapPolicies
+from sitsd.engine.tiers import TierTracker
 from sitsd.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TierStats,
 )
-from sitsd.types import FinishReason
+from sitsd.plugins.interface import BatchController
+from sitsd.types import TIER_ORDER, FinishReason
 
-POLICIES = ("tiers", "fcfs")
 _STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the step-time moving average
 
 
@@ -87,7 +69,7 @@ class TokenUpdate:
     weights_version: str = ""  # the version that computed them (a request may flip later)
 
 
-class Scheduler(SwapPhases, TierPhases):
+class Scheduler:
     """Owns the waiting queue and the running batch; the only writer of `Request` state."""
 
     def __init__(
@@ -106,28 +88,22 @@ class Scheduler(SwapPhases, TierPhases):
         max_model_len: context length; a request reaching it finishes with LENGTH.
         clock: monotonic seconds; the same clock as requests' arrival times.
         tiers: the tiers' targets and limits (default: the SITS table).
-        controller: the batch controller of the tiers policy (default: the built-in P99 one).
+        controller: the tiers policy's batch controller (default: the one `tiers` names).
         migration_tokens_per_step: the most tokens migration shadows compute in one step.
+
+        Raises:
+            ValueError: an unknown policy or batch controller.
         """
-        if config.policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {config.policy!r}")
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self._now = clock
+        self._clock = clock
         self.tiers_config = tiers or TiersConfig()
-        self.tiered = config.policy == "tiers"
-        if self.tiered and controller is None:
-            from sitsd.plugins.p99_caps import P99BatchController
-
-            controller = P99BatchController(self.tiers_config, config.max_num_seqs)
-        self.tracker = TierTracker(
-            self.tiers_config, config.max_num_seqs, controller if self.tiered else None
-        )
+        self.tracker = TierTracker(self.tiers_config, config.max_num_seqs)
+        self.policy = make_policy(config, self.tiers_config, self.tracker, controller)
+        self.swaps = SwapPolicies(self, migration_tokens_per_step)
         self.requests: dict[str, Request] = {}
-        self.waiting: FcfsQueue | TierQueue = (
-            TierQueue(self._queue_key) if self.tiered else FcfsQueue()
-        )
+        self.waiting = self.policy.new_queue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.step_time_s = 0.0  # moving average of schedule() -> update_from_output()
@@ -135,10 +111,6 @@ class Scheduler(SwapPhases, TierPhases):
         # Told to the runner with the next SchedulerOutput, so it can drop their state.
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()  # preempted between steps (swap restarts)
-        self.migration: Migration | None = None  # the migrate policy at work
-        self.last_migration: Migration | None = None  # the one that completed last, for the core
-        self.migration_tokens_per_step = migration_tokens_per_step
-        self._lower_prefill: int | None = None  # this step's lower-tier prompt allowance
         # Asynchronous scheduling: the last scheduled step whose output is not in yet.
         self._ahead: SchedulerOutput | None = None
 
@@ -159,12 +131,16 @@ class Scheduler(SwapPhases, TierPhases):
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._release(request, reason)
+        self.kv_cache.free(request)
+        self.swaps.drop_shadow(request, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_req_ids.add(request.req_id)
         return request
 
     def has_work(self) -> bool:
         # A pending migration completes at the start of a step, even one with nothing to run.
-        return bool(self.waiting or self.running or self.migration is not None)
+        return bool(self.waiting or self.running or self.swaps.migration is not None)
 
     @property
     def num_running(self) -> int:
@@ -174,35 +150,31 @@ class Scheduler(SwapPhases, TierPhases):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def expired_req_ids(self, now: float) -> list[str]:
+        """Live requests whose deadline has passed."""
+        return [
+            r.req_id for r in self.requests.values() if r.deadline is not None and r.deadline <= now
+        ]
+
     # ------------------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work. See the module docstring for the rules."""
-        now = self._step_started = self._now()
+        """Pick this step's work, phase by phase (see the module docstring)."""
+        now = self._step_started = self._clock()
         out = SchedulerOutput(
             finished_req_ids=self._finished_req_ids, preempted_req_ids=self._preempted_req_ids
         )
         self._finished_req_ids, self._preempted_req_ids = set(), set()
         if self._ahead is not None:
-            self._apply_ahead(self._ahead)  # phase 0: the step still running counts as done
-        if self.migration is not None and self.migration.ready:
-            self._flip_migration(out)  # phase 0: migrated requests take their shadows' KV
-        self.tracker.refresh(now)  # phase 1: P99 estimates and, with tiers, caps
-        if self.tiered:
-            self.running.sort(key=lambda r: r.tier.rank)  # stable: oldest first within a tier
-            self._lower_prefill = lower_tier_prefill_allowance(
-                self.running, self.waiting, self.tiers_config.gold_step_tokens
-            )
-        preempted = self._schedule_running(out)  # phase 2
+            self._apply_ahead(self._ahead)  # 0: the step still running counts as done
+        self.swaps.flip_if_ready(out)  # 0: migrated requests take their shadows' KV
+        self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
+        preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
         if not preempted:
-            if self.tiered:
-                self._admit_by_tier(out)  # phase 3
-            else:
-                self._admit_fcfs(out)
-            if self.migration is not None:
-                self._schedule_shadows(out)  # phase 4: migration shadows, in what is left
+            self.policy.admit(self, out)  # 3
+            self.swaps.schedule_shadows(out)  # 4: in what is left
         if out.is_empty:
             # Not launched: the runner hears of these with the next step that runs.
             self._finished_req_ids |= out.finished_req_ids
@@ -229,17 +201,14 @@ class Scheduler(SwapPhases, TierPhases):
         its output is applied by `update_from_output` as in synchronous scheduling."""
         self._ahead = None
 
-    def _budget(self, out: SchedulerOutput) -> int:
-        return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
-
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Running requests in list order; preempt from the end when blocks run out."""
         preempted = False
         i = 0
-        while i < len(self.running) and self._budget(out) > 0:
+        while i < len(self.running) and self.budget(out) > 0:
             request = self.running[i]
             left = request.num_tokens + request.num_pending_outputs - request.num_computed_tokens
-            num_new = self._allowed(request, min(left, self._budget(out)))
+            num_new = self.policy.allowed(request, min(left, self.budget(out)))
             if num_new == 0 or self._finishes_pending(request):
                 # A lower-tier prompt chunk left for a step without gold's, or a request whose
                 # pending token is its last.
@@ -248,7 +217,7 @@ class Scheduler(SwapPhases, TierPhases):
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
@@ -262,21 +231,35 @@ class Scheduler(SwapPhases, TierPhases):
             i += 1
         return preempted
 
-    def _admit_fcfs(self, out: SchedulerOutput) -> None:
-        """Admit the queue's head while budget, batch slots and blocks last."""
-        while (
-            self.waiting and self._budget(out) > 0 and len(self.running) < self.config.max_num_seqs
-        ):
-            if self._admit(self.waiting.peek(), out) is None:
-                break
+    def _finishes_pending(self, request: Request) -> bool:
+        """Its pending output is its last token (max_tokens or the context): nothing to add."""
+        if not request.num_pending_outputs:
+            return False
+        return (
+            request.num_output_tokens + request.num_pending_outputs >= request.params.max_tokens
+            or request.num_tokens + request.num_pending_outputs >= self.max_model_len
+        )
 
-    def _admit(self, request: Request, out: SchedulerOutput) -> int | None:
+    def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.num_scheduled_tokens[request.req_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        self.policy.charge(request, num_new)
+
+    # ------------------------------------------------- primitives (`sitsd.engine.batch.Batch`)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def budget(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+
+    def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
-        if self._budget(out) <= 0:
+        if self.budget(out) <= 0:
             return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size
-        num_new = self._allowed(request, min(request.num_tokens - num_hit, self._budget(out)))
+        num_new = self.policy.allowed(request, min(request.num_tokens - num_hit, self.budget(out)))
         if num_new == 0:
             return None
         new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
@@ -286,7 +269,7 @@ class Scheduler(SwapPhases, TierPhases):
         if request.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
             request.num_cached_tokens = num_hit
             self.kv_cache.record_lookup(request.num_prompt_tokens, num_hit)
-            request.first_scheduled_time = self._now()
+            request.first_scheduled_time = self._clock()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
         self.running.append(request)
@@ -305,25 +288,18 @@ class Scheduler(SwapPhases, TierPhases):
         self._count(out, request, num_new)
         return num_new
 
-    @staticmethod
-    def _unschedule(request: Request, out: SchedulerOutput) -> None:
-        """Take a request scheduled earlier in this step back out of `out`."""
-        Scheduler._unschedule_id(request.req_id, out)
-
-    @staticmethod
-    def _unschedule_id(req_id: str, out: SchedulerOutput) -> None:
+    def unschedule(self, req_id: str, out: SchedulerOutput) -> None:
         num = out.num_scheduled_tokens.pop(req_id, 0)
         out.total_num_scheduled_tokens -= num
         out.cached_reqs = [c for c in out.cached_reqs if c.req_id != req_id]
         out.new_reqs = [n for n in out.new_reqs if n.req_id != req_id]
 
-    def _take_back(self, request: Request, out: SchedulerOutput | None) -> None:
-        """Free a running request's blocks and queue it to be recomputed (its place kept)."""
+    def take_back(self, request: Request, out: SchedulerOutput | None) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
-        if self.migration is not None and request.req_id in self.migration.shadows:
-            self._drop_shadow(request, out)
-            request.weights_version = self.migration.to_version  # recomputed on the new ones
+        migrating_to = self.swaps.drop_shadow(request, out)
+        if migrating_to is not None:
+            request.weights_version = migrating_to  # recomputed on the new weights
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.push_preempted(request)
@@ -332,18 +308,16 @@ class Scheduler(SwapPhases, TierPhases):
         else:
             out.preempted_req_ids.add(request.req_id)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self._take_back(request, out)
+    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # Block-pressure victims come from the end of `running`, which this step has not
+        # scheduled yet; tier victims scheduled already are taken out by `unschedule`.
+        self.take_back(request, out)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.tracker.num_preempted[request.tier] += 1
-        # Block-pressure victims come from the end of `running`, which this step has not
-        # scheduled yet; tier victims scheduled already are taken out by `_unschedule`.
 
-    def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        out.num_scheduled_tokens[request.req_id] = num_new
-        out.total_num_scheduled_tokens += num_new
-        self._charge_allowance(request, num_new)
+    def forget(self, req_id: str) -> None:
+        self._finished_req_ids.add(req_id)
 
     # ---------------------------------------------------------------------------- the update
 
@@ -351,8 +325,7 @@ class Scheduler(SwapPhases, TierPhases):
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[TokenUpdate]:
         """Advance computed tokens, append sampled tokens, finish what hit a stop condition."""
-        if self.migration is not None:
-            self.migration.advance(sched_out, self.kv_cache)
+        self.swaps.advance(sched_out)
         if self._ahead is sched_out:
             self._ahead = None  # updated before anything was scheduled after it
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
@@ -361,7 +334,7 @@ class Scheduler(SwapPhases, TierPhases):
                 if not sched_out.applied_ahead:
                     request.num_computed_tokens += num_tokens
                 self.kv_cache.cache_full_blocks(request)
-        now = self._now()
+        now = self._clock()
         if self._step_started is not None:
             elapsed = now - self._step_started
             a = _STEP_TIME_SMOOTHING if self.step_time_s else 1.0
@@ -386,15 +359,6 @@ class Scheduler(SwapPhases, TierPhases):
             updates.append(TokenUpdate(request, accepted, reason, version))
         return updates
 
-    def _finishes_pending(self, request: Request) -> bool:
-        """Its pending output is its last token (max_tokens or the context): nothing to add."""
-        if not request.num_pending_outputs:
-            return False
-        return (
-            request.num_output_tokens + request.num_pending_outputs >= request.params.max_tokens
-            or request.num_tokens + request.num_pending_outputs >= self.max_model_len
-        )
-
     def _append_tokens(
         self, request: Request, token_ids: Iterable[int]
     ) -> tuple[list[int], FinishReason | None]:
@@ -413,16 +377,23 @@ class Scheduler(SwapPhases, TierPhases):
                 return accepted, FinishReason.LENGTH
         return accepted, None
 
-    def _release(self, request: Request, reason: FinishReason) -> None:
-        self.kv_cache.free(request)
-        if self.migration is not None:
-            self._drop_shadow(request, None)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self._finished_req_ids.add(request.req_id)
+    # ---------------------------------------------------------- admission control and status
 
-    def expired_req_ids(self, now: float) -> list[str]:
-        """Live requests whose deadline has passed."""
-        return [
-            r.req_id for r in self.requests.values() if r.deadline is not None and r.deadline <= now
-        ]
+    def admission_refusal(self, request: Request) -> str | None:
+        """Why `request` (not added yet) must be refused at once (the policy's rule), or None."""
+        return self.policy.refusal(request, self, self.step_time_s)
+
+    def overdue_requests(self, now: float) -> list[tuple[str, str]]:
+        """(req_id, reason) of waiting requests the policy sheds now."""
+        return self.policy.overdue(self, now)
+
+    def queue_snapshot(self) -> QueueSnapshot:
+        """The queue as admission control sees it (plain data, safe to hand to other threads)."""
+        return self.policy.queue_snapshot(self, self.step_time_s)
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Targets, caps, P99s (as of the last control interval) and counters, gold first."""
+        running = {t: sum(1 for r in self.running if r.tier is t) for t in TIER_ORDER}
+        waiting = {t: sum(1 for r in self.waiting if r.tier is t) for t in TIER_ORDER}
+        fixed_cap = None if self.policy.uses_caps else self.config.max_num_seqs
+        return self.tracker.stats(running, waiting, fixed_cap=fixed_cap)

@@ -1,6 +1,6 @@
-"""SLA tiers: the tiers file, the queue order with aging, and batch-controller plugins.
+"""SLA tiers: the queue order with aging, the per-tier statistics, and controller plugins.
 
-Rules the scheduler applies with these (`sitsd.engine.scheduler` has the phases):
+Rules the tiers policy (`sitsd.engine.tier_policy`) applies with these:
 
 - Order (with aging): waiting requests are served by `arrival_time + tier.priority_offset_s`,
   smallest first: each tier ranks as if its requests had arrived that much later (gold 0,
@@ -11,40 +11,42 @@ Rules the scheduler applies with these (`sitsd.engine.scheduler` has the phases)
   within its own 500 ms limit: bronze is never starved. (A pure earliest-queue-deadline order,
   `arrival + max_queue_wait`, would not do: under sustained overload bronze would reach the
   head only as it expires.) Preempted requests keep their arrival time, hence their place.
-- Caps: a controller (a plugin, `BatchController`) reads each tier's TTFT and inter-token P99
-  over a sliding window (`sitsd.engine.latency`) and sets how many running requests each tier
-  may hold; a tier at its cap is skipped, it does not block the others.
+- Caps: a controller (a plugin, `sitsd.plugins.interface.BatchController`) reads each tier's
+  TTFT and inter-token P99 over a sliding window (`sitsd.engine.latency`, kept by
+  `TierTracker`) and sets how many running requests each tier may hold; a tier at its cap is
+  skipped, it does not block the others. Caps are clamped to [1, max_num_seqs] and to the
+  tier's `max_batch_share`.
 - Gold steps: while a gold request has prompt tokens to compute, lower tiers' prompt chunks
   get only what keeps the step within `gold_step_tokens` once gold's chunks and every running
   request's token are in (`lower_tier_prefill_allowance`): a step that carries gold's prompt
   takes ~1/4 of a full 2048-token step's time, and gold's time to first token with it.
-- Estimates the controller sees are `TierEstimate`s; what it returns are caps, which the
-  scheduler clamps to [1, max_num_seqs] and to the tier's `max_batch_share`.
+
+Every request has a tier under either policy, so the scheduler keeps a `TierTracker` for both:
+its latency windows and counters are the tiers' statistics (`Admin.Status`); its caps matter
+only to the tiers policy.
 
 Plugins: group `sitsd.plugins`, name `batch_controller.<name>`, or a `*.py` file in a
 `--plugin-dir` defining `BATCH_CONTROLLERS = {"<name>": factory}`; a factory takes
-`(TiersConfig, max_num_seqs)` and returns a `BatchController` (`plugins/README.md`).
+`(TiersConfig, max_num_seqs)` and returns a `BatchController` (`plugins/README.md`). Reading
+the tiers file is `sitsd.tiers_file`'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol
-
-import yaml
 
 from sitsd.config import TierConfig, TiersConfig
 from sitsd.engine.latency import TierLatency
 from sitsd.engine.request import Request
 from sitsd.outputs import TierStats
-from sitsd.types import Tier
+from sitsd.plugins.interface import BatchController, ControllerFactory, TierEstimate
+from sitsd.plugins.p99_caps import P99BatchController
+from sitsd.types import TIER_ORDER, Tier
 
-TIER_ORDER = (Tier.GOLD, Tier.SILVER, Tier.BRONZE)  # highest priority first
 ENTRY_POINT_GROUP = "sitsd.plugins"
 ENTRY_POINT_PREFIX = "batch_controller."
 
@@ -54,53 +56,7 @@ def queue_key(arrival_time: float, tier: TierConfig) -> float:
     return arrival_time + tier.priority_offset_s
 
 
-@dataclass(frozen=True)
-class TierEstimate:
-    """What a batch controller knows of one tier at one moment."""
-
-    tier: Tier
-    ttft_p99_s: float | None  # None: no sample in the window
-    itl_p99_s: float | None
-    num_samples: int  # first tokens in the window
-    ttft_target_s: float
-    itl_target_s: float
-    num_itl_samples: int = 0  # inter-token gaps in the window
-
-    def ratios(self, min_samples: int = 1) -> tuple[float | None, float | None]:
-        """(TTFT P99 / target, ITL P99 / target), each None with fewer than `min_samples`."""
-        ttft = (
-            self.ttft_p99_s / self.ttft_target_s
-            if self.ttft_p99_s is not None and self.num_samples >= min_samples
-            else None
-        )
-        itl = (
-            self.itl_p99_s / self.itl_target_s
-            if self.itl_p99_s is not None and self.num_itl_samples >= min_samples
-            else None
-        )
-        return ttft, itl
-
-    @property
-    def ratio(self) -> float | None:
-        """Worst of TTFT P99 / target and ITL P99 / target; None without samples."""
-        known = [r for r in self.ratios(min_samples=0) if r is not None]
-        return max(known) if known else None
-
-
-class BatchController(Protocol):
-    """Sets per-tier batch caps from live latency estimates (called every control interval)."""
-
-    def update(self, estimates: Mapping[Tier, TierEstimate], now: float) -> Mapping[Tier, int]:
-        """The cap of each tier: how many of its requests may run at once. Missing = unchanged."""
-        ...
-
-
-ControllerFactory = Callable[[TiersConfig, int], BatchController]
-
-
 def _builtin_controllers() -> dict[str, ControllerFactory]:
-    from sitsd.plugins.p99_caps import P99BatchController
-
     return {"p99-caps": P99BatchController}
 
 
@@ -143,65 +99,6 @@ def load_batch_controller(config: TiersConfig, max_num_seqs: int) -> BatchContro
     return candidates[name](config, max_num_seqs)
 
 
-# ------------------------------------------------------------------------------- tiers file
-
-_TIER_KEYS = {
-    "ttft_p99_ms": "ttft_p99_s",
-    "itl_p99_ms": "itl_p99_s",
-    "max_queue_wait_ms": "max_queue_wait_s",
-    "max_batch_share": "max_batch_share",
-    "priority_offset_ms": "priority_offset_s",
-}
-_TOP_KEYS = {f.name for f in fields(TiersConfig)} - {"gold", "silver", "bronze", "plugin_dirs"}
-
-
-def tiers_config_from_mapping(
-    data: Mapping[str, Any], base: TiersConfig | None = None
-) -> TiersConfig:
-    """A `TiersConfig` from a parsed tiers file; unset values keep `base`'s.
-
-    Raises:
-        ValueError: an unknown key or a value out of range (the message names it).
-    """
-    base = base or TiersConfig()
-    changes: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "tiers":
-            for name, tier_data in (value or {}).items():
-                if name not in Tier.__members__.values():
-                    raise ValueError(f"tiers: unknown tier {name!r} (gold, silver, bronze)")
-                changes[name] = _tier_from_mapping(name, tier_data or {}, base.tier(name))
-        elif key in _TOP_KEYS:
-            changes[key] = value
-        else:
-            raise ValueError(f"unknown key {key!r} (known: tiers, {', '.join(sorted(_TOP_KEYS))})")
-    config = TiersConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, **changes})
-    if config.default_tier not in Tier.__members__.values():
-        raise ValueError(f"default_tier: {config.default_tier!r} is not gold, silver or bronze")
-    if not 1 <= config.min_batch_cap <= config.max_batch_cap:
-        raise ValueError("min_batch_cap and max_batch_cap: need 1 <= min <= max")
-    if not config.window_s > 0 or not config.control_interval_s > 0:
-        raise ValueError("window_s and control_interval_s must be > 0")
-    if type(config.gold_step_tokens) is not int or config.gold_step_tokens < 0:
-        raise ValueError(f"gold_step_tokens: a whole number >= 0, got {config.gold_step_tokens!r}")
-    return config
-
-
-def _tier_from_mapping(name: str, data: Mapping[str, Any], base: TierConfig) -> TierConfig:
-    values = {f.name: getattr(base, f.name) for f in fields(base)}
-    for key, value in data.items():
-        if key not in _TIER_KEYS:
-            raise ValueError(f"tiers.{name}: unknown key {key!r} (known: {', '.join(_TIER_KEYS)})")
-        number = float(value)
-        minimum_ok = number >= 0 if key == "priority_offset_ms" else number > 0
-        if not math.isfinite(number) or not minimum_ok:
-            raise ValueError(f"tiers.{name}.{key}: out of range, got {value!r}")
-        values[_TIER_KEYS[key]] = number / 1000 if key.endswith("_ms") else number
-    if values["max_batch_share"] > 1:
-        raise ValueError(f"tiers.{name}.max_batch_share: must be in (0, 1]")
-    return TierConfig(**values)
-
-
 def lower_tier_prefill_allowance(
     running: Iterable[Request], waiting: Iterable[Request], gold_step_tokens: int
 ) -> int | None:
@@ -222,43 +119,19 @@ def lower_tier_prefill_allowance(
     return None if gold == 0 else max(0, gold_step_tokens - gold - len(running))
 
 
-def load_tiers_file(path: str | Path, base: TiersConfig | None = None) -> TiersConfig:
-    """Read a tiers YAML file (format in `bench/tiers-cpu.yaml` and the README).
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: it is not valid YAML or holds an unknown key or a bad value.
-    """
-    text = Path(path).read_text()
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    try:
-        return tiers_config_from_mapping(data, base)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
-
-
 # ------------------------------------------------------------------------- live tier state
 
 
 class TierTracker:
     """Per-tier latency windows, batch caps and counters, owned by the scheduler."""
 
-    def __init__(
-        self, config: TiersConfig, max_num_seqs: int, controller: BatchController | None
-    ) -> None:
+    def __init__(self, config: TiersConfig, max_num_seqs: int) -> None:
         """Args:
         config: the tiers' targets and the controller's settings.
         max_num_seqs: the batch size limit every cap stays under.
-        controller: sets the caps; None keeps every cap at its largest (FCFS).
         """
         self.config = config
         self.max_num_seqs = max_num_seqs
-        self.controller = controller
         self.latency = {tier: TierLatency(config.window_s) for tier in TIER_ORDER}
         # Until the controller's first update: the top tier the whole batch, the others the
         # controller's largest cap.
@@ -290,15 +163,18 @@ class TierTracker:
             )
         return out
 
-    def refresh(self, now: float) -> None:
-        """Once per control interval: recompute the P99s and ask the controller for caps."""
+    def refresh(self, now: float) -> dict[Tier, TierEstimate] | None:
+        """Once per control interval: recompute the P99s and return them (None in between)."""
         if now < self._next_update:
-            return
+            return None
         self._next_update = now + self.config.control_interval_s
         self.last_estimates = self.estimates(now)
-        if self.controller is not None:
-            for tier, cap in self.controller.update(self.last_estimates, now).items():
-                self.caps[Tier(tier)] = self._clamp(Tier(tier), int(cap))
+        return self.last_estimates
+
+    def set_caps(self, caps: Mapping[Tier, int]) -> None:
+        """A controller's caps, clamped to [1, max_num_seqs] and each tier's batch share."""
+        for tier, cap in caps.items():
+            self.caps[Tier(tier)] = self._clamp(Tier(tier), int(cap))
 
     def _clamp(self, tier: Tier, cap: int) -> int:
         share = self.target(tier).max_batch_share
@@ -307,7 +183,7 @@ class TierTracker:
     def stats(
         self, running: dict[Tier, int], waiting: dict[Tier, int], fixed_cap: int | None = None
     ) -> tuple[TierStats, ...]:
-        """Each tier's targets, cap (`fixed_cap` when no controller applies), P99s and counts."""
+        """Each tier's targets, cap (`fixed_cap` when no caps apply), P99s and counts."""
         out = []
         for tier in TIER_ORDER:
             target, est = self.target(tier), self.last_estimates[tier]

@@ -1,1 +1,2 @@
-"""Bundled plugins (found by name through `sitsd.engine.tiers.load_batch_controller`)."""
+"""Bundled plugins and the plugin interface (`interface.py`); plugins are found by name through
+`sitsd.engine.tiers.load_batch_controller`."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sitsd.config import TiersConfig
-from sitsd.engine.tiers import TIER_ORDER, TierEstimate
+from sitsd.plugins.interface import TIER_ORDER, TierEstimate
 from sitsd.types import Tier
 
 LOW_PRESSURE = 0.5  # at or below: the largest cap

@@ -18,6 +18,10 @@ Weights versions (hot-swap): every request runs on the slot holding its version
 after the other, each on its own slot and with its own CUDA graphs: no forward pass mixes
 versions. A migration shadow (`NewRequestData.shadow_of`) shares its request's token list and
 never samples.
+
+`prompt_logprobs(token_ids, slot)` scores a prompt outside any request (the canary gate of a
+swap): one prefill on that slot's weights over a small KV pool of its own (allocated at the
+first call, grown for a longer prompt), so no request's blocks are touched.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ import torch
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.runtime.cuda_graphs import DecodeGraphs
-from sitsd.runtime.input_batch import CachedRequestState, StepInputBuilder, StepInputs
+from sitsd.runtime.input_batch import (
+    CachedRequestState,
+    StepInputBuilder,
+    StepInputs,
+    build_step_inputs,
+)
+from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.runtime.mixed_graphs import MixedGraphs
 from sitsd.runtime.sampler import sample_on_device
 from sitsd.runtime.weight_slots import WeightSlots
+from sitsd.types import SamplingParams
 
 if TYPE_CHECKING:
     from sitsd.runtime.cuda_graphs import GraphPool
@@ -74,6 +85,8 @@ class ModelRunner:
         # the tokens it sampled from the device (asynchronous scheduling).
         self._last: PendingStep | None = None
         self._patch = _InputPatch(builder.max_num_seqs, self.device)
+        # `prompt_logprobs`' own KV pool (allocated at its first call).
+        self._scratch_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def weights_version(self) -> str:
@@ -132,6 +145,29 @@ class ModelRunner:
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(sched_out).result()
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
+        """Next-token log-probabilities of every position of a prompt under slot `slot`'s
+        weights: one prefill over the runner's scratch KV ([len(token_ids), vocab] float32,
+        left on the device). Runs between steps; no request's state is touched."""
+        n = len(token_ids)
+        num_blocks = -(-n // self.block_size)
+        if not self._scratch_kv or self._scratch_kv[0][0].shape[0] < num_blocks:
+            slots = self.slots
+            self._scratch_kv = allocate_kv_caches(
+                slots.arch, num_blocks, self.block_size, slots.dtype, self.device
+            )
+        state = CachedRequestState(
+            "prompt", list(token_ids), n, SamplingParams(), 0, list(range(num_blocks)), 0
+        )
+        inputs = build_step_inputs([state], {"prompt": n}, self.block_size, self.device)
+        weights = self.slots.weights(slot)
+        # The prefill writes every position's KV before reading it: the pool is reused.
+        hidden = self.model.forward(
+            weights, inputs.input_ids, inputs.positions, inputs.meta, self._scratch_kv
+        )
+        return torch.log_softmax(self.model.compute_logits(weights, hidden), -1)  # [n, vocab]
 
     @torch.inference_mode()
     def launch(self, sched_out: SchedulerOutput) -> PendingStep:

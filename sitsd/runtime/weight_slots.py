@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from sitsd.config import DEFAULT_CHUNK_BYTES
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaWeights, empty_weights_like, weight_copy_plan
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 class PinnedUpload:

@@ -2,15 +2,14 @@
 
 `--canary-file FILE` holds prompts, one per line, or JSON lines `{"prompt": "..."}` or
 `{"token_ids": [...]}` (cut to `canary_max_tokens`). Before a staged version may commit, each
-prompt runs through the active slot and the standby slot: two prefills on the engine thread,
-one per engine turn (so serving waits at most one short prefill at a time; heavy compute
-stays on the engine thread, see `stager.run_off_engine`), over a small KV pool of the
-canary's own. Per prompt: the mean over its positions of
-KL(active || new) of the next-token distributions, and each version's perplexity on the
-prompt's own tokens. The version is rejected when the mean KL over the prompts exceeds
+prompt runs through the active slot and the standby slot: two prefills through the model
+runner, one per engine turn (so serving waits at most one short prefill at a time), over a
+small KV pool of the runner's own (`SwapPort.prompt_logprobs`). Per prompt: the mean over its
+positions of KL(active || new) of the next-token distributions, and each version's perplexity
+on the prompt's own tokens. The version is rejected when the mean KL over the prompts exceeds
 `--canary-max-kl` (nats), with the measured values in the reason.
 
-When to run it is `sitsd.weights.swap`'s business.
+When to run it is `sitsd.weights.staging`'s business.
 """
 
 from __future__ import annotations
@@ -19,20 +18,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
-from sitsd.runtime.kv_cache import allocate_kv_caches
-from sitsd.types import SamplingParams
+from sitsd.weights.tokenizer import Tokenizer
 
 
 class CanaryFileError(ValueError):
     """The canary file cannot be used; the message says where and why."""
 
 
-def read_canary_prompts(path: str | Path, tokenizer: Any, max_tokens: int) -> list[list[int]]:
+def read_canary_prompts(path: str | Path, tokenizer: Tokenizer, max_tokens: int) -> list[list[int]]:
     """Token ids of every prompt in the canary file (each at least 2 tokens, cut to `max_tokens`).
 
     Raises:
@@ -55,7 +51,7 @@ def read_canary_prompts(path: str | Path, tokenizer: Any, max_tokens: int) -> li
     return prompts
 
 
-def _prompt_ids(line: str, tokenizer: Any) -> list[int] | None:
+def _prompt_ids(line: str, tokenizer: Tokenizer) -> list[int] | None:
     text = line.strip()
     if text.startswith("{"):
         try:
@@ -110,38 +106,9 @@ class CanaryResult:
         )
 
 
-class CanaryRunner:
-    """Canary forward passes over a KV pool of its own (allocated at the first one), on the
-    engine's device; called on the engine thread only."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    @torch.inference_mode()
-    def logprobs(self, runner: Any, prompt: list[int], slot: int) -> torch.Tensor:
-        """Next-token log-probabilities of every prompt position under slot `slot`'s weights:
-        one prefill ([len(prompt), vocab] float32, left on the device)."""
-        slots, model, block_size = runner.slots, runner.model, runner.block_size
-        num_blocks = -(-self.max_tokens // block_size)
-        if self._kv is None:
-            self._kv = allocate_kv_caches(
-                slots.arch, num_blocks, block_size, slots.dtype, slots.device
-            )
-        n = len(prompt)
-        state = CachedRequestState(
-            "canary", prompt, n, SamplingParams(), 0, list(range(num_blocks)), 0
-        )
-        inputs = build_step_inputs([state], {"canary": n}, block_size, slots.device)
-        weights = slots.weights(slot)
-        # The prefill writes every position's KV before reading it: the pool is reused.
-        hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, self._kv)
-        return torch.log_softmax(model.compute_logits(weights, hidden), -1)  # [n, vocab]
-
-
 @torch.inference_mode()
 def compare(active: torch.Tensor, new: torch.Tensor, prompt: list[int]) -> CanaryScore:
-    """One prompt's score from its two `CanaryRunner.logprobs` ([n, vocab] each)."""
+    """One prompt's score from its log-probabilities under both versions ([n, vocab] each)."""
     n = len(prompt)
     kl = (active.exp() * (active - new)).sum(-1).mean()
     targets = torch.tensor(prompt[1:], device=active.device).unsqueeze(-1)  # [n - 1, 1]

@@ -4,6 +4,8 @@ The Admin API streams them (`SwapProgress` in admin.proto) and sitsctl draws its
 from them. Stages, in order: verify (manifest checksums), load, validate, stage (the copy into
 the standby slot), canary, commit (with `migrate`: progress while shadows catch up), then a
 last event "committed" (with the serving pause), "staged" (deploy) or "rejected"/"failed".
+Each stage is also timed in the swap's trace (`SwapTraceLike`). Staging threads report bytes
+through `ByteProgress`, paced by a `Pacer`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 FINAL_STAGES = ("committed", "staged", "rejected", "failed")
 
@@ -42,6 +46,26 @@ ProgressSink = Callable[[SwapProgress], None]
 
 def ignore_progress(progress: SwapProgress) -> None:
     """A sink for callers that want no progress."""
+
+
+class SwapTraceLike(Protocol):
+    """A swap's telemetry: one timed span per stage, an outcome at the end
+    (`sitsd.observability.swap.SwapTrace`)."""
+
+    def stage(self, name: str) -> AbstractContextManager[object]: ...
+
+    def finish(self, outcome: str, error: str = "") -> None: ...
+
+
+class NoTrace:
+    """A `SwapTraceLike` that records nothing (a daemon without telemetry)."""
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        yield
+
+    def finish(self, outcome: str, error: str = "") -> None:
+        pass
 
 
 class Pacer:

@@ -3,39 +3,40 @@
 `StandbyStager.stage(record)` takes a registered version to "ready to commit":
 
     verify + load  the manifest against every file, then the checkpoint     stager thread
-    validate       against the serving model (`stager.validate`)           stager thread
-    stage          take the standby slot from the engine (once no request
-                   runs on it: a drain may still hold it), copy into it     stager thread
+    validate       against the serving model (`checks.validate`)           stager thread
+    stage          reserve the standby slot (once no request runs on it:
+                   a drain may still hold it), copy into it                 stager thread
     canary         prompts through both slots (`canary.py`), one prefill
                    per engine turn                                          engine thread
 
-Each stage is timed in the swap's trace. A failed check raises `stager.VersionRejected`; the
-caller (`sitsd.weights.swap.SwapManager`) records it. With one weight slot only verify, load
-and validate run: the commit copies the loaded version in place.
+Everything it asks of the engine goes through the `SwapPort`. Each stage is timed in the
+swap's trace. A failed check raises `checks.VersionRejected`; the caller
+(`sitsd.weights.swap.SwapManager`) records it. With one weight slot only verify, load and
+validate run: the commit copies the loaded version in place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from sitsd.engine.async_engine import AsyncEngine
-from sitsd.weights.canary import CanaryResult, CanaryRunner, compare
-from sitsd.weights.errors import SwapRefusedError
-from sitsd.weights.formats import CheckpointError, load_checkpoint
-from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress
-from sitsd.weights.stager import (
+from sitsd.config import DEFAULT_CHUNK_BYTES
+from sitsd.engine.swap_controller import StandbyBusy
+from sitsd.engine.swap_port import SwapPort
+from sitsd.weights import CheckpointError, load_checkpoint
+from sitsd.weights.canary import CanaryResult, compare
+from sitsd.weights.checks import (
     LoadedVersion,
     ServingModel,
     VersionRejected,
     load_version,
-    run_off_engine,
     validate,
 )
+from sitsd.weights.errors import SwapRefusedError
+from sitsd.weights.offthread import run_off_engine
+from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress, SwapTraceLike
 from sitsd.weights.versions import WeightVersion
 
 log = logging.getLogger("sitsd.swap")
@@ -48,30 +49,24 @@ _HASH_WORKERS = 4  # files of a version hashed at once when staging is not paced
 class StagingSettings:
     """Limits of staging (from `WeightsConfig` and `SwapConfig`)."""
 
-    chunk_bytes: int = 64 * 2**20  # the most a copy or check moves at once
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the most a copy or check moves at once
     cpu_share: float = 1.0  # of one core, the most the stager uses (it sleeps between chunks)
     slot_wait_s: float = 600.0  # how long to wait for the standby slot to drain
     canary_prompts: tuple[tuple[int, ...], ...] = ()  # token ids; empty: no canary
     canary_max_kl: float = 0.5  # nats
-    canary_max_tokens: int = 256
     watch_root: str = ""  # versions the watcher found must resolve inside it
 
 
 class StandbyStager:
     """Stages versions for one engine; see the module docstring."""
 
-    def __init__(self, engine: AsyncEngine, serving: ServingModel, settings: StagingSettings):
-        self.engine = engine
+    def __init__(self, port: SwapPort, serving: ServingModel, settings: StagingSettings) -> None:
+        self.port = port
         self.serving = serving
         self.settings = settings
-        self._canary = CanaryRunner(settings.canary_max_tokens)
-
-    @property
-    def slots(self) -> Any:
-        return self.engine.core.runner.slots
 
     async def stage(
-        self, record: WeightVersion, progress: ProgressSink, trace: Any
+        self, record: WeightVersion, progress: ProgressSink, trace: SwapTraceLike
     ) -> LoadedVersion:
         """Verify, load and validate `record`; with two slots, copy it into the standby slot
         and run the canary. Returns the loaded version (one slot: the commit copies it).
@@ -91,7 +86,7 @@ class StandbyStager:
             await run_off_engine(
                 lambda: validate(loaded, self.serving, chunk_bytes=chunk, on_progress=on_bytes)
             )
-        if self.slots.num_slots == 2:
+        if self.port.num_slots == 2:
             await self._copy_to_standby(loaded, record.version, progress, trace)
         return loaded
 
@@ -118,7 +113,7 @@ class StandbyStager:
         return loaded
 
     async def _copy_to_standby(
-        self, loaded: LoadedVersion, version: str, progress: ProgressSink, trace: Any
+        self, loaded: LoadedVersion, version: str, progress: ProgressSink, trace: SwapTraceLike
     ) -> None:
         index = await self._reserve_standby(version, progress)
         loop = asyncio.get_running_loop()
@@ -128,16 +123,14 @@ class StandbyStager:
         tensors, chunk = loaded.checkpoint.tensors, self.settings.chunk_bytes
         with trace.stage("stage"):
             await run_off_engine(
-                lambda: self.slots.copy_into(
-                    index, tensors, chunk_bytes=chunk, on_progress=on_bytes
-                )
+                lambda: self.port.copy_into(index, tensors, chunk_bytes=chunk, on_progress=on_bytes)
             )
-        await self.engine.call(lambda core: core.runner.slots.fill(index, version))
+        await self.port.fill(index, version)
         if self.settings.canary_prompts:
             with trace.stage("canary"):
-                result = await self._run_canary(index, version, progress)
+                result = await self._run_canary(version, progress)
             if not result.passed:  # nothing may run on rejected weights
-                await self.engine.call(lambda core: core.runner.slots.release(index))
+                await self.port.release(index)
                 raise VersionRejected(result.describe())
 
     async def _reserve_standby(self, version: str, progress: ProgressSink) -> int:
@@ -145,9 +138,10 @@ class StandbyStager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.slot_wait_s
         while True:
-            index, held, num = await self.engine.call(release_standby)
-            if index is not None:
-                return index
+            try:
+                return await self.port.reserve_standby()
+            except StandbyBusy as busy:
+                held, num = busy.version, busy.num_requests
             if loop.time() > deadline:
                 raise SwapRefusedError(
                     f"the standby slot still serves {num} requests on version {held} (drain); "
@@ -157,17 +151,13 @@ class StandbyStager:
             progress(SwapProgress("stage", version, message=message))
             await asyncio.sleep(_SLOT_POLL_S)
 
-    def _logprobs(self, prompt: list[int], slot: int | None, core: Any) -> Any:
-        """Engine thread: one canary prefill on `slot` (None: the active one)."""
-        runner = core.runner
-        return self._canary.logprobs(runner, prompt, runner.slots.active if slot is None else slot)
-
-    async def _run_canary(self, index: int, version: str, progress: ProgressSink) -> CanaryResult:
+    async def _run_canary(self, version: str, progress: ProgressSink) -> CanaryResult:
+        active_version = self.port.status().weights_version
         scores = []
         for ids in self.settings.canary_prompts:  # one prefill per engine turn
             prompt = list(ids)
-            active = await self.engine.call(functools.partial(self._logprobs, prompt, None))
-            new = await self.engine.call(functools.partial(self._logprobs, prompt, index))
+            active = await self.port.prompt_logprobs(prompt, active_version)
+            new = await self.port.prompt_logprobs(prompt, version)
             scores.append(compare(active, new, prompt))
         result = CanaryResult(tuple(scores), self.settings.canary_max_kl)
         message = result.describe()
@@ -175,18 +165,3 @@ class StandbyStager:
                               canary_ppl_ratio=result.ppl_ratio))  # fmt: skip
         log.info("%s", message, extra={"weights_version": version})
         return result
-
-
-def release_standby(core: Any) -> tuple[int | None, str, int]:
-    """Engine thread: release the standby slot to the stager if no request runs on it.
-
-    Returns (slot index, "", 0), or (None, the version still there, requests on it).
-    """
-    slots = core.runner.slots
-    index = slots.standby
-    held = slots.versions[index]
-    num = core.scheduler.num_on_version(held) if held else 0
-    if num or core.commits.busy:
-        return None, held or "", num
-    slots.release(index)
-    return index, "", 0

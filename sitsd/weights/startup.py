@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sitsd.config import SitsdConfig
 from sitsd.weights.formats import resolve_model_path
@@ -26,6 +26,12 @@ from sitsd.weights.versions import (
     VersionRegistry,
     VersionState,
 )
+
+if TYPE_CHECKING:
+    from sitsd.engine.swap_port import SwapPort
+    from sitsd.observability import Observability
+    from sitsd.weights.swap import SwapManager
+    from sitsd.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("sitsd.swap")
 
@@ -112,39 +118,42 @@ def startup_registry(choice: StartupChoice, serving_version: str) -> VersionRegi
     return registry
 
 
-def create_swap_manager(engine: Any, config: SitsdConfig, choice: StartupChoice,
-                        telemetry: Any | None) -> Any:  # fmt: skip
-    """The daemon's `SwapManager` for a running `engine`.
+def create_swap_manager(
+    port: SwapPort,
+    tokenizer: Tokenizer,
+    config: SitsdConfig,
+    choice: StartupChoice,
+    telemetry: Observability | None,
+) -> SwapManager:
+    """The daemon's `SwapManager` for a running engine (its `port`; `tokenizer` serves).
 
     Raises:
         CanaryFileError: the canary file cannot be used.
     """
     # Imported here: torch and the model code; the daemon calls this once the engine runs.
     from sitsd.weights.canary import read_canary_prompts
-    from sitsd.weights.stager import serving_model_of
+    from sitsd.weights.checks import serving_model_of
     from sitsd.weights.staging import StagingSettings
     from sitsd.weights.swap import SwapManager, SwapSettings
 
     wcfg = config.weights
-    slots = engine.core.runner.slots
     prompts: list[list[int]] = []
     if wcfg.canary_file:
-        prompts = read_canary_prompts(wcfg.canary_file, engine.tokenizer, wcfg.canary_max_tokens)
-        if slots.num_slots == 1:
+        prompts = read_canary_prompts(wcfg.canary_file, tokenizer, wcfg.canary_max_tokens)
+        if port.num_slots == 1:
             log.warning("--canary-file: with one weight slot there is no canary (it compares "
                         "both slots); versions commit after validation alone")  # fmt: skip
-    on_cpu = slots.device.type == "cpu"
+    on_cpu = port.device.type == "cpu"
     staging = StagingSettings(
         chunk_bytes=min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes,
         cpu_share=(wcfg.staging_cpu_share or _CPU_SHARE) if on_cpu else 1.0,
         slot_wait_s=config.swap.slot_wait_s,
-        canary_prompts=tuple(tuple(p) for p in prompts) if slots.num_slots == 2 else (),
+        canary_prompts=tuple(tuple(p) for p in prompts) if port.num_slots == 2 else (),
         canary_max_kl=wcfg.canary_max_kl,
-        canary_max_tokens=wcfg.canary_max_tokens,
         watch_root=wcfg.watch_dir,
     )
-    serving = serving_model_of(slots.arch, engine.tokenizer, slots.dtype, slots.device)
-    registry = startup_registry(choice, slots.active_version)
+    serving = serving_model_of(port.arch, tokenizer, port.dtype, port.device)
+    registry = startup_registry(choice, port.status().weights_version)
     store = ActiveVersionStore(config.server.state_dir) if config.server.state_dir else None
     settings = SwapSettings(default_policy=config.swap.policy, staging=staging)
-    return SwapManager(engine, registry, serving, settings, store, telemetry)
+    return SwapManager(port, registry, serving, settings, store, telemetry)

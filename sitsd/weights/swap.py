@@ -27,18 +27,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from sitsd.engine.async_engine import AsyncEngine
+from sitsd.config import SWAP_POLICIES
 from sitsd.engine.errors import InvalidRequestError
-from sitsd.engine.swap_phases import SWAP_POLICIES
+from sitsd.engine.messages import InPlaceCopy, SwapEvent
+from sitsd.engine.swap_port import SwapPort
+from sitsd.observability import Observability
+from sitsd.weights.checks import LoadedVersion, ServingModel, VersionRejected
 from sitsd.weights.errors import SwapFailedError, SwapRefusedError, VersionRejectedError
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
-from sitsd.weights.progress import ProgressSink, SwapProgress, ignore_progress
-from sitsd.weights.stager import LoadedVersion, ServingModel, VersionRejected
+from sitsd.weights.progress import (
+    NoTrace,
+    ProgressSink,
+    SwapProgress,
+    SwapTraceLike,
+    ignore_progress,
+)
 from sitsd.weights.staging import StagingSettings, StandbyStager
 from sitsd.weights.versions import (
     ActiveVersionStore,
@@ -60,51 +67,36 @@ class SwapSettings:
     staging: StagingSettings = field(default_factory=StagingSettings)
 
 
-class _NoTrace:
-    """Stands in for `SwapTrace` when there is no telemetry."""
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        yield
-
-    def finish(self, outcome: str, error: str = "") -> None:
-        pass
-
-
 class SwapManager:
     """Deploy / swap / rollback / list for one served model (see the module docstring)."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        port: SwapPort,
         registry: VersionRegistry,
         serving: ServingModel,
         settings: SwapSettings,
         store: ActiveVersionStore | None = None,
-        telemetry: Any | None = None,
+        telemetry: Observability | None = None,
     ) -> None:
         """Args:
-        engine: the running engine.
+        port: the running engine's swap port.
         registry: the versions, the serving one registered active.
         serving: what a new version must match.
         settings: policies, limits, canary prompts.
         store: where the active version is persisted (None: not persisted).
         telemetry: an `Observability` (swap traces, metrics), or None.
         """
-        self.engine = engine
+        self.port = port
         self.registry = registry
         self.serving = serving
         self.settings = settings
         self.store = store
         self.telemetry = telemetry
-        self.stager = StandbyStager(engine, serving, settings.staging)
+        self.stager = StandbyStager(port, serving, settings.staging)
         self._lock = asyncio.Lock()
         self._operation = ""
         self._in_place: dict[str, LoadedVersion] = {}  # one slot: validated, awaiting commit
-
-    @property
-    def slots(self) -> Any:
-        return self.engine.core.runner.slots
 
     @property
     def busy(self) -> str:
@@ -209,7 +201,7 @@ class SwapManager:
 
     def versions(self) -> VersionsView:
         """Every version, and which slot holds which."""
-        status = self.engine.status()
+        status = self.port.status()
         where = {}
         for index, held in enumerate(status.slot_versions):
             if held:
@@ -224,14 +216,16 @@ class SwapManager:
 
     # ---------------------------------------------------------------------------- staging
 
-    async def _stage(self, record: WeightVersion, progress: ProgressSink, trace: Any) -> None:
+    async def _stage(
+        self, record: WeightVersion, progress: ProgressSink, trace: SwapTraceLike
+    ) -> None:
         """Verify, load, validate and (two slots) copy into the standby slot, then canary."""
         version = record.version
         if record.state is not VersionState.STAGED:
             self.registry.set_state(version, VersionState.STAGED)  # restaged from disk
         try:
             loaded = await self.stager.stage(record, progress, trace)
-            if self.slots.num_slots == 1:
+            if self.port.num_slots == 1:
                 self._in_place[version] = loaded  # copied over the slot by the commit
         except VersionRejected as exc:
             self._reject(version, str(exc), progress, trace)
@@ -256,7 +250,7 @@ class SwapManager:
         version: str,
         reason: str,
         progress: ProgressSink,
-        trace: Any,
+        trace: SwapTraceLike,
         outcome: str = "rejected",
     ) -> None:
         self.registry.set_state(version, VersionState.REJECTED, reason)
@@ -273,30 +267,25 @@ class SwapManager:
     # ----------------------------------------------------------------------------- commit
 
     async def _commit(
-        self, version: str, policy: str, progress: ProgressSink, trace: Any, outcome: str
+        self,
+        version: str,
+        policy: str,
+        progress: ProgressSink,
+        trace: SwapTraceLike,
+        outcome: str,
     ) -> SwapProgress:
-        copy_in_place: Callable[[], None] | None = None
-        if self.slots.num_slots == 1:
+        in_place = None
+        if self.port.num_slots == 1:
             if policy == "drain":
                 raise SwapRefusedError(
                     "drain needs two weight slots; this daemon has one "
                     "(--weight-slots): use migrate or restart"
                 )
             loaded = self._in_place.pop(version)
-            chunk = self.settings.staging.chunk_bytes
-            copy_in_place = lambda: self.slots.copy_into(
-                0, loaded.checkpoint.tensors, chunk_bytes=chunk
-            )
+            in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes)
         with trace.stage("commit"):
-            async for event in self.engine.commit(version, policy, copy_in_place):
-                update = _progress_of(event)
-                if event.kind == "failed":
-                    trace.finish("failed", event.message)
-                    progress(update)
-                    raise SwapFailedError(f"commit of {version} failed: {event.message}")
-                if event.kind == "committed":
-                    break
-                progress(update)
+            event = await self._follow_commit(version, policy, in_place, progress, trace)
+        update = _progress_of(event)
         await self._persist(version)
         if self.telemetry is not None:
             self.telemetry.metrics.record_swap_stage("pause", event.pause_s)
@@ -316,6 +305,29 @@ class SwapManager:
         )
         progress(update)
         return update
+
+    async def _follow_commit(
+        self,
+        version: str,
+        policy: str,
+        in_place: InPlaceCopy | None,
+        progress: ProgressSink,
+        trace: SwapTraceLike,
+    ) -> SwapEvent:
+        """The commit's "committed" event, reporting the ones before it.
+
+        Raises:
+            SwapFailedError: the engine reported "failed".
+        """
+        async for event in self.port.commit(version, policy, in_place):
+            if event.kind == "committed":
+                return event
+            if event.kind == "failed":
+                trace.finish("failed", event.message)
+            progress(_progress_of(event))
+            if event.kind == "failed":
+                raise SwapFailedError(f"commit of {version} failed: {event.message}")
+        raise SwapFailedError(f"commit of {version} failed: the engine stopped reporting")
 
     async def _persist(self, version: str) -> None:
         """Record the commit, and persist it (before it is reported).
@@ -347,11 +359,11 @@ class SwapManager:
         return policy
 
     def _loaded_versions(self) -> set[str]:
-        return {v for v in self.engine.status().slot_versions if v} | set(self._in_place)
+        return {v for v in self.port.status().slot_versions if v} | set(self._in_place)
 
-    def _trace(self, version: str) -> Any:
+    def _trace(self, version: str) -> SwapTraceLike:
         if self.telemetry is None:
-            return _NoTrace()
+            return NoTrace()
         return self.telemetry.swap_trace(self.registry.active, version)
 
     @contextlib.asynccontextmanager
@@ -366,7 +378,7 @@ class SwapManager:
                 self._operation = ""
 
 
-def _progress_of(event: Any) -> SwapProgress:
+def _progress_of(event: SwapEvent) -> SwapProgress:
     stage = "committed" if event.kind == "committed" else "commit"
     if event.kind == "failed":
         stage = "failed"

@@ -23,27 +23,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
+from sitsd.config import WATCH_COMMIT_MODES
+from sitsd.observability.metrics import Metrics
 from sitsd.weights.errors import VersionConflictError, VersionError
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, check_complete
-from sitsd.weights.stager import run_off_engine
+from sitsd.weights.offthread import run_off_engine
+from sitsd.weights.swap import SwapManager
 from sitsd.weights.versions import VersionState
 
 log = logging.getLogger("sitsd.watch")
 
-WATCH_COMMIT_MODES = ("auto", "stage-only")
+VersionKey = tuple[str, str]  # (model, version) directory names; version "" = a model dir
 
 
 class VersionWatcher:
     """Watches one directory for new versions of the served model (see the module docstring)."""
 
-    def __init__(self, root: str | Path, manager: Any, *, commit: str = "auto",
-                 debounce_s: float = 0.5, metrics: Any | None = None) -> None:  # fmt: skip
+    def __init__(self, root: str | Path, manager: SwapManager, *, commit: str = "auto",
+                 debounce_s: float = 0.5, metrics: Metrics | None = None) -> None:  # fmt: skip
         """Args:
         root: the watched directory (created if missing).
         manager: the `SwapManager` that stages and commits.
@@ -61,7 +65,7 @@ class VersionWatcher:
         self.metrics = metrics
         self._due: dict[tuple[str, str], float] = {}  # (model, version) -> when to check it
         self._wake = asyncio.Event()
-        self._observer: Any = None
+        self._observer: BaseObserver | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -70,10 +74,10 @@ class VersionWatcher:
         loop = asyncio.get_running_loop()
         await run_off_engine(self._register_existing, name="sitsd-watch-scan")
         handler = _Handler(self.root, lambda key: loop.call_soon_threadsafe(self._touch, key))
-        self._observer = Observer()
-        self._observer.schedule(handler, str(self.root), recursive=True)
-        self._observer.daemon = True
-        self._observer.start()
+        observer = self._observer = Observer()
+        observer.schedule(handler, str(self.root), recursive=True)
+        observer.daemon = True
+        observer.start()
         self._task = asyncio.ensure_future(self._run())
         log.info("watching %s for versions of %s (%s)", self.root / self.model, self.model,
                  "commit on arrival" if self.commit == "auto" else "stage only")  # fmt: skip
@@ -206,7 +210,7 @@ class VersionWatcher:
 class _Handler(FileSystemEventHandler):
     """Maps watchdog events (its thread) to the (model, version) directories they touch."""
 
-    def __init__(self, root: Path, touch: Any) -> None:
+    def __init__(self, root: Path, touch: Callable[[VersionKey], None]) -> None:
         self.root = root
         self.touch = touch
 

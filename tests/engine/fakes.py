@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+
+from sitsd.model.arch import LlamaArch
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
+
+FAKE_ARCH = LlamaArch(
+    vocab_size=1000, hidden_size=8, intermediate_size=16,
+    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+    rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+)  # fmt: skip
 
 
 class FakeSlots:
-    """Weight slots without tensors: which version each slot holds, and which is active."""
+    """Weight slots without tensors: which version each slot holds, and which is active.
+    `copy_into` records each copy: (thread name, slot, versions then, tensor names, chunk)."""
+
+    arch = FAKE_ARCH
+    dtype = torch.float32
+    device = torch.device("cpu")
+    slot_nbytes = 0
 
     def __init__(self, version: str = "fake@0", num_slots: int = 2) -> None:
         self.versions: list[str | None] = [version] + [None] * (num_slots - 1)
         self.active = 0
+        self.copies: list[tuple[str, int, list[str | None], list[str], int]] = []
 
     @property
     def num_slots(self) -> int:
@@ -44,6 +63,19 @@ class FakeSlots:
 
     def fill(self, index: int, version: str) -> None:
         self.versions[index] = version
+
+    def copy_into(
+        self,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        chunk_bytes: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        assert self.versions[index] is None, "copy only into a released slot"
+        name = threading.current_thread().name
+        self.copies.append((name, index, list(self.versions), sorted(tensors), chunk_bytes))
+        return 0
 
     def load(self, version: str) -> None:
         """Test helper: put `version` in the standby slot, as staging would."""
@@ -92,6 +124,16 @@ class FakeRunner:
 
     def launch(self, so: SchedulerOutput) -> _Done:
         return _Done(self.execute(so))
+
+    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
+        """What the fake model predicts after each prompt token under slot `slot`'s version:
+        `next_token` nearly certain ([len(token_ids), vocab] log-probabilities)."""
+        version = self.slots.versions[slot]
+        assert version is not None, f"slot {slot} holds no version"
+        logits = torch.zeros(len(token_ids), self.vocab_size)
+        for i, token in enumerate(token_ids):
+            logits[i, next_token(token, version, self.vocab_size)] = 20.0
+        return torch.log_softmax(logits, -1)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update(so)

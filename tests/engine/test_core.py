@@ -241,7 +241,7 @@ def test_an_overlapping_runner_detokenizes_a_step_while_the_next_one_runs():
     )
     core = EngineCore(sched, runner, tok, "fake-model")
     events: list[str] = []
-    launch, to_delta = runner.launch, core._to_delta
+    launch, to_delta = runner.launch, core.output._to_delta
 
     def traced_launch(so):
         done = launch(so)
@@ -251,7 +251,7 @@ def test_an_overlapping_runner_detokenizes_a_step_while_the_next_one_runs():
         return done
 
     runner.launch = traced_launch
-    core._to_delta = lambda update: (events.append("detok"), to_delta(update))[1]
+    core.output._to_delta = lambda update: (events.append("detok"), to_delta(update))[1]
     sink = Collector()
     core.start(sink)
     try:

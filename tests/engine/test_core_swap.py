@@ -8,11 +8,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from sitsd.config import SchedulerConfig
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
-from sitsd.engine.messages import AddRequest, EngineCall, SwapCommand
+from sitsd.engine.messages import AddRequest, EngineCall, InPlaceCopy, SwapCommand
 from sitsd.engine.scheduler import Scheduler
 from sitsd.types import SamplingParams
 from tests.engine.fakes import FakeRunner, next_token
@@ -126,18 +127,15 @@ def test_with_one_slot_the_commit_copies_in_place_and_recomputes_requests(overla
     try:
         add(core, "a", b"abcdefgh", 40)
         assert wait_for(lambda: len(runner.tokens.get("a", ())) > 12)
-        copied_on = []
-
-        def copy_in_place():
-            copied_on.append((threading.current_thread().name, list(runner.slots.versions)))
-
+        tensors = {"model.norm.weight": torch.ones(4)}
         events = Events()
-        core.submit(SwapCommand(V1, "migrate", events, copy_in_place=copy_in_place))
+        core.submit(SwapCommand(V1, "migrate", events, in_place=InPlaceCopy(tensors, 1024)))
         (event,) = events.until_done()
         assert event.kind == "committed"
         assert event.policy == "restart"  # one slot: the old weights are gone
         assert event.num_restarted == 1
-        assert copied_on == [("sitsd-engine", [None])]  # released while copying
+        # Copied over the only slot, on the engine thread, while it held no version.
+        assert runner.slots.copies == [("sitsd-engine", 0, [None], ["model.norm.weight"], 1024)]
         deltas = sink.until_finished({"a"})["a"]
         assert deltas[-1].weights_version == V1
         assert core.status().slot_versions == (V1,)
@@ -149,9 +147,9 @@ def test_an_engine_call_runs_on_the_engine_thread_and_replies():
     core, _, _ = make_core(False)
     try:
         replies = queue.Queue()
-        core.submit(EngineCall(lambda c: (threading.current_thread().name, c.num_steps),
+        core.submit(EngineCall(lambda: (threading.current_thread().name, core.num_steps),
                                lambda result, exc: replies.put((result, exc))))  # fmt: skip
-        core.submit(EngineCall(lambda c: 1 / 0, lambda result, exc: replies.put((result, exc))))
+        core.submit(EngineCall(lambda: 1 / 0, lambda result, exc: replies.put((result, exc))))
         (name, _), exc = replies.get(timeout=10)
         assert (name, exc) == ("sitsd-engine", None)
         result, exc = replies.get(timeout=10)

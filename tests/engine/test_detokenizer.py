@@ -30,6 +30,8 @@ def byte_to_unicode() -> dict[int, str]:
 class ByteTokenizer:
     """Token id == byte value (byte-level BPE without merges): splits multi-byte characters."""
 
+    eos_token_ids: tuple[int, ...] = ()  # none: the tests stop requests by max_tokens
+
     def __init__(self) -> None:
         vocab = {c: b for b, c in byte_to_unicode().items()}
         assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())

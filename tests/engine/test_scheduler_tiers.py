@@ -15,7 +15,7 @@ from sitsd.config import SchedulerConfig, TierConfig, TiersConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.request import Request, RequestStatus
 from sitsd.engine.scheduler import Scheduler
-from sitsd.engine.tiers import TierEstimate
+from sitsd.plugins.interface import TierEstimate
 from sitsd.plugins.p99_caps import P99BatchController
 from sitsd.types import FinishReason, SamplingParams, Tier
 from tests.engine.fakes import FakeRunner

@@ -64,16 +64,17 @@ class Engine:
     def swap(self, version, policy):
         slots = self.runner.slots
         if slots.index_of(version) is None:
-            assert self.sched.num_on_version(slots.standby_version or "") == 0, "standby in use"
+            in_use = self.sched.swaps.num_on_version(slots.standby_version or "")
+            assert in_use == 0, "standby in use"
             slots.load(version)
         slots.activate(version)
-        return self.sched.switch_weights(version, policy)
+        return self.sched.swaps.switch(version, policy)
 
     def assert_all_free(self):
         assert not self.sched.has_work()
         assert self.kv.num_used_blocks == 0
         assert self.kv.pool.num_free_blocks == self.kv.num_blocks
-        assert self.sched.migration is None
+        assert self.sched.swaps.migration is None
 
 
 def prompt(n=None):
@@ -101,7 +102,7 @@ def test_drain_leaves_started_requests_on_the_old_version_and_starts_new_ones_on
     for r, p in new.items():
         e.add(r, p)
     e.step()
-    assert e.sched.num_on_version(V0) == 3
+    assert e.sched.swaps.num_on_version(V0) == 3
     e.run()
     assert e.runner.max_versions_in_step == 2  # both slots served in the same steps
     for r, p in old.items():
@@ -110,7 +111,7 @@ def test_drain_leaves_started_requests_on_the_old_version_and_starts_new_ones_on
     for r, p in new.items():
         assert {v for _, v in e.tokens[r]} == {V1}
         consistent(e.tokens[r], p)
-    assert e.sched.num_on_version(V0) == 0
+    assert e.sched.swaps.num_on_version(V0) == 0
     e.assert_all_free()
 
 
@@ -188,7 +189,7 @@ def test_migrating_requests_never_miss_a_step():
         e.step()
     e.swap(V1, "migrate")
     counts = []
-    while e.sched.migration is not None or not counts:
+    while e.sched.swaps.migration is not None or not counts:
         e.step()
         counts.append({r: len(t) for r, t in e.tokens.items()})
     for before, after in itertools.pairwise(counts):
@@ -204,7 +205,7 @@ def test_a_request_finishing_or_aborted_mid_migration_frees_its_shadow():
         e.step()
     e.swap(V1, "migrate")
     e.step()
-    assert e.sched.migration is not None
+    assert e.sched.swaps.migration is not None
     e.sched.finish_request("aborted", FinishReason.ABORT)
     e.run()
     assert e.finished["short"] is FinishReason.LENGTH
@@ -216,7 +217,7 @@ def test_a_shadow_without_free_blocks_falls_back_to_recomputing_its_request():
     prompts = {f"r{i}": prompt(40) for i in range(3)}  # 3 x 11 blocks: no room for 3 shadows
     _, flip = run_migration(e, prompts, steps_before=2)
     assert flip is not None
-    migration = e.sched.last_migration
+    migration = e.sched.swaps.last_migration
     assert migration.num_restarted >= 1
     for r, p in prompts.items():
         consistent(e.tokens[r], p)
@@ -254,8 +255,8 @@ def test_a_hundred_swaps_under_load_leak_no_block_and_no_slot(policy):
             n += 1
         e.step()
         target = versions[swaps % 2]
-        in_use = e.sched.num_on_version(e.runner.slots.standby_version or "")
-        if e.sched.migration is None and (in_use == 0 or policy != "drain"):
+        in_use = e.sched.swaps.num_on_version(e.runner.slots.standby_version or "")
+        if e.sched.swaps.migration is None and (in_use == 0 or policy != "drain"):
             e.swap(target, policy)
             swaps += 1
     e.run()

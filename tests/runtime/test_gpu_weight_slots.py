@@ -56,7 +56,7 @@ def test_each_slot_replays_its_own_graphs_and_the_flip_moves_no_memory():
 
 
 def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
-    from sitsd.weights.stager import ServingModel, VersionRejected, check_finite
+    from sitsd.weights.checks import ServingModel, VersionRejected, check_finite
 
     arch, tensors = tiny(random.randrange(1000))
     serving = ServingModel(arch, {}, (), torch.bfloat16, torch.device("cuda"))

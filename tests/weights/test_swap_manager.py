@@ -66,7 +66,9 @@ class Served:
         self.run(self.engine.start())
         self.obs = Observability.create(ObservabilityConfig(metrics_enabled=False))
         self.obs.metrics.bind_model(self.engine.model_info.name)
-        self.manager = create_swap_manager(self.engine, self.config, self.choice, self.obs)
+        self.manager = create_swap_manager(
+            self.engine.swap_port(), self.engine.tokenizer, self.config, self.choice, self.obs
+        )
         self.progress: list = []
 
     def run(self, coro, timeout: float = 120):
@@ -306,6 +308,6 @@ def test_a_hundred_swaps_under_load_leave_every_block_free_and_both_slots_accoun
     assert sorted(status.slot_versions) == sorted([v1, "v2"])
     assert not status.swapping
     scheduler = served.engine.core.scheduler
-    assert scheduler.migration is None
+    assert scheduler.swaps.migration is None
     assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks
     assert not [r for r in served.engine.core.runner.requests if "\x00" in r]  # no shadow left

@@ -1,10 +1,18 @@
-"""Swap commits on the engine thread: flip the active weight slot between two steps.
+"""The swap controller: the engine thread's side of hot-swap, between two steps.
 
-`CommitControl` handles a `SwapCommand` taken from the engine inbox, between two steps:
+`SwapController` owns everything the engine does to weights versions; the weights subsystem
+reaches it only through `sitsd.engine.swap_port.SwapPort`, whose calls run here:
+
+    reserve_standby   release the standby slot to the stager once no request runs on it
+    fill / release    the stager copied a version into it (or gave up on it)
+    prompt_logprobs   a canary prompt through the model runner on one slot
+    handle            a `SwapCommand`: commit a version
+
+A commit, between two steps:
 
     two slots: activate the standby slot holding the version (an index flip: no copy)
-    one slot:  copy the version over the only slot in place (the command's `copy_in_place`)
-    then:      `Scheduler.switch_weights(version, policy)`: new requests run on the version;
+    one slot:  copy the version over the only slot in place (the command's `InPlaceCopy`)
+    then:      `SwapPolicies.switch(version, policy)`: new requests run on the version;
                in-flight ones drain, restart or migrate
 
 and reports `SwapEvent`s through the command's `on_event`: "migrating" (with progress after
@@ -12,9 +20,11 @@ each step) while shadows catch up, then "committed" (or "failed"). A migration c
 start of the step in which every shadow has caught up (the scheduler's flip phase). The event
 carries the flip's own time and the serving pause: the gap between the end of the last step
 before the flip and the start of the first step after it (flip included), and, to compare it
-with, the median gap between two busy steps before it.
+with, the median gap between two busy steps before it. The controller is a step hook
+(`sitsd.engine.step.StepHooks`) to measure those, and tells the step function to run one step
+at a time while a commit is in flight (`one_step_at_a_time`).
 
-Which version goes in which slot, and validating it, is `sitsd.weights.swap`'s business.
+Which version to stage, validate and commit, and when, is `sitsd.weights.swap`'s business.
 """
 
 from __future__ import annotations
@@ -25,13 +35,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from sitsd.engine.messages import SwapCommand
-from sitsd.engine.observer import EngineObserver
+from sitsd.engine.messages import SwapCommand, SwapEvent
+from sitsd.engine.observer import EngineObserver, StepRecord
+from sitsd.engine.runner import ModelRunnerLike
 from sitsd.engine.scheduler import Scheduler
-from sitsd.engine.swap_phases import VersionSwitch
+from sitsd.engine.swap_policies import VersionSwitch
 from sitsd.outputs import SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +53,13 @@ _GAP_WINDOW = 64  # step gaps remembered, for the typical gap a commit's pause c
 _IDLE_GAP_S = 0.1  # a longer gap between steps is the engine waiting for work
 
 
-class WeightSlotsLike(Protocol):
-    """What the engine needs of the runner's weight slots (`sitsd.runtime.weight_slots`)."""
+class StandbyBusy(Exception):
+    """The standby slot still serves requests (a drain), or a commit is in flight."""
 
-    versions: list[str | None]
-    active: int
-
-    @property
-    def num_slots(self) -> int: ...
-
-    @property
-    def standby(self) -> int | None: ...
-
-    @property
-    def active_version(self) -> str: ...
-
-    def index_of(self, version: str) -> int | None: ...
-
-    def activate(self, version: str) -> None: ...
-
-    def release(self, index: int) -> None: ...
-
-    def fill(self, index: int, version: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class SwapEvent:
-    """Progress of one commit, as the engine thread reports it."""
-
-    kind: str  # "migrating", "committed" or "failed"
-    version: str  # the version being committed
-    policy: str  # the policy applied (restart when one slot forced it)
-    from_version: str = ""  # the version in-flight requests ran on
-    num_migrating: int = 0  # requests whose KV is being recomputed
-    num_caught_up: int = 0  # of those, shadows caught up with their request
-    num_restarted: int = 0  # requests recomputed from their tokens on the new weights
-    num_draining: int = 0  # requests left to finish on the old weights
-    flip_s: float = 0.0  # the flip itself (the in-place copy with one slot)
-    pause_s: float = 0.0  # longest time between two steps around the flip
-    typical_gap_s: float = 0.0  # the median time between two busy steps before the commit
-    message: str = ""  # why it failed
+    def __init__(self, version: str, num_requests: int) -> None:
+        super().__init__(f"the standby slot serves {num_requests} requests on {version}")
+        self.version = version  # what the slot holds ("" while a commit is in flight)
+        self.num_requests = num_requests
 
 
 @dataclass
@@ -87,29 +68,29 @@ class _InFlight:
     policy: str
     switch: VersionSwitch
     flip_s: float = 0.0
-    gap_s: float = 0.0  # the step gap the flip happened in
     flipped: bool = False  # the flip is done; waiting for the next step to measure the pause
 
 
-class CommitControl:
-    """Handles swap commands for the engine core; engine thread only."""
+class SwapController:
+    """The engine side of hot-swap; engine thread only (see the module docstring)."""
 
     def __init__(
         self,
         scheduler: Scheduler,
-        slots: WeightSlotsLike,
+        runner: ModelRunnerLike,
         observer: EngineObserver,
-        refresh_status: Callable[[], None] = lambda: None,
+        refresh_status: Callable[[], None],
     ) -> None:
         """Args:
-        scheduler: applies the policy to the requests in flight.
-        slots: the runner's weight slots.
+        scheduler: its swap policies switch the requests in flight.
+        runner: holds the weight slots and runs canary prompts.
         observer: told of each migrated request.
         refresh_status: called before each event, so the engine's status shows its effect.
         """
-        self.scheduler = scheduler
-        self.slots = slots
-        self.observer = observer
+        self._scheduler = scheduler
+        self._runner = runner
+        self._slots = runner.slots
+        self._observer = observer
         self._refresh_status = refresh_status
         self._inflight: _InFlight | None = None
         self._last_step_end = time.monotonic()
@@ -120,6 +101,50 @@ class CommitControl:
         """A commit is in progress (a migration catching up, or a pause being measured)."""
         return self._inflight is not None
 
+    @property
+    def one_step_at_a_time(self) -> bool:
+        """Steps must not run ahead: a commit or a migration is in progress."""
+        return self._inflight is not None or self._scheduler.swaps.migration is not None
+
+    # ------------------------------------------------------------------ the port's calls
+
+    def reserve_standby(self) -> int:
+        """Release the standby slot to the stager; its index.
+
+        Raises:
+            StandbyBusy: requests still run on its version (drain), or a commit is in flight.
+            RuntimeError: there is no standby slot (one weight slot).
+        """
+        slots = self._slots
+        index = slots.standby
+        if index is None:
+            raise RuntimeError("one weight slot: there is no standby slot to stage into")
+        held = slots.versions[index]
+        num = self._scheduler.swaps.num_on_version(held) if held else 0
+        if num or self.busy:
+            raise StandbyBusy(held or "", num)
+        slots.release(index)
+        return index
+
+    def fill(self, index: int, version: str) -> None:
+        """Slot `index` now holds `version` (its copy has completed)."""
+        self._slots.fill(index, version)
+
+    def release(self, index: int) -> None:
+        """Slot `index` holds no version (a rejected one must never serve)."""
+        self._slots.release(index)
+
+    def prompt_logprobs(self, token_ids: list[int], version: str) -> torch.Tensor:
+        """A canary prompt's next-token log-probabilities under `version` ([n, vocab]).
+
+        Raises:
+            KeyError: `version` is in no slot.
+        """
+        index = self._slots.index_of(version)
+        if index is None:
+            raise KeyError(f"weights version {version!r} is in no slot ({self._slots.versions})")
+        return self._runner.prompt_logprobs(token_ids, index)
+
     def handle(self, command: SwapCommand) -> None:
         """Start committing `command.version` (between two steps)."""
         if self._inflight is not None:
@@ -127,30 +152,36 @@ class CommitControl:
             return
         started = time.monotonic()
         policy = command.policy
+        slots = self._slots
         try:
-            if command.copy_in_place is not None:
-                self.slots.release(self.slots.active)
-                command.copy_in_place()
-                self.slots.fill(self.slots.active, command.version)
+            if command.in_place is not None:
+                slots.release(slots.active)
+                slots.copy_into(
+                    slots.active, command.in_place.tensors,
+                    chunk_bytes=command.in_place.chunk_bytes,
+                )  # fmt: skip
+                slots.fill(slots.active, command.version)
                 policy = "restart"  # the old weights are gone: in-flight KV is recomputed
-            elif self.slots.index_of(command.version) is None:
+            elif slots.index_of(command.version) is None:
                 raise ValueError(f"version {command.version} is not in a weight slot")
-            self.slots.activate(command.version)
-            switch = self.scheduler.switch_weights(command.version, policy)
+            slots.activate(command.version)
+            switch = self._scheduler.swaps.switch(command.version, policy)
         except Exception as exc:
             log.exception("commit of %s failed", command.version)
             self._fail(command, f"{type(exc).__name__}: {exc}")
             return
         inflight = _InFlight(command, policy, switch, flip_s=time.monotonic() - started)
         self._inflight = inflight
-        if self.scheduler.migration is None:  # drain, restart, or nothing to migrate
+        if self._scheduler.swaps.migration is None:  # drain, restart, or nothing to migrate
             inflight.flipped = True
-            if not self.scheduler.has_work():
+            if not self._scheduler.has_work():
                 self._committed(inflight, pause_s=inflight.flip_s)
         else:
             self._emit(inflight, "migrating")
 
-    def on_step_start(self, now: float) -> None:
+    # ------------------------------------------------------------------------ step hooks
+
+    def step_started(self, now: float) -> None:
         """Before `schedule()`: a flip waiting for its pause to be measured reports it."""
         if now - self._last_step_end < _IDLE_GAP_S:
             self._gaps.append(now - self._last_step_end)
@@ -158,16 +189,16 @@ class CommitControl:
         if inflight is not None and inflight.flipped:
             self._committed(inflight, pause_s=max(now - self._last_step_end, inflight.flip_s))
 
-    def after_schedule(self, sched_out: SchedulerOutput, started: float) -> None:
+    def scheduled(self, sched_out: SchedulerOutput, started: float) -> None:
         """After `schedule()`: a migration that flipped in it commits (pause: gap + flip)."""
         inflight = self._inflight
         if inflight is None or sched_out.committed_version is None:
             return
-        migration = self.scheduler.last_migration
-        assert migration is not None
+        migration = self._scheduler.swaps.last_migration
+        assert migration is not None, "a committed version comes from a migration"
         now = time.monotonic()
         for entry in migration.shadows.values():
-            self.observer.on_request_migrated(
+            self._observer.on_request_migrated(
                 entry.original, entry.started, now, migration.from_version, migration.to_version
             )
         inflight.flip_s = migration.flip_s
@@ -178,12 +209,15 @@ class CommitControl:
             num_restarted=inflight.switch.num_restarted + migration.num_restarted,
         )
 
-    def after_step(self, now: float) -> None:
+    def step_ended(self, record: StepRecord | None, end: float) -> None:
         """After a step: remember when it ended; report migration progress."""
-        self._last_step_end = now
+        self._last_step_end = end
         inflight = self._inflight
-        migration = self.scheduler.migration
-        if inflight is not None and migration is not None and not inflight.flipped:
+        if (
+            inflight is not None
+            and self._scheduler.swaps.migration is not None
+            and not inflight.flipped
+        ):
             self._emit(inflight, "migrating")
 
     def when_idle(self) -> None:
@@ -209,7 +243,7 @@ class CommitControl:
         pause_s: float = 0.0,
         num_restarted: int | None = None,
     ) -> None:
-        switch, migration = inflight.switch, self.scheduler.migration
+        switch, migration = inflight.switch, self._scheduler.swaps.migration
         if num_caught_up is None:
             num_caught_up = migration.num_caught_up if migration is not None else 0
         event = SwapEvent(

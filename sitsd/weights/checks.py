@@ -1,4 +1,4 @@
-"""Staging a weights version: read its checkpoint and check it against the serving model.
+"""Checking a weights version: read its checkpoint, then check it against the serving model.
 
 `load_version(path)` verifies the manifest (sizes and sha256 of every file) and opens the
 checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles are refused).
@@ -7,32 +7,29 @@ replace the serving one: the same architecture (every `LlamaArch` field but `ext
 tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer),
 every tensor's name, shape and floating dtype, and finite values in the serving dtype (read in
 chunks, so memory stays bounded; on CUDA on a side stream). A failure raises
-`VersionRejected` with the reason. Copying into the standby slot is
-`sitsd.runtime.weight_slots.WeightSlots.copy_into`; when and where is `sitsd.weights.swap`'s.
+`VersionRejected` with the reason. Copying into the standby slot and the canary are
+`sitsd.weights.staging`'s; when to stage is `sitsd.weights.swap`'s.
 
-All of it runs on the stager's own thread, never the engine's (`run_off_engine`).
+All of it runs on the stager's own thread, never the engine's (`sitsd.weights.offthread`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
-from sitsd.weights.formats import Checkpoint, CheckpointError, load_checkpoint
+from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
+from sitsd.weights.tokenizer import Tokenizer
 
-T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
@@ -64,7 +61,7 @@ class LoadedVersion:
 
 
 def serving_model_of(
-    arch: LlamaArch, tokenizer: Any, dtype: torch.dtype, device: torch.device
+    arch: LlamaArch, tokenizer: Tokenizer, dtype: torch.dtype, device: torch.device
 ) -> ServingModel:
     """The `ServingModel` of the engine's architecture, tokenizer and weights format."""
     return ServingModel(
@@ -151,7 +148,7 @@ def validate(
 
 
 def check_finite(
-    tensors: Any,
+    tensors: Mapping[str, torch.Tensor],
     names: Sequence[str],
     serving: ServingModel,
     *,
@@ -193,35 +190,3 @@ def _arch_diff(new: LlamaArch, serving: LlamaArch) -> str:
         if f.compare and getattr(new, f.name) != getattr(serving, f.name)
     ]
     return "; ".join(diffs)
-
-
-async def run_off_engine(fn: Callable[[], T], name: str = "sitsd-stager") -> T:
-    """Run `fn` on a new daemon thread and await its result.
-
-    Not the default executor: `asyncio.run` joins its threads at exit, so a shutdown would wait
-    for a long staging copy. The thread uses one torch thread (OpenMP keeps a team per calling
-    thread; a second full team would fight the engine's for every core). Pacing the work is
-    the caller's (`progress.Pacer`).
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if done.done():
-            return
-        if exc is None:
-            done.set_result(result)
-        else:
-            done.set_exception(exc)
-
-    def body() -> None:
-        torch.set_num_threads(1)  # this thread's OpenMP team only
-        try:
-            result, exc = fn(), None
-        except BaseException as error:
-            result, exc = None, error
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, exc)
-
-    threading.Thread(target=body, name=name, daemon=True).start()
-    return await done

@@ -1,0 +1,89 @@
+"""What the engine needs of the model runner and its weight slots (`sitsd.runtime` has them).
+
+The engine core launches steps (`ModelRunnerLike.launch`); the swap controller flips, fills and
+releases weight slots (`WeightSlotsLike`) and scores canary prompts on a slot
+(`prompt_logprobs`). Nothing in the engine holds a tensor except the canary's log-probabilities,
+which it hands to the weights subsystem untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from sitsd.model.arch import LlamaArch
+
+
+class PendingStepLike(Protocol):
+    """A launched step; `result()` waits for its sampled tokens."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class WeightSlotsLike(Protocol):
+    """The runner's weight slots (`sitsd.runtime.weight_slots.WeightSlots`)."""
+
+    versions: list[str | None]  # the version each slot holds (None: being rewritten)
+    active: int  # the slot new requests run on
+
+    @property
+    def arch(self) -> LlamaArch: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def standby(self) -> int | None: ...
+
+    @property
+    def active_version(self) -> str: ...
+
+    @property
+    def slot_nbytes(self) -> int: ...
+
+    def index_of(self, version: str) -> int | None: ...
+
+    def activate(self, version: str) -> None: ...
+
+    def release(self, index: int) -> None: ...
+
+    def fill(self, index: int, version: str) -> None: ...
+
+    def copy_into(
+        self,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        chunk_bytes: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> int: ...
+
+
+class ModelRunnerLike(Protocol):
+    """The model runner (`sitsd.runtime.model_runner.ModelRunner`)."""
+
+    @property
+    def slots(self) -> WeightSlotsLike: ...
+
+    @property
+    def overlaps_host_work(self) -> bool:
+        """True when `launch` returns before the device has finished the step."""
+        ...
+
+    def launch(self, sched_out: SchedulerOutput) -> PendingStepLike: ...
+
+    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
+        """Next-token log-probabilities at every position of a prompt under slot `slot`'s
+        weights ([len(token_ids), vocab] float32, on the device), outside any request."""
+        ...

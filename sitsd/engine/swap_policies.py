@@ -1,0 +1,150 @@
+"""The scheduler's part for weights versions: what a committed swap does to requests in flight.
+
+`SwapPolicies` is composed into the scheduler (`sitsd.engine.scheduler`), which stays the one
+writer of request state: every move below goes through its primitives (`sitsd.engine.batch`).
+
+  - `switch(version, policy)`, called by the swap controller between two steps when a swap
+    commits: requests that have not started move to the new version at once; running ones
+    follow the policy (`drain`: stay on their version; `restart`: preempted and recomputed on
+    the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
+  - `flip_if_ready` (first in a step): once every shadow has caught up, each migrating request
+    takes its shadow's blocks and version, and its old blocks are freed;
+  - `schedule_shadows` (last in a step, after admission): shadow chunks under the migration's
+    per-step allowance less the step's prefill; a starved shadow's request is recomputed
+    instead;
+  - `drop_shadow` when a migrating request finishes or is preempted.
+
+Which slot holds which version is the runner's business (`sitsd.runtime.weight_slots`); when a
+swap commits is the swap controller's (`sitsd.engine.swap_controller`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sitsd.config import SWAP_POLICIES
+from sitsd.engine.batch import Batch
+from sitsd.engine.migration import Migration
+from sitsd.engine.request import Request
+from sitsd.outputs import MigratedRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSwitch:
+    """What `switch` did to the requests in flight."""
+
+    from_version: str | None  # the version in-flight requests ran on (None: no such request)
+    num_migrating: int  # running requests whose KV is being recomputed (migrate)
+    num_restarted: int  # requests preempted to be recomputed on the new weights
+    num_draining: int  # requests left to finish on their old weights (drain)
+
+
+class SwapPolicies:
+    """Switches the requests in flight to a new weights version; see the module docstring."""
+
+    def __init__(self, batch: Batch, tokens_per_step: int) -> None:
+        """Args:
+        batch: the scheduler whose requests this part switches.
+        tokens_per_step: the most tokens migration shadows compute in one step.
+        """
+        self._batch = batch
+        self.tokens_per_step = tokens_per_step
+        self.migration: Migration | None = None  # the migrate policy at work
+        self.last_migration: Migration | None = None  # the one that completed last
+
+    def switch(self, version: str, policy: str) -> VersionSwitch:
+        """New requests run on `version` from now on; in-flight ones follow `policy`.
+
+        Raises:
+            ValueError: an unknown policy.
+            RuntimeError: a migration is still in progress.
+        """
+        if policy not in SWAP_POLICIES:
+            raise ValueError(f"swap policy must be one of {SWAP_POLICIES}, got {policy!r}")
+        if self.migration is not None:
+            raise RuntimeError(f"a migration to {self.migration.to_version} is in progress")
+        batch = self._batch
+        others = {r.weights_version for r in batch.requests.values()} - {version}
+        from_version = min(others) if others else None
+        for request in batch.waiting:  # no blocks held: they simply start on the new version
+            if policy != "drain" or not request.num_output_tokens:
+                request.weights_version = version
+        migration = Migration(from_version or "", version, batch.now(), self.tokens_per_step)
+        num_restarted = 0
+        for request in list(batch.running):
+            if request.weights_version == version or policy == "drain":
+                continue
+            if policy == "migrate" and request.num_output_tokens:
+                migration.add(request, migration.started)
+            else:  # restart, or nothing sampled yet: recompute from scratch on the new weights
+                batch.take_back(request, None)
+                request.weights_version = version
+                num_restarted += 1
+        if migration.shadows:
+            self.migration = migration
+        others_left = [r for r in batch.requests.values() if r.weights_version != version]
+        num_draining = len(others_left) - len(migration.shadows) if policy == "drain" else 0
+        return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
+
+    def num_on_version(self, version: str) -> int:
+        """Live requests (shadows included) that run on `version`: its slot is in use."""
+        num = sum(1 for r in self._batch.requests.values() if r.weights_version == version)
+        if self.migration is not None and self.migration.to_version == version:
+            num += len(self.migration.shadows)
+        return num
+
+    # ------------------------------------------------------------------------------- phases
+
+    def flip_if_ready(self, out: SchedulerOutput) -> None:
+        """First phase: every shadow caught up: each request takes its shadow's KV and
+        version."""
+        migration = self.migration
+        if migration is None or not migration.ready:
+            return
+        kv = self._batch.kv_cache
+        started = time.perf_counter()
+        for req_id, entry in migration.shadows.items():
+            request, shadow = entry.original, entry.request
+            kv.free(request)
+            kv.transfer(shadow, request)
+            request.weights_version = migration.to_version
+            request.num_computed_tokens = shadow.num_computed_tokens
+            out.migrated.append(
+                MigratedRequest(req_id, kv.block_ids(request),
+                                request.num_computed_tokens, migration.to_version)
+            )  # fmt: skip
+            if entry.known_to_runner:
+                out.finished_req_ids.add(shadow.req_id)
+        out.committed_version = migration.to_version
+        migration.flip_s = time.perf_counter() - started
+        self.last_migration, self.migration = migration, None
+
+    def schedule_shadows(self, out: SchedulerOutput) -> None:
+        """Last phase: shadow chunks; a shadow without blocks: its request is recomputed."""
+        migration = self.migration
+        if migration is None:
+            return
+        batch = self._batch
+        for request in migration.schedule(out, batch.budget(out), batch.kv_cache):
+            batch.unschedule(request.req_id, out)
+            batch.take_back(request, out)  # drops the shadow, moves it to the new version
+            migration.num_restarted += 1
+
+    def advance(self, sched_out: SchedulerOutput) -> None:
+        """After a step: count what the shadows computed."""
+        if self.migration is not None:
+            self.migration.advance(sched_out, self._batch.kv_cache)
+
+    def drop_shadow(self, request: Request, out: SchedulerOutput | None) -> str | None:
+        """Stop migrating `request` (finished or preempted): its shadow's blocks are freed.
+        Returns the version it was migrating to (None: it was not migrating)."""
+        migration = self.migration
+        if migration is None or request.req_id not in migration.shadows:
+            return None
+        shadow_id = migration.drop(request.req_id, self._batch.kv_cache)
+        if shadow_id is not None:
+            if out is not None:
+                self._batch.unschedule(shadow_id, out)  # scheduled earlier in this step: undo
+            self._batch.forget(shadow_id)  # the runner drops its state next step
+        return migration.to_version

@@ -1,0 +1,148 @@
+"""The swap port: the one door from the weights subsystem into the engine.
+
+`sitsd.weights` (staging, the canary, the swap manager) holds a `SwapPort` and nothing else of
+the engine. Each call crosses from the asyncio loop to the engine thread, where the swap
+controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
+
+    reserve_standby()              the standby slot's index, released to the caller (or
+                                   `StandbyBusy` while requests still run on its version)
+    copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
+    fill(index, version)           the copy is complete: the slot holds `version`
+    release(index)                 give the slot back empty (a rejected version)
+    prompt_logprobs(ids, version)  a canary prompt through the model runner on that version
+    commit(version, policy)        flip to `version`; its `SwapEvent`s until committed/failed
+                                   (with one slot, `in_place` is copied over the only slot)
+
+and it tells the fixed facts of the slots (`num_slots`, `arch`, `dtype`, `device`,
+`slot_nbytes`) and the engine's status. A rollback is a commit of the version in the standby
+slot. What to stage and when to commit is the weights subsystem's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from sitsd.engine.core import EngineCore
+from sitsd.engine.messages import EngineCall, InPlaceCopy, SwapCommand, SwapEvent
+from sitsd.outputs import EngineStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from sitsd.model.arch import LlamaArch
+
+T = TypeVar("T")
+
+
+class SwapPort:
+    """The engine's hot-swap operations, awaitable from the asyncio loop."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+        self._controller = core.swaps
+        self._slots = core.runner.slots
+
+    # ------------------------------------------------------------------------------ facts
+
+    @property
+    def num_slots(self) -> int:
+        """1 or 2: with one, a commit copies in place (there is no standby slot)."""
+        return self._slots.num_slots
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self._slots.slot_nbytes
+
+    @property
+    def arch(self) -> LlamaArch:
+        return self._slots.arch
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._slots.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._slots.device
+
+    def status(self) -> EngineStatus:
+        """The engine's last snapshot (which version is in which slot, what is active)."""
+        return self._core.status()
+
+    # -------------------------------------------------------------------- engine thread
+
+    async def reserve_standby(self) -> int:
+        """The standby slot, released to the caller to copy a version into.
+
+        Raises:
+            sitsd.engine.swap_controller.StandbyBusy: requests still run on its version.
+        """
+        return await self._call(self._controller.reserve_standby)
+
+    async def fill(self, index: int, version: str) -> None:
+        await self._call(functools.partial(self._controller.fill, index, version))
+
+    async def release(self, index: int) -> None:
+        await self._call(functools.partial(self._controller.release, index))
+
+    async def prompt_logprobs(self, token_ids: list[int], version: str) -> torch.Tensor:
+        """Next-token log-probabilities of every prompt position under `version` (one
+        prefill between two steps; [len(token_ids), vocab] float32 on the engine's device)."""
+        call = functools.partial(self._controller.prompt_logprobs, list(token_ids), version)
+        return await self._call(call)
+
+    def copy_into(
+        self,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        chunk_bytes: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Copy a checkpoint into reserved slot `index` on the calling thread (never the
+        engine's or the loop's: it takes seconds); returns the bytes copied."""
+        return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
+                                     on_progress=on_progress)  # fmt: skip
+
+    async def commit(
+        self, version: str, policy: str, in_place: InPlaceCopy | None = None
+    ) -> AsyncIterator[SwapEvent]:
+        """Commit `version` between two steps; yields its events until "committed" or
+        "failed" (`sitsd.engine.swap_controller`)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[SwapEvent] = asyncio.Queue()
+
+        def on_event(event: SwapEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self._core.submit(SwapCommand(version, policy, on_event, in_place))
+        while True:
+            event = await events.get()
+            yield event
+            if event.kind in ("committed", "failed"):
+                return
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the engine thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T, exc: BaseException | None) -> None:
+            if done.done():
+                return
+            if exc is None:
+                done.set_result(result)
+            else:
+                done.set_exception(exc)
+
+        def reply(result: object, exc: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, cast(T, result), exc)
+
+        self._core.submit(EngineCall(fn, reply))
+        return await done
