@@ -2,13 +2,19 @@
 
 Everything here is plain Python data (ints, strings, lists): no tensors, no proto messages.
 The API layer (`sitsd.api`) turns proto messages into these; the engine (`sitsd.engine`) turns
-its results back into `RequestDelta`s.
+its results back into `RequestDelta`s. `TokenizerLike` is what every layer may use of the
+model's tokenizer (`sitsd.weights.Tokenizer` is the one).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 class Tier(enum.StrEnum):
@@ -132,3 +138,28 @@ class RequestDelta:
             error=later.error,
             abort_cause=later.abort_cause,
         )
+
+
+class TokenizerLike(Protocol):
+    """The model's tokenizer, as the engine, the API and hot-swap use it."""
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]:
+        """Every id that ends generation, the primary EOS first."""
+        ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Hugging Face `tokenizers` object (its vocabulary identifies the tokenizer)."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...

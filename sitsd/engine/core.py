@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 
 from sitsd.engine.admission import QueueSnapshot
-from sitsd.engine.detokenizer import EngineTokenizer
 from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
 from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver
 from sitsd.engine.output import OutputProcessor
@@ -41,7 +40,7 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.step import AheadStep, HookList, InTurnStep, ObserverHooks, StepParts
 from sitsd.engine.swap_controller import SwapController
 from sitsd.outputs import EngineStatus
-from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier
+from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, TokenizerLike
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class EngineCore:
         self,
         scheduler: Scheduler,
         runner: ModelRunnerLike,
-        tokenizer: EngineTokenizer,
+        tokenizer: TokenizerLike,
         model_name: str,
         default_tier: Tier = Tier.SILVER,
         observer: EngineObserver | None = None,

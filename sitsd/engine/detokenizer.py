@@ -20,12 +20,6 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-class EngineTokenizer(Decoder, Protocol):
-    """What the engine needs of the model's tokenizer (`sitsd.weights.Tokenizer`)."""
-
-    eos_token_ids: Sequence[int]  # every id that ends generation
-
-
 class IncrementalDetokenizer:
     """Turns a request's stream of token ids into a stream of text pieces."""
 

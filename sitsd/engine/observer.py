@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import TokenUpdate
@@ -95,36 +95,38 @@ class GuardedObserver:
         self.observer = observer
         self._failed: set[str] = set()
 
-    def _call(self, hook: Callable[..., None], *args: Any) -> None:
+    def _call(self, name: str, hook: Callable[[], None]) -> None:
         try:
-            hook(*args)
+            hook()
         except Exception:
-            name = getattr(hook, "__name__", repr(hook))
             if name not in self._failed:  # once per hook: a broken hook would fail every step
                 self._failed.add(name)
                 log.exception("engine observer hook %s failed (logged once)", name)
 
     def on_engine_started(self, model: str, weights_version: str) -> None:
-        self._call(self.observer.on_engine_started, model, weights_version)
+        observer = self.observer
+        self._call("on_engine_started", lambda: observer.on_engine_started(model, weights_version))
 
     def on_request_added(self, request: Request) -> None:
-        self._call(self.observer.on_request_added, request)
+        self._call("on_request_added", lambda: self.observer.on_request_added(request))
 
     def on_request_preempted(self, request: Request, now: float) -> None:
-        self._call(self.observer.on_request_preempted, request, now)
+        self._call("on_request_preempted", lambda: self.observer.on_request_preempted(request, now))
 
     def on_step(self, step: StepRecord) -> None:
-        self._call(self.observer.on_step, step)
+        self._call("on_step", lambda: self.observer.on_step(step))
 
     def on_request_finished(self, request: Request, now: float) -> None:
-        self._call(self.observer.on_request_finished, request, now)
+        self._call("on_request_finished", lambda: self.observer.on_request_finished(request, now))
 
     def on_request_migrated(
         self, request: Request, start: float, end: float, from_version: str, to_version: str
     ) -> None:
-        hook = getattr(self.observer, "on_request_migrated", None)
-        if hook is not None:  # observers written before hot-swap do not have it
-            self._call(hook, request, start, end, from_version, to_version)
+        observer = self.observer
+        self._call(
+            "on_request_migrated",
+            lambda: observer.on_request_migrated(request, start, end, from_version, to_version),
+        )
 
     def on_status(self, status: EngineStatus) -> None:
-        self._call(self.observer.on_status, status)
+        self._call("on_status", lambda: self.observer.on_status(status))

@@ -21,6 +21,7 @@ Graphs belong to one weight slot (`LlamaWeights`), like the decode graphs.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -126,7 +127,7 @@ class MixedGraphs:
         d.logits_indices.zero_()
         for bucket in reversed(self.buckets):
             self._graphs[bucket], self._logits[bucket] = capture_graph(
-                lambda b=bucket: self.forward(b), pool, stream
+                functools.partial(self.forward, bucket), pool, stream
             )
         torch.cuda.synchronize()
         return time.monotonic() - t0

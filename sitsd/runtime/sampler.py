@@ -131,7 +131,7 @@ def _apply_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(drop, float("-inf"))
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without a host sync (pinned source, async copy)."""
     t = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":

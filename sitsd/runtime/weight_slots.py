@@ -65,7 +65,7 @@ class PinnedUpload:
         return dst
 
 
-def row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[slice]:
+def row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[slice[int, int, None]]:
     """Slices of `tensor`'s leading dimension, each at most ~`chunk_bytes` (at least one row)."""
     rows = tensor.shape[0] if tensor.dim() else 1
     row_bytes = max(1, tensor.numel() // max(rows, 1) * tensor.element_size())

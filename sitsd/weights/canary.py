@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-from sitsd.weights.tokenizer import Tokenizer
+from sitsd.types import TokenizerLike
 
 
 class CanaryFileError(ValueError):
     """The canary file cannot be used; the message says where and why."""
 
 
-def read_canary_prompts(path: str | Path, tokenizer: Tokenizer, max_tokens: int) -> list[list[int]]:
+def read_canary_prompts(
+    path: str | Path, tokenizer: TokenizerLike, max_tokens: int
+) -> list[list[int]]:
     """Token ids of every prompt in the canary file (each at least 2 tokens, cut to `max_tokens`).
 
     Raises:
@@ -51,7 +53,7 @@ def read_canary_prompts(path: str | Path, tokenizer: Tokenizer, max_tokens: int)
     return prompts
 
 
-def _prompt_ids(line: str, tokenizer: Tokenizer) -> list[int] | None:
+def _prompt_ids(line: str, tokenizer: TokenizerLike) -> list[int] | None:
     text = line.strip()
     if text.startswith("{"):
         try:

@@ -26,9 +26,9 @@ import torch
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
+from sitsd.types import TokenizerLike
 from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
-from sitsd.weights.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -61,7 +61,7 @@ class LoadedVersion:
 
 
 def serving_model_of(
-    arch: LlamaArch, tokenizer: Tokenizer, dtype: torch.dtype, device: torch.device
+    arch: LlamaArch, tokenizer: TokenizerLike, dtype: torch.dtype, device: torch.device
 ) -> ServingModel:
     """The `ServingModel` of the engine's architecture, tokenizer and weights format."""
     return ServingModel(

@@ -30,8 +30,8 @@ from sitsd.weights.versions import (
 if TYPE_CHECKING:
     from sitsd.engine.swap_port import SwapPort
     from sitsd.observability import Observability
+    from sitsd.types import TokenizerLike
     from sitsd.weights.swap import SwapManager
-    from sitsd.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("sitsd.swap")
 
@@ -120,7 +120,7 @@ def startup_registry(choice: StartupChoice, serving_version: str) -> VersionRegi
 
 def create_swap_manager(
     port: SwapPort,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerLike,
     config: SitsdConfig,
     choice: StartupChoice,
     telemetry: Observability | None,

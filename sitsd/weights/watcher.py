@@ -73,7 +73,11 @@ class VersionWatcher:
         self.root.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()
         await run_off_engine(self._register_existing, name="sitsd-watch-scan")
-        handler = _Handler(self.root, lambda key: loop.call_soon_threadsafe(self._touch, key))
+
+        def touch(key: VersionKey) -> None:  # watchdog's thread
+            loop.call_soon_threadsafe(self._touch, key)
+
+        handler = _Handler(self.root, touch)
         observer = self._observer = Observer()
         observer.schedule(handler, str(self.root), recursive=True)
         observer.daemon = True
