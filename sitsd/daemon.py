@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sitsd.api.server import ApiServer
-from sitsd.cli import ADMIN_TOKEN_FILE_NAME
-from sitsd.config import ServerConfig, SitsdConfig
+from sitsd.config import ADMIN_TOKEN_FILE_NAME, ServerConfig, SitsdConfig
 from sitsd.observability import Observability
 from sitsd.observability.loop_lag import LoopLagMonitor
 
