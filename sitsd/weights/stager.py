@@ -29,7 +29,7 @@ import torch
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
-from sitsd.weights.formats import Checkpoint, CheckpointError, load_checkpoint
+from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
 
 T = TypeVar("T")

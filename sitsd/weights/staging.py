@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from sitsd.engine.async_engine import AsyncEngine
+from sitsd.weights import CheckpointError, load_checkpoint
 from sitsd.weights.canary import CanaryResult, CanaryRunner, compare
 from sitsd.weights.errors import SwapRefusedError
-from sitsd.weights.formats import CheckpointError, load_checkpoint
 from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress
 from sitsd.weights.stager import (
     LoadedVersion,
