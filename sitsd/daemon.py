@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sitsd.api.server import ApiServer
-from sitsd.cli import ADMIN_TOKEN_FILE_NAME
-from sitsd.config import ServerConfig, SitsdConfig
+from sitsd.api.telemetry import TelemetryInterceptor
+from sitsd.config import ADMIN_TOKEN_FILE_NAME, ServerConfig, SitsdConfig
 from sitsd.observability import Observability
 from sitsd.observability.loop_lag import LoopLagMonitor
 
@@ -122,7 +122,7 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         config.server,
         admin_token=token,
         max_tokens_default=config.scheduler.max_tokens_default,
-        interceptors=[obs.interceptor()],
+        interceptors=[TelemetryInterceptor(obs.metrics, obs.tracer)],
     )
     try:
         await server.start()

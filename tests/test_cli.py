@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sitsd import __version__
-from sitsd.cli import build_parser, config_from_args, default_state_dir, main
+from sitsd.cli import build_parser, config_from_args, main
 from sitsd.config import (
     CacheConfig,
     ModelConfig,
@@ -17,6 +17,7 @@ from sitsd.config import (
     ServerConfig,
     SitsdConfig,
     TiersConfig,
+    default_state_dir,
 )
 
 ENV = {"SITSD_STATE_DIR": "/state"}

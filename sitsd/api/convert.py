@@ -1,13 +1,14 @@
 """Pure conversions between the `sitsd.api.v1` proto messages and `sitsd.types`.
 
 No I/O, no engine, no gRPC context: each function maps values and fills proto defaults. Range
-checks stay with the engine (`SamplingParams.validate`), which names the field it rejects;
+checks stay with the engine (`sitsd.engine.validation`), which names the field it rejects;
 which gRPC status an error becomes is `sitsd.api.interceptors`' business.
 """
 
 from __future__ import annotations
 
 from sitsd.api.v1 import admin_pb2, inference_pb2
+from sitsd.engine.validation import default_max_tokens
 from sitsd.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
 from sitsd.weights.progress import SwapProgress
@@ -85,9 +86,7 @@ def sampling_params_from_proto(
     if sampling.HasField("max_tokens"):
         max_tokens = sampling.max_tokens
     else:
-        # At least 1: when the prompt fills the context, the engine reports the prompt as the
-        # culprit, not a max_tokens the client never sent.
-        max_tokens = max(1, min(max_tokens_default, max_model_len - num_prompt_tokens))
+        max_tokens = default_max_tokens(num_prompt_tokens, max_model_len, max_tokens_default)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=(

@@ -6,14 +6,17 @@ response per engine delta. Whatever ends the call early (client cancellation, a 
 a failure) aborts the request in the engine, so its KV blocks are freed at once.
 
 `EngineRef` holds the engine the servicers talk to: the server starts before the model is loaded
-and the daemon attaches the engine once it is warm. Scheduling, sampling and range checks of the
-sampling parameters are the engine's; exception -> status mapping is `interceptors`'.
+and the daemon attaches the engine once it is warm. The rules a request must meet are
+`sitsd.engine.validation`'s: this module calls the ones that need the request's own fields
+(the model name, a text prompt, the `token_ids` field) and leaves the rest to the engine, which
+checks every request it takes. Scheduling and sampling are the engine's; exception -> status
+mapping is `interceptors`'.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc.aio
@@ -21,7 +24,8 @@ import grpc.aio
 from sitsd.api import convert
 from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
-from sitsd.engine.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
+from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
+from sitsd.engine.validation import check_model, check_prompt_text, check_token_ids
 from sitsd.observability.tracing import current_request_span
 from sitsd.outputs import EngineStatus, ModelInfo
 from sitsd.types import RequestDelta, SamplingParams, Tier
@@ -121,14 +125,6 @@ class EngineRef:
         return self._engine
 
 
-def check_model(requested: str, info: ModelInfo) -> None:
-    """Raise `ModelNotFoundError` unless `requested` is empty or the served model's name."""
-    if requested and requested != info.name:
-        raise ModelNotFoundError(
-            f"model: {requested!r} is not served here; this daemon serves {info.name!r}"
-        )
-
-
 def encode_chat(tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages) -> list[int]:
     """Render `chat` with the model's template (plus the assistant prompt) and tokenize it."""
     if not chat.messages:
@@ -154,11 +150,12 @@ def encode_prompt(
     """Token ids of the prompt oneof `kind` ("text", "token_ids" or "chat") of `message`.
 
     Raises:
-        InvalidRequestError: the prompt is missing or empty, or a token id is out of range.
+        InvalidRequestError: the prompt is missing, the text is empty, a `token_ids` id is out
+            of range, or the chat cannot be rendered. The rest of the prompt's rules are the
+            engine's (`sitsd.engine.validation.validate_request`).
     """
     if kind == "text":
-        if not message.text:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+        check_prompt_text(message.text)
         return tokenizer.encode(message.text, add_special_tokens=True)
     if kind == "token_ids" and isinstance(message, inference_pb2.GenerateRequest):
         ids = list(message.token_ids.ids)
@@ -167,15 +164,6 @@ def encode_prompt(
     if kind == "chat":
         return encode_chat(tokenizer, message.chat)
     raise InvalidRequestError("prompt", "the request has no prompt")
-
-
-def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:
-    """Raise `InvalidRequestError` naming `field_name` if a token id is not in the vocabulary."""
-    bad = [t for t in token_ids if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            field_name, f"token ids must be in [0, {vocab_size}), got {bad[0]}"
-        )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -198,7 +186,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt_ids = encode_prompt(
             engine.tokenizer, request.WhichOneof("prompt"), request, info.vocab_size
         )
-        check_token_ids("stop_token_ids", request.stop_token_ids, info.vocab_size)
         params = convert.sampling_params_from_proto(
             request,
             num_prompt_tokens=len(prompt_ids),

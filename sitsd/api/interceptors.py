@@ -7,6 +7,8 @@
   anything unexpected is INTERNAL, logged with its traceback, and the daemon keeps serving.
 - `AdminAuthInterceptor` refuses Admin RPCs without the right bearer token before the servicer
   runs, so a refused call does nothing.
+- `replace_behavior` wraps a method handler's behavior; these interceptors and
+  `sitsd.api.telemetry`'s use it.
 
 Servicers raise; they never pick status codes themselves. Health and reflection pass untouched.
 """
@@ -92,7 +94,7 @@ def status_for_finish(
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
-def _replace_behavior(
+def replace_behavior(
     handler: grpc.RpcMethodHandler,
     wrap_unary: Callable[[Behavior], Behavior],
     wrap_stream: Callable[[Behavior], Behavior],
@@ -160,7 +162,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return guarded_stream
 
-        return _replace_behavior(handler, wrap_unary, wrap_stream)
+        return replace_behavior(handler, wrap_unary, wrap_stream)
 
 
 class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -207,4 +209,4 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # unreachable: makes this an async generator like the behavior it replaces
 
-        return _replace_behavior(handler, lambda _: deny, lambda _: deny_stream)
+        return replace_behavior(handler, lambda _: deny, lambda _: deny_stream)

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from sitsd.api.v1 import admin_pb2_grpc, inference_pb2_grpc
-from sitsd.cli import ADMIN_TOKEN_FILE_NAME, default_state_dir
+from sitsd.config import ADMIN_TOKEN_FILE_NAME, default_state_dir
 
 ADDRESS_ENV = "SITSD_ADDRESS"
 TOKEN_ENV = "SITSD_ADMIN_TOKEN"

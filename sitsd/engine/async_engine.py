@@ -25,8 +25,9 @@ from sitsd.engine.errors import (
 )
 from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.swap_port import SwapPort
+from sitsd.engine.validation import validate_request
 from sitsd.outputs import EngineStatus, ModelInfo
-from sitsd.types import FinishReason, RequestDelta, SamplingError, SamplingParams, Tier
+from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
 
 
 class RequestStream:
@@ -163,7 +164,7 @@ class AsyncEngine:
         """
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests")
-        self._validate(prompt_token_ids, params)
+        validate_request(prompt_token_ids, params, self.model_info)
         if len(self._streams) >= self.core.max_num_live_requests:
             raise QueueFullError(
                 f"{len(self._streams)} requests are in flight, the limit is "
@@ -193,24 +194,6 @@ class AsyncEngine:
             )
         )
         return stream
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.model_info.max_model_len
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if len(prompt_token_ids) >= max_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                f"{max_len}, which must leave room for at least one new token",
-            )
-        vocab = self.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
-        try:
-            params.validate(max_tokens_limit=max_len - len(prompt_token_ids))
-        except SamplingError as exc:
-            raise InvalidRequestError(exc.field, str(exc).split(": ", 1)[1]) from None
 
     def _abort(self, req_id: str, reason: str) -> None:
         self.core.submit(AbortRequest(req_id=req_id, reason=reason))

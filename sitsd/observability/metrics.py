@@ -6,10 +6,11 @@ Names are `sitsd_*` without colons (colons belong to recording rules). Labels: `
 boundary is exact. Latency histograms carry exemplars with the request's `trace_id` (served
 only in the OpenMetrics format, which Prometheus asks for).
 
-What is observed when is `telemetry.py`'s (engine) and `grpc.py`'s (RPCs) business; this module
-also holds the small APIs that later subsystems call: the swap recorder's metrics
-(`record_swap_stage`, `record_swap`), the weights version, and the tier scheduler's gauges
-(`set_tier_batch_cap`, `set_tier_p99_estimate`). `MetricsServer` serves `/metrics`.
+What is observed when is `telemetry.py`'s (engine) and `sitsd.api.telemetry`'s (RPCs)
+business; this module also holds the small APIs that later subsystems call: the swap
+recorder's metrics (`record_swap_stage`, `record_swap`), the weights version, and the tier
+scheduler's gauges (`set_tier_batch_cap`, `set_tier_p99_estimate`). `MetricsServer` serves
+`/metrics`.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 `Observability.create(config)` makes, in order: the metrics registry (`Metrics`), the OTel
 resource, the tracer provider and the logger provider (both exporting OTLP/gRPC when
 `otlp_endpoint` is set), and the engine telemetry. The daemon then calls `setup_logging()`,
-`start_metrics_server()`, hands `interceptor()` to the gRPC server and `telemetry` to the engine,
-and `shutdown()` last, which flushes what is still batched.
+`start_metrics_server()`, builds the gRPC telemetry interceptor (`sitsd.api.telemetry`) from
+`metrics` and `tracer`, hands `telemetry` to the engine, and calls `shutdown()` last, which
+flushes what is still batched.
 
-What each part records is its own module's business (`metrics`, `telemetry`, `rpc`, `logs`).
+What each part records is its own module's business (`metrics`, `telemetry`, `logs`, and
+`sitsd.api.telemetry` for RPCs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from sitsd.config import ObservabilityConfig
 from sitsd.observability.logs import build_logger_provider, setup_logging
 from sitsd.observability.metrics import Metrics, MetricsServer
-from sitsd.observability.rpc import TelemetryInterceptor
 from sitsd.observability.swap import SwapTrace
 from sitsd.observability.telemetry import EngineTelemetry
 from sitsd.observability.tracing import build_resource, build_tracer_provider, tracer_of
@@ -59,10 +60,6 @@ class Observability:
     def setup_logging(self) -> None:
         """Send logs to stdout (structlog) and, with an OTLP endpoint, to the collector."""
         setup_logging(self.config.log_level, self.config.log_format, self.logger_provider)
-
-    def interceptor(self) -> TelemetryInterceptor:
-        """The gRPC server interceptor: server spans, error classes, RPC counters."""
-        return TelemetryInterceptor(self.metrics, self.tracer)
 
     def start_metrics_server(self, default_host: str) -> MetricsServer | None:
         """Serve /metrics (None when metrics are off).

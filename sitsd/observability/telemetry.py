@@ -14,7 +14,8 @@ size, token count and duration histograms. Cost is kept per step, not per token:
 are created after the fact with explicit times, metric children are resolved once per tier,
 exemplar labels once per request, and the span exporter works on its own thread.
 
-What the metrics are is `metrics.py`'s; server spans and error classes are `rpc.py`'s.
+What the metrics are is `metrics.py`'s; server spans and error classes are
+`sitsd.api.telemetry`'s.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ tests and benchmarks can run several side by side. `MonotonicClock` turns the en
 `time.monotonic()` stamps into the epoch nanoseconds spans need, so engine spans are made after
 the fact with explicit start and end times (cheaper than keeping spans open across steps).
 
-Which spans exist is decided by `telemetry.py` (engine), `rpc.py` (server spans) and `swap.py`
-(swap traces); the resource and exporter settings come from `ObservabilityConfig`.
+Which spans exist is decided by `telemetry.py` (engine), `sitsd.api.telemetry` (server spans)
+and `swap.py` (swap traces); the resource and exporter settings come from `ObservabilityConfig`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def tracer_of(provider: TracerProvider | None) -> trace.Tracer:
 
 
 def current_request_span() -> Span | None:
-    """The recording span of the RPC being served (set by `rpc.TelemetryInterceptor`), or None.
+    """The recording span of the RPC being served (set by `sitsd.api.telemetry`), or None.
 
     The API hands it to the engine as the request's trace context: engine spans become its
     children and the request's telemetry lands on it.

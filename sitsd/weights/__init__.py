@@ -8,7 +8,8 @@ slots) live in sibling modules and are imported from there, not re-exported here
 from __future__ import annotations
 
 from sitsd.weights.chat_template import ChatTemplateError
-from sitsd.weights.formats import Checkpoint, CheckpointError, load_checkpoint, resolve_model_path
+from sitsd.weights.checkpoint import Checkpoint, CheckpointError
+from sitsd.weights.formats import load_checkpoint, resolve_model_path
 from sitsd.weights.tokenizer import Tokenizer
 
 __all__ = [

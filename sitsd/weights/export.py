@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sitsd.weights.formats import Checkpoint
+from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.manifest import Manifest, write_manifest
 
 

@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sitsd.model.arch import LlamaArch
-from sitsd.weights.formats import Checkpoint, CheckpointError, check_tensor_shapes
+from sitsd.weights.checkpoint import Checkpoint, CheckpointError, check_tensor_shapes
 from sitsd.weights.tokenizer import (
     GgufVocab,
     Tokenizer,

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from sitsd.model.arch import arch_from_hf_config
-from sitsd.weights.formats import (
+from sitsd.weights.checkpoint import (
     Checkpoint,
     CheckpointError,
     check_tensor_shapes,

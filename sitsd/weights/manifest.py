@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from sitsd.weights.formats import PICKLE_SUFFIXES
+from sitsd.weights.checkpoint import PICKLE_SUFFIXES
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1

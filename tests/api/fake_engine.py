@@ -1,9 +1,10 @@
 """A test double of `sitsd.engine.async_engine.AsyncEngine` for the API and sitsctl tests.
 
-It keeps the real engine's contract: the same validation and exceptions from `add_request`
-(`InvalidRequestError` naming the field, `QueueFullError`, `EngineStoppedError`), a stream of
-`RequestDelta`s whose last one has `finish_reason` and `usage`, idempotent `abort()` that ends
-the stream with ABORT, `shutdown(grace_s)` that stops admitting and waits for live requests.
+It keeps the real engine's contract: the same validation (`sitsd.engine.validation`) and
+exceptions from `add_request` (`InvalidRequestError` naming the field, `QueueFullError`,
+`EngineStoppedError`), a stream of `RequestDelta`s whose last one has `finish_reason` and
+`usage`, idempotent `abort()` that ends the stream with ABORT, `shutdown(grace_s)` that stops
+admitting and waits for live requests.
 Admission control is mimicked by `refuse_with` (refused in `add_request`) and `shed_with`
 (the stream ends at once with ABORT and `AbortCause.OVERLOADED`). Instead of a model it
 "generates" the characters of `completion`, one token per delta, with a character-level
@@ -25,12 +26,12 @@ from sitsd.engine.errors import (
     OverloadedError,
     QueueFullError,
 )
+from sitsd.engine.validation import validate_request
 from sitsd.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import (
     AbortCause,
     FinishReason,
     RequestDelta,
-    SamplingError,
     SamplingParams,
     Tier,
     Usage,
@@ -251,7 +252,7 @@ class FakeEngine:
     ) -> FakeStream:
         if not self._accepting:
             raise EngineStoppedError("the engine is not accepting requests")
-        self._validate(prompt_token_ids, params)
+        validate_request(prompt_token_ids, params, self.model_info)
         if len(self._live) >= self.max_num_live_requests:
             raise QueueFullError(f"{len(self._live)} requests are in flight; retry later")
         if self.refuse_with is not None:
@@ -265,24 +266,6 @@ class FakeEngine:
         stream = FakeStream(self, req_id, record)
         self._live[req_id] = stream
         return stream
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The same checks, in the same order, as `AsyncEngine._validate`."""
-        max_len = self.model_info.max_model_len
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if len(prompt_token_ids) >= max_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {max_len}",
-            )
-        vocab = self.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
-        try:
-            params.validate(max_tokens_limit=max_len - len(prompt_token_ids))
-        except SamplingError as exc:
-            raise InvalidRequestError(exc.field, str(exc).split(": ", 1)[1]) from None
 
     def status(self) -> EngineStatus:
         num_blocks_used = sum(

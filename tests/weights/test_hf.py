@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sitsd.weights import CheckpointError, load_checkpoint
-from sitsd.weights.formats import expected_tensor_shapes
+from sitsd.weights.checkpoint import expected_tensor_shapes
 from tests.weights.tiny_models import (
     CHAT_TEMPLATE,
     IM_END_ID,

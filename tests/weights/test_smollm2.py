@@ -42,7 +42,7 @@ def test_arch_is_smollm2_135m(smollm2):
 
 
 def test_every_tensor_is_float32_with_its_hf_shape(smollm2):
-    from sitsd.weights.formats import expected_tensor_shapes
+    from sitsd.weights.checkpoint import expected_tensor_shapes
 
     shapes = expected_tensor_shapes(smollm2.arch)
 

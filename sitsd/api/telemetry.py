@@ -11,6 +11,7 @@
   inside the span (so the log line carries its trace id) and sets the span's status.
 
 Which status a failure becomes is `sitsd.api.interceptors`' decision; this module only watches.
+What is recorded where is observability's: the daemon hands in its `Metrics` and tracer.
 Health and reflection calls pass untouched.
 """
 
@@ -29,13 +30,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from sitsd.api.interceptors import SITSD_METHOD_PREFIX, Behavior, replace_behavior
 from sitsd.api.v1 import inference_pb2
 from sitsd.observability.metrics import Metrics
 from sitsd.types import Tier
 
 log = logging.getLogger("sitsd.rpc")
 
-SITSD_METHOD_PREFIX = "/sitsd.api.v1."
 DEFAULT_TIER = Tier.SILVER.value  # the engine's default for requests that name no tier
 
 ERROR_CLASSES: dict[grpc.StatusCode, str] = {
@@ -56,7 +57,6 @@ ERROR_CLASSES: dict[grpc.StatusCode, str] = {
 # Failures that are the client's doing, logged at INFO; the others at WARNING.
 CLIENT_ERROR_CLASSES = frozenset({"invalid_argument", "not_found", "cancelled", "unauthenticated"})
 
-Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
 _TIER_NAMES = {
     value: name.removeprefix("TIER_").lower() for name, value in inference_pb2.Tier.items()
 }
@@ -104,16 +104,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
             k: v for k, v in handler_call_details.invocation_metadata or () if isinstance(v, str)
         }
         call = _Call(self, method[1:], carrier)
-        for name in ("unary_unary", "stream_unary"):
-            behavior = getattr(handler, name)
-            if behavior is not None:
-                return handler._replace(**{name: call.wrap_unary(behavior)})
-        for name in ("unary_stream", "stream_stream"):
-            behavior = getattr(handler, name)
-            # A stream written through context.write() is not wrapped (none of sitsd's is).
-            if behavior is not None and inspect.isasyncgenfunction(behavior):
-                return handler._replace(**{name: call.wrap_stream(behavior)})
-        return handler
+        return replace_behavior(handler, call.wrap_unary, call.wrap_stream)
 
     # ---------------------------------------------------------------- one call's telemetry
 
@@ -191,6 +182,9 @@ class _Call:
         return observed
 
     def wrap_stream(self, behavior: Behavior) -> Behavior:
+        if not inspect.isasyncgenfunction(behavior):
+            return behavior  # writes through context.write(); none of sitsd's does
+
         async def observed_stream(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:

@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from sitsd.api.server import ApiServer
+from sitsd.api.telemetry import TelemetryInterceptor
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.config import ServerConfig
 from sitsd.observability.logs import stdout_formatter
 from sitsd.observability.metrics import Metrics
-from sitsd.observability.rpc import TelemetryInterceptor
 from tests.api.fake_engine import FakeEngine
 from tests.api.harness import ADMIN_TOKEN, MAX_TOKENS_DEFAULT, ServerThread
 
