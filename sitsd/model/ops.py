@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sitsd.kernels import reference
-from sitsd.kernels._utils import pdl_pays
+from sitsd.model.routing import pdl_pays
 
 
 @dataclass(frozen=True)
