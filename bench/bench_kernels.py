@@ -37,18 +37,15 @@ from sitsd.kernels import (
     fused_add_rms_norm,
     prefill_attention,
     rms_norm,
-    rotary_embedding,
     silu_and_mul,
 )
 from sitsd.kernels._utils import num_sms
 from sitsd.kernels.decode_attention import choose_num_splits
 from sitsd.kernels.reference import (
-    compute_cos_sin_cache,
     decode_attention_ref,
     fused_add_rms_norm_ref,
     prefill_attention_ref,
     rms_norm_ref,
-    rotary_embedding_ref,
     silu_and_mul_ref,
 )
 
@@ -226,16 +223,6 @@ def bench_elementwise(copy_gbs: float) -> list[Row]:
                          lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
                          lambda: fused_add_rms_norm_ref(x, residual, weight, 1e-5), copy_gbs),
     ]  # fmt: skip
-    cos_sin = compute_cos_sin_cache(HEAD_DIM, 8192, 500000.0).to(DEVICE)
-    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    rope_bytes = 2 * (q.numel() + k.numel()) * 2 + num_tokens * HEAD_DIM * 4
-    rows.append(_elementwise_row(
-        "rotary_embedding", f"{num_tokens}x({NUM_HEADS}+{NUM_KV_HEADS})x{HEAD_DIM}", rope_bytes,
-        lambda: rotary_embedding(positions, q, k, cos_sin),
-        lambda: rotary_embedding_ref(positions, q, k, cos_sin), copy_gbs,
-    ))  # fmt: skip
     gate_up = torch.randn(num_tokens, 2 * inter, device=DEVICE, dtype=DTYPE)
     act_out = torch.empty(num_tokens, inter, device=DEVICE, dtype=DTYPE)
     rows.append(_elementwise_row(

@@ -5,19 +5,19 @@ The public wrappers are exposed lazily: `sitsd.kernels.decode_attention` imports
 `import sitsd.kernels.reference` work where triton is not installed (the CPU runtime runs the
 references). Accessing a wrapper without triton raises ImportError naming the missing package.
 
-    reshape_and_cache      write new K/V into the paged cache by slot_mapping
     decode_attention       one query token per sequence over its paged context (GQA, split-K)
     prefill_attention      causal ragged prompt chunks over the paged cache (GQA)
     rms_norm               RMSNorm
     fused_add_rms_norm     residual add + RMSNorm in one pass
-    rotary_embedding       rotate-half RoPE, in place
-    rotary_and_cache       RoPE in place and the K/V cache write, in one launch
+    rotary_and_cache       rotate-half RoPE in place + the K/V cache write, in one launch
     silu_and_mul           SwiGLU activation on a fused gate/up output
     gemv                   x @ weight.T for up to 64 rows (decode's linear layers), SwiGLU fusable
     norm_gemv              residual add + RMSNorm + x @ weight.T for one row, in one launch
     skinny_gemm            x @ weight.T for 2-64 rows, swapped MMA operands, split over K
 
-When to use a kernel rather than its reference (device, dtype) is the model runner's decision.
+A wrapper checks its arguments and picks its own launch configuration from the shapes. Which
+kernel runs when (device, dtype, row counts, programmatic dependent launch) is the model's
+decision: `sitsd.model.ops`, `sitsd.model.linear`, `sitsd.model.routing`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ from typing import Any
 
 # public name -> submodule that defines it
 _WRAPPERS = {
-    "reshape_and_cache": "reshape_and_cache",
     "decode_attention": "decode_attention",
     "prefill_attention": "prefill_attention",
     "rms_norm": "rmsnorm",
     "fused_add_rms_norm": "rmsnorm",
-    "rotary_embedding": "rotary",
     "rotary_and_cache": "rotary_cache",
     "silu_and_mul": "activation",
     "gemv": "gemv",
@@ -70,7 +68,7 @@ def __dir__() -> list[str]:
 class _KernelsPackage(types.ModuleType):
     """The package's module type: keeps wrapper names bound to the wrappers.
 
-    Importing a submodule binds it as an attribute of its package, and three submodules share
+    Importing a submodule binds it as an attribute of its package, and most submodules share
     their wrapper's name (`decode_attention.py` defines `decode_attention`). Without this,
     `from sitsd.kernels import decode_attention` would give the module or the function depending
     on what was imported before. Reach a module's other names with `from sitsd.kernels.<module>

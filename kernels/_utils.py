@@ -147,16 +147,6 @@ def check_paged_attention(
             check_contiguous(name, t)
 
 
-def pdl_pays(rows: int) -> bool:
-    """Whether a decode launch of `rows` rows (tokens) should use programmatic dependent launch.
-
-    One decode-graph replay of Llama-3-8B on an H200 (`bench/bench_pdl.py`, 2026-11-30, two
-    runs) with PDL against without: 1.05x at batch 1, 1.02x at 2, 0.96-0.97x at 4 and 8,
-    0.98-0.99x at 16 and 24, 1.01-1.02x at 32, 1.01x at 64, 1.00x at 128. So on at 1-2 rows
-    and from 32."""
-    return rows <= 2 or rows >= 32
-
-
 def check_pdl(pdl: bool, tensor: torch.Tensor) -> None:
     """Raise `ValueError` when `pdl` (programmatic dependent launch, `kernels/_pdl.py`) is asked
     for off a CUDA device of compute capability 9.0 or newer."""

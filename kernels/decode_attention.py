@@ -20,7 +20,7 @@ built around reading each K/V byte once:
 
 With one split the first kernel writes the final output and no reduce runs. A sequence with
 `seq_len == 0` (CUDA-graph padding) gets zeros. Choosing which blocks a sequence owns is the KV
-cache manager's job; writing the new token's K/V first is `reshape_and_cache`'s.
+cache manager's job; writing the new token's K/V first is `rotary_and_cache`'s.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each sequence contributes `q_len` query tokens (a whole prompt, a chunk of one, 
 after a prefix-cache hit) that sit at positions `seq_len - q_len .. seq_len - 1` and attend to
 every cached key up to their own position; `reference.prefill_attention_ref` defines the result.
 All K/V, the chunk's own included, are read through the block table (the chunk's K/V were
-written there first by `reshape_and_cache`), so a cached prefix costs nothing special.
+written there first by `rotary_and_cache`), so a cached prefix costs nothing special.
 
 Work split (the layout of vLLM's unified Triton attention):
 

@@ -1,6 +1,7 @@
 """Plain-PyTorch references for every sitsd kernel.
 
-These define what each Triton kernel in this folder computes, and they are what the runtime
+These define what each Triton kernel in this folder computes (`rotary_embedding_ref` and
+`reshape_and_cache_ref` the two halves of `rotary_and_cache`), and they are what the runtime
 runs on the CPU. They favour clarity over speed, but stay vectorised where a loop would make the
 CPU path unusable (decode attention over a batch).
 

@@ -1,12 +1,14 @@
 """Triton kernel: rotary position embedding and the paged-cache write, in one launch.
 
-What `rotary_embedding` followed by `reshape_and_cache` does, for the new tokens of a step: one
-program per token rotates its query heads in place, rotates its key heads (in place, and into
-the token's cache slot) and copies its value heads into the slot. A decode step of a 32-layer
-model runs both once per layer, so fusing them saves a launch and a gap between kernels per
-layer, and the rotated keys are written from registers instead of being read back. Slot -1
-(padding, or a token whose K/V is already cached) writes nothing to the cache; its query and key
-are still rotated. Values are `reference.rotary_and_cache_ref`'s.
+One program per new token of a step rotates its query heads in place (rotate-half, GPT-NeoX /
+Hugging Face Llama style), rotates its key heads (in place, and into the token's cache slot) and
+copies its value heads into the slot. A decode step of a 32-layer model runs both once per layer,
+so fusing them saves a launch and a gap between kernels per layer, and the rotated keys are
+written from registers instead of being read back. Slot -1 (padding, or a token whose K/V is
+already cached) writes nothing to the cache; its query and key are still rotated. Values are
+`reference.rotary_and_cache_ref`'s: `rotary_embedding_ref`'s arithmetic (fp32, cast back to the
+input dtype), then `reshape_and_cache_ref`'s write. The cos/sin table (Llama-3 frequency scaling
+included) is `reference.compute_cos_sin_cache`'s; which slot a token gets, the KV cache manager's.
 """
 
 from __future__ import annotations
@@ -29,9 +31,40 @@ from sitsd.kernels._utils import (
     check_shape,
     next_power_of_2,
 )
-from sitsd.kernels.rotary import _rotate, _rotate_heads
 
 __all__ = ["rotary_and_cache"]
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """The rotated halves of a head, in fp32 and cast back to the input dtype (the reference's
+    arithmetic)."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    stride_h,
+    cos,  # [1, BLOCK_HALF] fp32
+    sin,  # [1, BLOCK_HALF] fp32
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rotate `NUM_HEADS` heads starting at `x_ptr` (one token's row) in place."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)  # [BLOCK_H, BLOCK_HALF]
+    ptrs = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    r1, r2 = _rotate(x1, x2, cos, sin)
+    tl.store(ptrs, r1, mask=mask)
+    tl.store(ptrs + HALF, r2, mask=mask)
 
 
 @triton.jit
@@ -89,7 +122,9 @@ def _rotary_and_cache_kernel(
     tl.store(k_ptrs, r1, mask=mask)
     tl.store(k_ptrs + HALF, r2, mask=mask)
 
-    # The cache write: an all-false mask for slot -1 (see reshape_and_cache.py on why `where`).
+    # The cache write: slot -1 gets an all-false mask rather than an early return, so the body
+    # stays straight-line. The scalar condition goes in through `where`, not `&`: the
+    # interpreter turns scalar-and-block `&` into an int32 block, which a mask rejects.
     heads_written = tl.where(slot >= 0, NUM_KV_HEADS, 0)
     cmask = (offs_h[:, None] < heads_written) & d_mask[None, :]
     block_id = slot // BLOCK_SIZE
@@ -130,8 +165,9 @@ def rotary_and_cache(
     *,
     pdl: bool = False,  # programmatic dependent launch (`kernels/_pdl.py`; sm_90+)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate `query` and `key` **in place** (as `rotary_embedding`), write the rotated keys and
-    the values into the paged cache (as `reshape_and_cache`); returns `(query, key)`.
+    """Rotate `query` and `key` **in place** (as `rotary_embedding_ref`, which returns new
+    tensors instead), write the rotated keys and the values into the paged cache, cast to its
+    dtype (as `reshape_and_cache_ref`); returns `(query, key)`.
 
     `query`/`key`/`value` may be strided views of a fused QKV output with a contiguous last
     dimension. Positions and slots are not range-checked (no host sync).

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sitsd.kernels._utils import pdl_pays
 from sitsd.kernels.gemv import GemvConfig, choose_gemv_config, gemv
 from sitsd.kernels.norm_gemv import norm_gemv
 from sitsd.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from sitsd.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from sitsd.model.routing import pdl_pays
 
 # (N, K) of the weight -> (most rows at which gemv beat cuBLAS, its one-row launch config).
 # From two rows, gemv's default (tensor-core) config, the sweep's winner on every shape.

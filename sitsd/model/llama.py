@@ -60,32 +60,55 @@ class LlamaWeights:
         return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
 
 
+# The Hugging Face names of the model's own tensors, and of a layer's (`_layer_tensors`)
+_EMBED = "model.embed_tokens.weight"
+_FINAL_NORM = "model.norm.weight"
+_LM_HEAD = "lm_head.weight"
+_LAYER = "model.layers.{}."
+
+
+@dataclass(frozen=True)
+class _LayerTensor:
+    """One `LayerWeights` field and the checkpoint tensors whose rows it concatenates."""
+
+    field: str  # the `LayerWeights` attribute
+    # (Hugging Face name under `model.layers.{n}.`, its shape), in row order
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _layer_tensors(arch: LlamaArch) -> tuple[_LayerTensor, ...]:
+    """A layer's tensors: the one place their Hugging Face names and shapes are spelled
+    (`expected_shapes`, `build_weights` and `weight_copy_plan` read it, in this order). q/k/v
+    and gate/up are fused; the q/k/v biases exist only with `arch.attention_bias`."""
+    h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    attn, mlp = "self_attn.", "mlp."
+    table = [
+        _LayerTensor("input_norm", (("input_layernorm.weight", (h,)),)),
+        _LayerTensor("qkv_proj", ((attn + "q_proj.weight", (q, h)),
+                                  (attn + "k_proj.weight", (kv, h)),
+                                  (attn + "v_proj.weight", (kv, h)))),
+        _LayerTensor("o_proj", ((attn + "o_proj.weight", (h, q)),)),
+        _LayerTensor("post_attn_norm", (("post_attention_layernorm.weight", (h,)),)),
+        _LayerTensor("gate_up_proj", ((mlp + "gate_proj.weight", (i, h)),
+                                      (mlp + "up_proj.weight", (i, h)))),
+        _LayerTensor("down_proj", ((mlp + "down_proj.weight", (h, i)),)),
+    ]  # fmt: skip
+    if arch.attention_bias:
+        table.append(_LayerTensor("qkv_bias", ((attn + "q_proj.bias", (q,)),
+                                               (attn + "k_proj.bias", (kv,)),
+                                               (attn + "v_proj.bias", (kv,)))))  # fmt: skip
+    return tuple(table)
+
+
 def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names of the architecture and their shapes."""
-    h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    layer = _layer_tensors(arch)
+    shapes = {_EMBED: (arch.vocab_size, arch.hidden_size)}
     for n in range(arch.num_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if arch.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-    shapes["model.norm.weight"] = (h,)
+        shapes |= {_LAYER.format(n) + name: shape for t in layer for name, shape in t.parts}
+    shapes[_FINAL_NORM] = (arch.hidden_size,)
     if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
+        shapes[_LM_HEAD] = (arch.vocab_size, arch.hidden_size)
     return shapes
 
 
@@ -122,29 +145,20 @@ def build_weights(
             raise WeightsError(f"{name} holds NaN or Inf values (in {dtype})")
         return t
 
-    def cat(*names: str) -> torch.Tensor:
-        return torch.cat([get(n) for n in names], dim=0).contiguous()
+    def concat(names: list[str]) -> torch.Tensor:
+        if len(names) == 1:
+            return get(names[0])
+        return torch.cat([get(name) for name in names], dim=0).contiguous()
 
+    table = _layer_tensors(arch)
     layers = []
     for n in range(arch.num_layers):
-        p = f"model.layers.{n}."
-        attn = p + "self_attn."
-        layers.append(
-            LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                qkv_proj=cat(*(attn + f"{x}_proj.weight" for x in "qkv")),
-                qkv_bias=(
-                    cat(*(attn + f"{x}_proj.bias" for x in "qkv")) if arch.attention_bias else None
-                ),
-                o_proj=get(attn + "o_proj.weight"),
-                post_attn_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_proj=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down_proj=get(p + "mlp.down_proj.weight"),
-            )
-        )
-    embed = get("model.embed_tokens.weight")
-    lm_head = embed if arch.tie_word_embeddings else get("lm_head.weight")
-    return LlamaWeights(embed, layers, get("model.norm.weight"), lm_head)
+        prefix = _LAYER.format(n)
+        fields = {t.field: concat([prefix + name for name, _ in t.parts]) for t in table}
+        layers.append(LayerWeights(**{"qkv_bias": None, **fields}))
+    embed = get(_EMBED)
+    lm_head = embed if arch.tie_word_embeddings else get(_LM_HEAD)
+    return LlamaWeights(embed, layers, get(_FINAL_NORM), lm_head)
 
 
 def weight_copy_plan(arch: LlamaArch, weights: LlamaWeights) -> list[tuple[torch.Tensor, str]]:
@@ -155,31 +169,22 @@ def weight_copy_plan(arch: LlamaArch, weights: LlamaWeights) -> list[tuple[torch
     its view gives what `build_weights` builds, without a new allocation (a weight slot's
     addresses never change, so CUDA graphs captured on it stay valid).
     """
-    q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
-    plan = [(weights.embed_tokens, "model.embed_tokens.weight")]
+    table = _layer_tensors(arch)
+    plan = [(weights.embed_tokens, _EMBED)]
     for n, layer in enumerate(weights.layers):
-        p = f"model.layers.{n}."
-        attn = p + "self_attn."
-        plan += [
-            (layer.input_norm, p + "input_layernorm.weight"),
-            (layer.qkv_proj[:q], attn + "q_proj.weight"),
-            (layer.qkv_proj[q : q + kv], attn + "k_proj.weight"),
-            (layer.qkv_proj[q + kv :], attn + "v_proj.weight"),
-            (layer.o_proj, attn + "o_proj.weight"),
-            (layer.post_attn_norm, p + "post_attention_layernorm.weight"),
-            (layer.gate_up_proj[:inter], p + "mlp.gate_proj.weight"),
-            (layer.gate_up_proj[inter:], p + "mlp.up_proj.weight"),
-            (layer.down_proj, p + "mlp.down_proj.weight"),
-        ]
-        if layer.qkv_bias is not None:
-            plan += [
-                (layer.qkv_bias[:q], attn + "q_proj.bias"),
-                (layer.qkv_bias[q : q + kv], attn + "k_proj.bias"),
-                (layer.qkv_bias[q + kv :], attn + "v_proj.bias"),
-            ]
-    plan.append((weights.norm, "model.norm.weight"))
+        prefix = _LAYER.format(n)
+        for t in table:
+            fused: torch.Tensor = getattr(layer, t.field)
+            if len(t.parts) == 1:
+                plan.append((fused, prefix + t.parts[0][0]))
+                continue
+            start = 0
+            for name, shape in t.parts:
+                plan.append((fused[start : start + shape[0]], prefix + name))
+                start += shape[0]
+    plan.append((weights.norm, _FINAL_NORM))
     if weights.lm_head is not weights.embed_tokens:
-        plan.append((weights.lm_head, "lm_head.weight"))
+        plan.append((weights.lm_head, _LM_HEAD))
     return plan
 
 
@@ -187,15 +192,7 @@ def empty_weights_like(weights: LlamaWeights, *, zero: bool = False) -> LlamaWei
     """A second set of tensors shaped like `weights` (tied embeddings stay tied)."""
     make = torch.zeros_like if zero else torch.empty_like
     layers = [
-        LayerWeights(
-            input_norm=make(layer.input_norm),
-            qkv_proj=make(layer.qkv_proj),
-            qkv_bias=None if layer.qkv_bias is None else make(layer.qkv_bias),
-            o_proj=make(layer.o_proj),
-            post_attn_norm=make(layer.post_attn_norm),
-            gate_up_proj=make(layer.gate_up_proj),
-            down_proj=make(layer.down_proj),
-        )
+        LayerWeights(**{name: None if t is None else make(t) for name, t in vars(layer).items()})
         for layer in weights.layers
     ]
     embed = make(weights.embed_tokens)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sitsd.kernels import reference
-from sitsd.kernels._utils import pdl_pays
+from sitsd.model.routing import pdl_pays
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class KernelSet:
     prefill_attention: Callable[..., object]
     rms_norm: Callable[..., object]
     fused_add_rms_norm: Callable[..., object]
-    # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`); the two
-    # halves, `rotary_embedding` and `reshape_and_cache`, stay kernels of their own
+    # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`): one Triton
+    # launch; the CPU runs the two halves (`cpu_kernels.rotary_embedding`, `.reshape_and_cache`)
     rotary_and_cache: Callable[..., object]
     silu_and_mul: Callable[..., object]
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)

@@ -42,12 +42,12 @@ def test_wrapper_names_resolve_to_the_wrappers_even_after_importing_their_module
 
     import sitsd.kernels as kernels
     from sitsd.kernels.decode_attention import choose_num_splits  # binds the submodule
+    from sitsd.kernels.gemv import gemv as gemv_fn
     from sitsd.kernels.prefill_attention import prefill_attention as prefill_fn
-    from sitsd.kernels.reshape_and_cache import reshape_and_cache as cache_fn
 
     assert callable(choose_num_splits)
     assert kernels.prefill_attention is prefill_fn
-    assert kernels.reshape_and_cache is cache_fn
+    assert kernels.gemv is gemv_fn
     for name in kernels.__all__:
         wrapper = getattr(kernels, name)
         assert callable(wrapper)

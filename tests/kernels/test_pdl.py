@@ -16,9 +16,8 @@ from sitsd.kernels import (
     rotary_and_cache,
     silu_and_mul,
 )
-from sitsd.kernels._utils import pdl_pays, supports_pdl
+from sitsd.kernels._utils import supports_pdl
 from sitsd.kernels.reference import compute_cos_sin_cache
-from sitsd.model.ops import with_pdl
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 256, 8, 2, 64, 16, 128
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -127,19 +126,3 @@ def test_pdl_off_a_cuda_device_is_refused_with_a_message():
         with pytest.raises(ValueError, match="pdl needs a CUDA device of compute capability"):
             call()
     assert not supports_pdl("cpu")
-
-
-def test_pdl_goes_on_at_the_decode_batches_where_it_measured_faster():
-    assert [rows for rows in (1, 2, 4, 8, 16, 24, 32, 64, 128) if pdl_pays(rows)] == [
-        1, 2, 32, 64, 128,
-    ]  # fmt: skip
-    seen = []
-
-    def kernel(x, scale, *, pdl, out=None):
-        seen.append((x.shape[0], scale, pdl, out))
-
-    for rows in (1, 8, 32):
-        with_pdl(kernel, True, torch.zeros(rows, 4), 0.5, out="o")
-    with_pdl(kernel, False, torch.zeros(1, 4), 0.5)  # off: never, whatever the rows
-    assert seen == [(1, 0.5, True, "o"), (8, 0.5, False, "o"), (32, 0.5, True, "o"),
-                    (1, 0.5, False, None)]  # fmt: skip
