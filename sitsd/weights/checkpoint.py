@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sitsd.model.arch import LlamaArch
+from sitsd.model.llama import expected_shapes
 from sitsd.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is only imported by the loaders, so `import sitsd.weights` stays light
@@ -62,42 +63,11 @@ def pickle_refused(path: Path) -> CheckpointError:
     )
 
 
-def expected_tensor_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
-    """Every parameter a Llama-family checkpoint must hold, with its torch shape."""
-    h, i = arch.hidden_size, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (arch.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for n in range(arch.num_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (arch.q_size, h),
-            p + "self_attn.k_proj.weight": (arch.kv_size, h),
-            p + "self_attn.v_proj.weight": (arch.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, arch.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if arch.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (arch.q_size,),
-                p + "self_attn.k_proj.bias": (arch.kv_size,),
-                p + "self_attn.v_proj.bias": (arch.kv_size,),
-            }
-    return shapes
-
-
 def check_tensor_shapes(
     arch: LlamaArch, shapes: Mapping[str, tuple[int, ...]], source: Path
 ) -> None:
     """Raise CheckpointError unless `shapes` holds exactly the parameters `arch` needs."""
-    expected = expected_tensor_shapes(arch)
+    expected = expected_shapes(arch)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     wrong = [

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sitsd.model.llama import expected_shapes
 from sitsd.weights import CheckpointError, load_checkpoint
-from sitsd.weights.checkpoint import expected_tensor_shapes
 from tests.weights.tiny_models import (
     CHAT_TEMPLATE,
     IM_END_ID,
@@ -81,7 +81,7 @@ def test_tied_embeddings_have_no_lm_head(tmp_path, seed):
 
     assert ckpt.arch.tie_word_embeddings
     assert "lm_head.weight" not in ckpt.tensors
-    assert set(ckpt.tensors) == set(expected_tensor_shapes(ckpt.arch))
+    assert set(ckpt.tensors) == set(expected_shapes(ckpt.arch))
 
 
 def test_untied_lm_head_is_its_own_tensor(tiny_llama_dir):

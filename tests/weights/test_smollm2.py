@@ -42,9 +42,9 @@ def test_arch_is_smollm2_135m(smollm2):
 
 
 def test_every_tensor_is_float32_with_its_hf_shape(smollm2):
-    from sitsd.weights.checkpoint import expected_tensor_shapes
+    from sitsd.model.llama import expected_shapes
 
-    shapes = expected_tensor_shapes(smollm2.arch)
+    shapes = expected_shapes(smollm2.arch)
 
     assert set(smollm2.tensors) == set(shapes)
     for name, tensor in smollm2.tensors.items():
