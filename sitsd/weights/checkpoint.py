@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import expected_shapes
 from sitsd.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is only imported by the loaders, so `import sitsd.weights` stays light
@@ -67,6 +66,9 @@ def check_tensor_shapes(
     arch: LlamaArch, shapes: Mapping[str, tuple[int, ...]], source: Path
 ) -> None:
     """Raise CheckpointError unless `shapes` holds exactly the parameters `arch` needs."""
+    # Imported here: the model pulls in torch, which `import sitsd.weights` does not need.
+    from sitsd.model.llama import expected_shapes
+
     expected = expected_shapes(arch)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
