@@ -107,7 +107,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         swaps = self._engines.swaps
         if swaps is None:
             raise EngineStoppedError("the model is still loading; retry when health is SERVING")
-        return swaps  # type: ignore[no-any-return]
+        return swaps
 
     async def _stream(
         self, run: Callable[[ProgressSink], Awaitable[Any]]

@@ -134,10 +134,14 @@ def timeline(records: Sequence[RequestRecord], duration_s: float) -> dict[str, l
     num_bins = max(1, math.ceil(duration_s / bin_s))
     out: dict[str, list[list[float]]] = {}
     for tier in TIERS:
-        done = [r for r in records if r.tier == tier and r.status == "OK" and r.ended_at]
+        ended = [
+            (r.ended_at, r)
+            for r in records
+            if r.tier == tier and r.status == "OK" and r.ended_at is not None
+        ]
         rows = []
         for i in range(num_bins):
-            in_bin = [r for r in done if i * bin_s <= r.ended_at < (i + 1) * bin_s]
+            in_bin = [r for at, r in ended if i * bin_s <= at < (i + 1) * bin_s]
             if not in_bin:
                 continue
             ttfts = [r.ttft for r in in_bin if r.ttft is not None]

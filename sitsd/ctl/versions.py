@@ -20,7 +20,7 @@ from typing import Any
 from sitsd.api.v1 import admin_pb2
 from sitsd.ctl.client import Client, CtlError, to_json
 
-POLICIES = {
+POLICIES: dict[str, admin_pb2.SwapPolicy] = {
     "migrate": admin_pb2.SWAP_POLICY_MIGRATE,
     "drain": admin_pb2.SWAP_POLICY_DRAIN,
     "restart": admin_pb2.SWAP_POLICY_RESTART,
@@ -176,7 +176,7 @@ def format_versions(response: admin_pb2.ListVersionsResponse) -> str:
 # -------------------------------------------------------------------------------- helpers
 
 
-def _policy(args: argparse.Namespace) -> int:
+def _policy(args: argparse.Namespace) -> admin_pb2.SwapPolicy:
     return POLICIES[args.policy] if args.policy else admin_pb2.SWAP_POLICY_UNSPECIFIED
 
 

@@ -48,11 +48,11 @@ def paged_attention(
     num_tokens = query.shape[0]
     nd = meta.num_decode_tokens
     if nd == num_tokens and not meta.unified:
-        return kernels.decode_attention(  # type: ignore[return-value]
+        return kernels.decode_attention(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
     if nd == 0 or meta.unified:  # one prefill-kernel call over every sequence
-        return kernels.prefill_attention(  # type: ignore[return-value]
+        return kernels.prefill_attention(
             query,
             key_cache,
             value_cache,

@@ -106,7 +106,8 @@ class TunedLinear:
             return None
         if x.shape[0] == 1:
             return entry[1]
-        return choose_gemv_config(x.shape[0], *weight.shape, x.dtype)
+        n, k = weight.shape
+        return choose_gemv_config(x.shape[0], n, k, x.dtype)
 
     def _pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and pdl_pays(x.shape[0])

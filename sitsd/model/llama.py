@@ -103,7 +103,7 @@ def _layer_tensors(arch: LlamaArch) -> tuple[_LayerTensor, ...]:
 def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names of the architecture and their shapes."""
     layer = _layer_tensors(arch)
-    shapes = {_EMBED: (arch.vocab_size, arch.hidden_size)}
+    shapes: dict[str, tuple[int, ...]] = {_EMBED: (arch.vocab_size, arch.hidden_size)}
     for n in range(arch.num_layers):
         shapes |= {_LAYER.format(n) + name: shape for t in layer for name, shape in t.parts}
     shapes[_FINAL_NORM] = (arch.hidden_size,)
@@ -155,7 +155,8 @@ def build_weights(
     for n in range(arch.num_layers):
         prefix = _LAYER.format(n)
         fields = {t.field: concat([prefix + name for name, _ in t.parts]) for t in table}
-        layers.append(LayerWeights(**{"qkv_bias": None, **fields}))
+        # The table names every field but `qkv_bias` where there is no bias.
+        layers.append(LayerWeights(**{"qkv_bias": None, **fields}))  # type: ignore[arg-type]
     embed = get(_EMBED)
     lm_head = embed if arch.tie_word_embeddings else get(_LM_HEAD)
     return LlamaWeights(embed, layers, get(_FINAL_NORM), lm_head)
@@ -192,7 +193,7 @@ def empty_weights_like(weights: LlamaWeights, *, zero: bool = False) -> LlamaWei
     """A second set of tensors shaped like `weights` (tied embeddings stay tied)."""
     make = torch.zeros_like if zero else torch.empty_like
     layers = [
-        LayerWeights(**{name: None if t is None else make(t) for name, t in vars(layer).items()})
+        LayerWeights(**{name: None if t is None else make(t) for name, t in vars(layer).items()})  # type: ignore[arg-type]
         for layer in weights.layers
     ]
     embed = make(weights.embed_tokens)

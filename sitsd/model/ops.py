@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,20 +19,22 @@ import torch.nn.functional as F
 from sitsd.kernels import reference
 from sitsd.model.routing import pdl_pays
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class KernelSet:
     """Callables with the signatures of the functions in `sitsd.kernels.reference`."""
 
     name: str
-    decode_attention: Callable[..., object]
-    prefill_attention: Callable[..., object]
-    rms_norm: Callable[..., object]
-    fused_add_rms_norm: Callable[..., object]
+    decode_attention: Callable[..., torch.Tensor]
+    prefill_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`): one Triton
     # launch; the CPU runs the two halves (`cpu_kernels.rotary_embedding`, `.reshape_and_cache`)
-    rotary_and_cache: Callable[..., object]
-    silu_and_mul: Callable[..., object]
+    rotary_and_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
     # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
@@ -69,8 +72,8 @@ def norm_linear(
 
 
 def with_pdl(
-    kernel: Callable[..., object], pdl: bool, rows: torch.Tensor, *args, **kwargs
-) -> object:
+    kernel: Callable[..., T], pdl: bool, rows: torch.Tensor, *args: object, **kwargs: object
+) -> T:
     """`kernel(rows, *args, pdl=..., **kwargs)`: programmatic dependent launch when `pdl` is on
     and it measured faster for the call's first dimension (tokens, or sequences for decode
     attention: `pdl_pays`)."""
@@ -143,13 +146,13 @@ def triton_kernels(
     from sitsd.model.linear import TunedLinear, measured_device
 
     pdl = supports_pdl() if pdl is None else pdl
-    rms_norm = partial(with_pdl, rms_norm, pdl)
-    fused_add_rms_norm = partial(with_pdl, fused_add_rms_norm, pdl)
-    silu_and_mul = partial(with_pdl, silu_and_mul, pdl)
+    norm = partial(with_pdl, rms_norm, pdl)
+    add_norm = partial(with_pdl, fused_add_rms_norm, pdl)
+    swiglu = partial(with_pdl, silu_and_mul, pdl)
     tuned = TunedLinear(
         measured_device() if use_gemv is None else use_gemv,
-        silu_and_mul,
-        partial(norm_linear, rms_norm, fused_add_rms_norm),
+        swiglu,
+        partial(norm_linear, norm, add_norm),
         pdl=pdl,
     )
     return KernelSet(
@@ -158,10 +161,10 @@ def triton_kernels(
             with_pdl, partial(decode_attention, split_counters=split_counters), pdl
         ),
         prefill_attention=prefill_attention,
-        rms_norm=rms_norm,
-        fused_add_rms_norm=fused_add_rms_norm,
+        rms_norm=norm,
+        fused_add_rms_norm=add_norm,
         rotary_and_cache=partial(with_pdl, rotary_and_cache, pdl),
-        silu_and_mul=silu_and_mul,
+        silu_and_mul=swiglu,
         linear=tuned.linear,
         swiglu_linear=tuned.swiglu_linear,
         norm_linear=tuned.norm_linear,

@@ -256,13 +256,9 @@ def backend_from_gguf_vocab(vocab: GgufVocab) -> tokenizers.Tokenizer:
 
 def _byte_level_bpe(vocab: GgufVocab) -> tokenizers.Tokenizer:
     token_ids = {tok: i for i, tok in enumerate(vocab.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [_merge_pair(m) for m in vocab.merges]
     backend = tokenizers.Tokenizer(
-        models.BPE(
-            token_ids,
-            merges,
-            ignore_merges=vocab.pre in _LLAMA3_PRE,  # type: ignore[arg-type]
-        )
+        models.BPE(token_ids, merges, ignore_merges=vocab.pre in _LLAMA3_PRE)
     )
     backend.pre_tokenizer = _byte_level_pre_tokenizer(vocab.pre)
     backend.decoder = decoders.ByteLevel()
@@ -336,3 +332,9 @@ def _merges_from_scores(vocab: GgufVocab) -> list[tuple[str, str]]:
         scored.extend((left, right, vocab.scores[piece_id]) for left, right in splits)
     scored.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in scored]
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule, "left right", as the pair `tokenizers.models.BPE` takes."""
+    left, right = merge.split(" ", 1)
+    return left, right
