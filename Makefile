@@ -8,6 +8,7 @@ BIN    := $(VENV)/bin
 # unpinned torch would pull several GB of CUDA packages. Override on a GPU host if needed.
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+LINT_PATHS := sitsd kernels tests bench grafana plugins scripts proto
 
 .PHONY: install install-test run test test-fast bench-cpu bench-telemetry bench-tiers dashboards proto lint clean
 
@@ -66,8 +67,13 @@ bench-tiers: install-test
 proto: install-test
 	$(BIN)/python proto/generate.py
 
+## Lint: ruff (rules and format), mypy (strict on the engine, the runtime and hot-swap), and the
+## import graph (no loop, no import up a layer). CI runs it before the tests; so does pre-commit.
 lint: install-test
-	$(BIN)/ruff check sitsd kernels tests bench grafana plugins
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
+	$(BIN)/python scripts/import_graph.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
