@@ -49,11 +49,11 @@ test-fast: install-test
 
 ## CPU benchmark: sitsd vs transformers on SmolLM2 (prints a table).
 bench-cpu: install-test
-	$(BIN)/python bench/bench_cpu.py
+	$(BIN)/python -m bench.bench_cpu
 
 ## Telemetry overhead on decode throughput: full tracing + metrics + logs vs off (a table).
 bench-telemetry: install-test
-	$(BIN)/python bench/bench_telemetry.py
+	$(BIN)/python -m bench.bench_telemetry
 
 ## Regenerate grafana/dashboards/*.json from grafana/build_dashboards.py.
 dashboards: install-test
@@ -61,7 +61,7 @@ dashboards: install-test
 
 ## Overload benchmark: SLA tiers vs FCFS at 2x capacity on SmolLM2 (prints a table, draws a PNG).
 bench-tiers: install-test
-	$(BIN)/python bench/bench_tiers.py
+	$(BIN)/python -m bench.bench_tiers
 
 ## Regenerate the gRPC stubs under sitsd/api/v1 from proto/.
 proto: install-test

@@ -10,7 +10,7 @@ beside transformers' `generate` (batch 1, and the 16 requests one after another,
 as one left-padded batch). sitsd runs its real engine (scheduler, paged KV cache, sampler,
 detokenizer, the asyncio bridge), in process, without gRPC. Medians of REPEATS runs.
 
-    make bench-cpu        # or: .venv/bin/python bench/bench_cpu.py [--new-tokens 128]
+    make bench-cpu        # or: .venv/bin/python -m bench.bench_cpu [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from bench.timing import now
 from sitsd.builder import launch_engine
 from sitsd.config import CacheConfig, SitsdConfig
 from sitsd.types import SamplingParams
@@ -64,11 +64,11 @@ async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) ->
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(ids: list[int]) -> tuple[float, float, float]:
-        t0 = time.perf_counter()
+        t0 = now()
         first = None
         async for _ in engine.add_request(ids, params):
-            first = first or time.perf_counter()
-        return t0, first, time.perf_counter()
+            first = first or now()
+        return t0, first, now()
 
     await one(prompts[0])  # warm-up
     decode, e2e, agg = [], [], []
@@ -77,9 +77,9 @@ async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) ->
         decode.append((new_tokens - 1) / (end - first))
         e2e.append(new_tokens / (end - t0))
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         await asyncio.gather(*(one(p) for p in prompts))
-        agg.append(len(prompts) * new_tokens / (time.perf_counter() - t0))
+        agg.append(len(prompts) * new_tokens / (now() - t0))
     await engine.shutdown(1.0)
     return {
         "decode": statistics.median(decode),
@@ -99,7 +99,7 @@ def hf_runs(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int)
         width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        t0 = time.perf_counter()
+        t0 = now()
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,
@@ -110,7 +110,7 @@ def hf_runs(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int)
                 pad_token_id=0,
             )
         assert out.shape[1] == width + n
-        return time.perf_counter() - t0
+        return now() - t0
 
     generate([prompts[0]], 8)  # warm-up
     decode, e2e = [], []

@@ -1,14 +1,14 @@
 """GPU benchmark: the Triton `gemv` against cuBLAS (`F.linear`) on Llama-3-8B's decode-time linears.
 
-Ceiling: device-to-device copy bandwidth, bytes read + written over time (the definition of
-`bench_gpu.copy_bandwidth`, 4 GiB fp32 source, reimplemented here because importing bench_gpu
-pulls in the engine). GB/s below are *weight* bytes over time, so "of copy" is the share of that
-ceiling the layer reaches (activations are a rounding error at M <= 8).
+Ceiling: device-to-device copy bandwidth, bytes read + written over time
+(`bench.floors.copy_bandwidth`, measured in the same run). GB/s below are *weight* bytes over
+time, so "of copy" is the share of that ceiling the layer reaches (activations are a rounding
+error at M <= 8).
 
 Every timing is a CUDA graph of back-to-back calls (no launch overhead, as the runtime decodes),
-replayed several times and timed with CUDA events; the figure is the median replay over the calls
-in it. So that no call finds its weight in the 50 MB L2, the calls of one graph cycle through
-enough copies of the weight to span `_ROTATE_BYTES`.
+replayed several times and timed with CUDA events (`bench.timing.graph_ms`); the figure is the
+median replay over the calls in it. So that no call finds its weight in the 50 MB L2, the calls
+of one graph cycle through enough copies of the weight to span `_ROTATE_BYTES`.
 
 1. Single layers: qkv, o, gate_up, down, lm_head (bf16 random weights) at M = 1, 2, 4, 8
    (`--rows` for others):
@@ -25,9 +25,9 @@ enough copies of the weight to span `_ROTATE_BYTES`.
    (`sitsd.model.linear`): `fused_add_rms_norm` + gemv against `norm_gemv` (add and norm inside
    the qkv and gate_up kernels), which decides `TunedLinear.fuse_norm`.
 
-GPU only: `python3 bench/bench_gemv.py [--no-sweep] [--skip-layers] [--rows 1,2,4,8,16,32]
-[--json PATH]`; prints a table
-last. Most of the run time is Triton compiling the swept configs (a warm ~/.triton cache halves it).
+GPU only: `python3 -m bench.bench_gemv [--no-sweep] [--skip-layers] [--rows 1,2,4,8,16,32]
+[--json PATH]`; prints a table last. Most of the run time is Triton compiling the swept configs
+(a warm ~/.triton cache halves it).
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,20 +43,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from bench.floors import copy_bandwidth
+from bench.shapes import LLAMA3_8B, linear_shapes
+from bench.timing import graph_ms, now
 from sitsd.kernels import silu_and_mul
 from sitsd.kernels.gemv import MAX_ROWS, GemvConfig, choose_gemv_config, gemv
 
 DTYPE = torch.bfloat16
-HIDDEN, INTERMEDIATE, NUM_LAYERS = 4096, 14336, 32  # Llama-3-8B
-SHAPES = {  # layer: (N, K) of its weight
-    "qkv": (6144, HIDDEN),
-    "o": (HIDDEN, HIDDEN),
-    "gate_up": (2 * INTERMEDIATE, HIDDEN),
-    "down": (HIDDEN, INTERMEDIATE),
-    "lm_head": (128256, HIDDEN),
-}
+HIDDEN, NUM_LAYERS = LLAMA3_8B.hidden_size, LLAMA3_8B.num_layers
+SHAPES = linear_shapes(LLAMA3_8B)  # layer: (N, K) of its weight
 BATCHES = (1, 2, 4, 8)  # --rows adds more (up to gemv.MAX_ROWS)
 LAYER_BATCHES = (1, 4)
 _CALLS_PER_GRAPH = 20
@@ -84,47 +77,6 @@ class Row:
     vs_linear: float  # F.linear's time / this time
     note: str = ""
     unit: str = "us"
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a device-to-device copy (read + write), 4 GiB source, as bench_gpu measures it."""
-    src = torch.randn(2**30, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * 4 * 2**30 / statistics.median(times) / 1e6
-
-
-def graph_us(calls: list[Callable[[], object]]) -> float:
-    """Median microseconds per call of one CUDA graph holding `calls` back to back."""
-    side = torch.cuda.Stream()  # warm up off the default stream, as torch's graph docs do
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / len(calls)
 
 
 def random_weight(n: int, k: int) -> torch.Tensor:
@@ -163,8 +115,8 @@ class LayerCase:
     def time_us(self, fn: Callable[[torch.Tensor], object]) -> float:
         """Graph-timed microseconds of `fn(weight)`, the calls cycling through the copies."""
         copies = self.weights
-        return graph_us([functools.partial(fn, copies[i % len(copies)])
-                         for i in range(_CALLS_PER_GRAPH)])  # fmt: skip
+        calls = [functools.partial(fn, copies[i % len(copies)]) for i in range(_CALLS_PER_GRAPH)]
+        return graph_ms(calls, replays=_REPLAYS) * 1e3
 
     @classmethod
     def random(cls, name: str, copy_gbs: float) -> LayerCase:
@@ -293,7 +245,7 @@ def bench_layers(copy_gbs: float, winners: dict) -> list[Row]:
         t_ref = None
         for variant, (linear, fused) in _layer_variants(num_rows, winners).items():
             step = functools.partial(_step, linear=linear, activation_into_down=fused)
-            ms = graph_us([functools.partial(functools.reduce, step, layers, x)]) / 1e3
+            ms = graph_ms([functools.partial(functools.reduce, step, layers, x)], replays=_REPLAYS)
             t_ref = t_ref or ms
             note = f"floor {floor_ms:.3f} ms"
             rows.append(Row(f"{NUM_LAYERS} layers", num_rows, variant, ms, total_gb / ms * 1e3,
@@ -333,7 +285,7 @@ def bench_norm_layers(copy_gbs: float) -> list[Row]:
             return h
 
         h0 = torch.randn(1, HIDDEN, device="cuda", dtype=DTYPE)
-        ms = graph_us([functools.partial(forward, h0)]) / 1e3
+        ms = graph_ms([functools.partial(forward, h0)], replays=_REPLAYS)
         t_ref = t_ref or ms
         note = f"floor {floor_ms:.3f} ms"
         rows.append(Row(f"{NUM_LAYERS} layers", 1, variant, ms, total_gb / ms * 1e3,
@@ -372,10 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     if not all(1 <= r <= MAX_ROWS for r in batches):
         parser.error(f"--rows: each between 1 and {MAX_ROWS}")
     if not torch.cuda.is_available():
-        sys.exit("bench_gemv.py needs a CUDA GPU")
-    started = time.perf_counter()
+        sys.exit("bench.bench_gemv needs a CUDA GPU")
+    started = now()
     torch.manual_seed(0)
-    copy_gbs = copy_bandwidth()
+    copy_gbs = copy_bandwidth() / 1e9
     torch.cuda.empty_cache()  # the 8 GiB of the copy go before the weights
     print(f"copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows, winners = [], {}
@@ -398,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{layer} M={m}{' swiglu' if sw else ''}": asdict(c)
             for (layer, m, sw), c in winners.items()
         },
-        "seconds": time.perf_counter() - started,
+        "seconds": now() - started,
     }
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -2,8 +2,8 @@
 
 Random weights in Llama-3-8B shapes, bf16; every figure is measured in this run, on this GPU:
 
-1. the floors: device-to-device copy bandwidth (bytes read + written / time) and the bf16
-   matmul rate; a decode step's memory floor = bytes it must read (every weight but the
+1. the floors (`bench.floors`): device-to-device copy bandwidth (bytes read + written / time)
+   and the bf16 matmul rate; a decode step's memory floor = bytes it must read (every weight but the
    embedding table, of which it reads one row per sequence, + the KV of every context) / copy
    bandwidth; its compute floor = 2 x non-embedding parameters x batch / matmul rate;
 2. decode tokens/s at batch 1, 8, 32, 64, 128 (128-token prompts, 256 new tokens, greedy,
@@ -15,14 +15,14 @@ Random weights in Llama-3-8B shapes, bf16; every figure is measured in this run,
    TFLOP/s beside the matmul rate;
 5. SmolLM2-135M-shaped decode step time with and without CUDA graphs at batch 1 and 32;
 6. a mixed step (32 decodes + a 480-token chunk; a 512-token prompt alone), eager vs the
-   mixed-step CUDA graphs (`--mixed-graphs`): host, step and GPU ms (`bench/bench_mixed.py`);
+   mixed-step CUDA graphs (`--mixed-graphs`): host, step and GPU ms (`bench.bench_mixed`);
 7. decode and the 256-request workload again one step at a time (`--no-async-scheduling`):
    what scheduling each step while the GPU runs the last one (the default on CUDA) buys.
 
 The engine runs with the daemon's CUDA defaults: decode and mixed-step graphs, asynchronous
-scheduling; FCFS (see `engine_config`).
+scheduling; FCFS (`bench.engine_setup.engine_config`).
 
-Runs on the device machine:  python3 bench/bench_gpu.py [--quick] [--skip-peer] [--skip-mixed]
+Runs on the device machine:  python3 -m bench.bench_gpu [--quick] [--skip-peer] [--skip-mixed]
 [--skip-in-turn] [--mixed-first]
 Prints a table last; `--json PATH` writes every number.
 """
@@ -35,131 +35,23 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_mixed import mixed_step_benchmark, print_mixed  # this script's folder
-
+from bench.bench_mixed import mixed_step_benchmark, print_mixed
+from bench.engine_setup import engine_config, graph_gpu_ms, random_checkpoint
+from bench.floors import copy_bandwidth, decode_step_floor_s, matmul_rate, prefill_flops
+from bench.shapes import LLAMA3_8B, SMOLLM2
+from bench.timing import now
 from sitsd.builder import build_engine, build_runner
-from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
 from sitsd.daemon import freeze_startup_objects
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import expected_shapes
 from sitsd.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sitsd.types import SamplingParams
 from sitsd.weights.checkpoint import Checkpoint
 
-LLAMA3_8B = LlamaArch(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                      rope_theta=500000.0, max_position_embeddings=8192)  # fmt: skip
-SMOLLM2 = LlamaArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                    max_position_embeddings=8192, tie_word_embeddings=True)  # fmt: skip
-
-
-class SyntheticTokenizer:
-    """A word-level tokenizer over the whole vocabulary: real (Rust) decode cost, no files."""
-
-    eos_token_ids = ()
-
-    def __init__(self, vocab_size: int) -> None:
-        from tokenizers import Tokenizer, models
-
-        vocab = {f"w{i}": i for i in range(vocab_size)}
-        self._tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def random_checkpoint(arch: LlamaArch, name: str) -> Checkpoint:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {}
-    for key, shape in expected_shapes(arch).items():
-        if key.endswith("norm.weight"):
-            tensors[key] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-        else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-            tensors[key] = t.normal_(0.0, 0.02, generator=gen)
-    return Checkpoint(arch=arch, tensors=tensors, tokenizer=SyntheticTokenizer(arch.vocab_size),
-                      name=name, path=Path(name), format="random", files=[])  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------ floors
-
-
-def timed_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of `fn` with CUDA events, after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write), 4 GiB source."""
-    src = torch.randn(2**30, device="cuda")
-    dst = torch.empty_like(src)
-    ms = timed_ms(lambda: dst.copy_(src))
-    return 2 * 4 * 2**30 / (ms / 1e3)
-
-
-def matmul_rate() -> float:
-    """FLOP/s of an 8192^3 bf16 matmul on random data."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed_ms(lambda: a @ b)
-    return 2 * 8192**3 / (ms / 1e3)
-
-
-def non_embedding_params(arch: LlamaArch) -> int:
-    """Parameters a decode step reads whole: all but an untied embedding table (of which it
-    reads one row per sequence; a tied table is read whole as the lm_head)."""
-    untied_table = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    return arch.num_parameters - untied_table
-
-
-def decode_step_floor_s(arch: LlamaArch, batch: int, context: float, bw: float, mm: float):
-    weight_bytes = 2 * non_embedding_params(arch)
-    kv_bytes = batch * context * arch.kv_bytes_per_token(2)
-    memory = (weight_bytes + kv_bytes) / bw
-    compute = 2 * non_embedding_params(arch) * batch / mm
-    return max(memory, compute), memory, compute
-
-
-def prefill_flops(arch: LlamaArch, num_seqs: int, prompt: int) -> float:
-    linear = 2 * non_embedding_params(arch) * num_seqs * prompt
-    # causal attention: QK^T and PV over half the square, per layer and head
-    attention = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * prompt**2 / 2
-    return linear + attention * num_seqs
-
-
 # ---------------------------------------------------------------------------------- the engine
-
-
-def engine_config(
-    max_num_seqs: int, eager: bool = False, util: float = 0.8, ahead: bool | None = None
-) -> SitsdConfig:
-    return SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
-                          enforce_eager=eager),
-        cache=CacheConfig(gpu_memory_utilization=util),
-        # FCFS: the engine's raw speed. The tiers policy would shed requests that queue past
-        # their tier's wait (all 256 of the throughput run arrive at once).
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                  max_num_waiting=4096, policy="fcfs", async_scheduling=ahead),
-    )  # fmt: skip
 
 
 async def run_batch(engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -170,16 +62,16 @@ async def run_batch(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     async def one(ids):
         first, produced = None, 0
         async for delta in engine.add_request(ids, params):
-            first = first or time.perf_counter()
+            first = first or now()
             produced += len(delta.new_token_ids)
             if delta.error:
                 raise RuntimeError(f"a benchmark request ended early: {delta.error}")
         if produced != new_tokens:  # every figure below counts new_tokens per request
             raise RuntimeError(f"a benchmark request produced {produced} of {new_tokens} tokens")
         firsts.append(first)
-        ends.append(time.perf_counter())
+        ends.append(now())
 
-    t0 = time.perf_counter()
+    t0 = now()
     await asyncio.gather(*(one(p) for p in prompts))
     n = len(prompts)
     return {
@@ -225,18 +117,6 @@ async def engine_benchmarks(
     return out
 
 
-def graph_gpu_ms(runner, batches: list[int], context: int) -> dict[int, float]:
-    """GPU time of one decode graph replay per batch (CUDA events), at a given context: what a
-    step costs the GPU, without the host's share. The engine is stopped: its buffers are ours."""
-    d = runner.builder.dev
-    d.slot_mapping.fill_(-1)  # write no KV
-    d.seq_lens.fill_(context)
-    blocks = torch.arange(runner.builder.max_blocks_per_seq, dtype=torch.int32, device="cuda")
-    d.block_tables.copy_(blocks.expand_as(d.block_tables))
-    return {b: timed_ms(lambda b=b: runner.graphs.replay(runner.graphs.bucket_for(b)))
-            for b in batches}  # fmt: skip
-
-
 def transformers_peer(ckpt: Checkpoint, new_tokens: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -253,15 +133,15 @@ def transformers_peer(ckpt: Checkpoint, new_tokens: int) -> dict:
 
     def generate(n: int) -> float:
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = now()
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                        cache_implementation="static", pad_token_id=0)  # fmt: skip
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return now() - t0
 
-    t0 = time.perf_counter()
+    t0 = now()
     generate(new_tokens)  # compiles
-    compile_s = time.perf_counter() - t0
+    compile_s = now() - t0
     rates = []
     for _ in range(3):
         rates.append((new_tokens - 1) / (generate(new_tokens) - generate(1)))
@@ -297,9 +177,9 @@ def decode_step_ms(runner, batch: int, context: int = 128, steps: int = 60) -> f
         cached = [CachedRequestData(r, [], context + step) for r in reqs]
         so = SchedulerOutput(cached_reqs=cached, num_scheduled_tokens=dict.fromkeys(reqs, 1),
                              total_num_scheduled_tokens=batch)  # fmt: skip
-        t0 = time.perf_counter()
+        t0 = now()
         runner.execute(so)  # ends with the host sync that returns the token ids
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     runner.execute(SchedulerOutput(finished_req_ids=set(reqs)))
     return statistics.median(times[5:]) * 1e3
 
@@ -322,6 +202,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_gpu needs a CUDA GPU")
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -1,10 +1,10 @@
 """Benchmark of sitsd's Triton kernels on one GPU, against ceilings measured in the same run.
 
-Ceilings: device-to-device copy bandwidth (bytes read + written over time, `Tensor.copy_` of a
-2 GiB tensor) and the bf16 `torch.matmul` rate (8192^3). Each kernel is timed with
-`triton.testing.do_bench` (median; it flushes the L2 before every call), and, for decode, also
-as CUDA-graph replays (`do_bench_cudagraph`: no launch overhead, but back-to-back, so small
-working sets stay in L2). Counts are explicit: bytes are each input read once and each output
+Ceilings (`bench.floors`): device-to-device copy bandwidth (bytes read + written over time, a
+4 GiB copy) and the bf16 `torch.matmul` rate (8192^3). Each kernel is timed with `bench.timing`:
+the median of single calls with the L2 flushed before each (`median_ms(flush_l2=True)`), and,
+for decode, also as CUDA-graph replays (`graph_ms`: no launch overhead, but back-to-back, so
+small working sets stay in L2). Counts are explicit: bytes are each input read once and each output
 written once; attention FLOPs are 4 * head_dim per (query head, visible key) pair.
 
     decode_attention   Llama-3-8B shapes (32 q / 8 kv heads, head_dim 128, bf16, block 16):
@@ -12,26 +12,25 @@ written once; attention FLOPs are 4 * head_dim per (query head, visible key) pai
     prefill_attention  TFLOP/s, fraction of the matmul rate, and speed against SDPA (flash)
     rms_norm & co.     GB/s, fraction of the copy bandwidth, and speed against the reference
 
-GPU only (`python3 bench/bench_kernels.py [--sweep]`); never part of the tests. Prints a table
+GPU only (`python3 -m bench.bench_kernels [--sweep]`); never part of the tests. Prints a table
 last. `--sweep` first times launch configurations of the attention kernels (each output checked
 against its reference), the measurements behind the wrappers' defaults (kernels/NOTES.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from bench import timing
+from bench.floors import copy_bandwidth, matmul_rate
+from bench.shapes import LLAMA3_8B
 from sitsd.kernels import (
     decode_attention,
     fused_add_rms_norm,
@@ -49,7 +48,8 @@ from sitsd.kernels.reference import (
     silu_and_mul_ref,
 )
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = LLAMA3_8B.num_heads, LLAMA3_8B.num_kv_heads, LLAMA3_8B.head_dim
+BLOCK_SIZE = 16  # the KV cache's default
 DTYPE = torch.bfloat16
 L2_BYTES = 60 * 2**20  # H200
 DEVICE = torch.device("cuda")
@@ -57,7 +57,8 @@ DECODE_CONTEXTS = (512, 2048, 8192)
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 # (number of sequences, chunk length, cached prefix length)
 PREFILL_CASES = ((1, 4096, 0), (4, 2048, 0), (16, 512, 0), (1, 512, 7680), (1, 8192, 0))
-NUM_TOKENS, HIDDEN, INTERMEDIATE = 4096, 4096, 14336  # elementwise kernels: a prefill step
+NUM_TOKENS = 4096  # elementwise kernels: a prefill step of Llama-3-8B's activations
+HIDDEN, INTERMEDIATE = LLAMA3_8B.hidden_size, LLAMA3_8B.intermediate_size
 SWEEP_DECODE_CASES = ((32, 8192), (8, 8192), (128, 2048))  # (batch, context)
 SWEEP_PREFILL_CASES = ((4096, 0), (512, 7680))  # (chunk length, cached prefix)
 
@@ -73,40 +74,30 @@ class Row:
     extra: str = ""  # peer or graph timing
 
 
+_WARMUP, _REPEATS = 10, 100  # single calls
+_GRAPH_CALLS = 100  # back-to-back calls in one timed graph
+
+
 def median_ms(fn: Callable[[], object]) -> float:
     """Median of single calls, L2 flushed before each (host launch overhead can show)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return timing.median_ms(fn, warmup=_WARMUP, repeats=_REPEATS, clock="cuda", flush_l2=True)
 
 
 def graph_ms(fn: Callable[[], object]) -> float:
     """Median per call of CUDA-graph replays of back-to-back calls (no launch overhead)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return timing.graph_ms([fn] * _GRAPH_CALLS)
 
 
 def host_us(fn: Callable[[], object], num_calls: int = 200) -> float:
     """Host time per call of a wrapper (checks + launches), launches left queued."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(num_calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / num_calls * 1e6
+    return timing.median_ms(fn, warmup=1, repeats=num_calls, clock="host") * 1e3
 
 
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s), measured now on random data."""
-    src = torch.randn(2**30, device=DEVICE, dtype=torch.bfloat16)  # 2 GiB
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(functools.partial(dst.copy_, src))
-    copy_gbs = 2 * src.numel() * src.element_size() / copy_ms / 1e6
-    src = dst = None  # free 4 GiB before the matmul
-    n = 8192
-    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    mm_ms = median_ms(functools.partial(torch.matmul, a, b))
-    return copy_gbs, 2 * n**3 / mm_ms / 1e9
+    copy_gbs = copy_bandwidth() / 1e9
+    torch.cuda.empty_cache()  # the copy's 8 GiB go before the matmul
+    return copy_gbs, matmul_rate() / 1e12
 
 
 def _paged(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,10 +294,17 @@ def print_table(rows: list[Row], copy_gbs: float, mm_tflops: float) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="first time launch configurations of the attention kernels (kernels/NOTES.md)",
+    )
+    args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU")
+        sys.exit("bench.bench_kernels needs a CUDA GPU")
     torch.manual_seed(0)
-    if "--sweep" in sys.argv:
+    if args.sweep:
         sweep_prefill()
         sweep_decode()
     copy_gbs, mm_tflops = measure_ceilings()

@@ -1,6 +1,6 @@
 """GPU benchmark of one mixed step (prompt tokens, with or without decodes): eager vs the
-mixed-step CUDA graphs of `--mixed-graphs`. Called by `bench/bench_gpu.py`; runs alone too:
-python3 bench/bench_mixed.py
+mixed-step CUDA graphs of `--mixed-graphs`. Called by `bench.bench_gpu`; runs alone too:
+python3 -m bench.bench_mixed
 
 Cases, Llama-3-8B shapes in bf16 (random weights), through `ModelRunner.launch` (input
 building, forward, sampling), each repetition with fresh request ids so every step is the same:
@@ -16,16 +16,16 @@ step ms down to about GPU ms.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.engine_setup import random_checkpoint
+from bench.shapes import LLAMA3_8B
+from bench.timing import now
 from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
 from sitsd.outputs import NewRequestData, SchedulerOutput
@@ -74,11 +74,11 @@ def measure(runner, decodes: list[int], chunks: list[int], reps: int = 30) -> di
     for rep in range(reps + 5):
         so = step_output(runner, rep, decodes, chunks)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = now()
         pending = runner.launch(so)
-        t1 = time.perf_counter()
+        t1 = now()
         pending.result()
-        t2 = time.perf_counter()
+        t2 = now()
         runner.execute(SchedulerOutput(finished_req_ids=set(so.num_scheduled_tokens)))
         if rep >= 5:
             host.append(t1 - t0)
@@ -137,7 +137,12 @@ def print_mixed(results: dict) -> None:
         print(f"{'':<32}graphs {speedup:.2f}x faster per step")
 
 
-if __name__ == "__main__":
-    from bench_gpu import LLAMA3_8B, random_checkpoint  # this script's folder
-
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_mixed needs a CUDA GPU")
     print_mixed(mixed_step_benchmark(random_checkpoint(LLAMA3_8B, "llama-3-8b-random")))
+
+
+if __name__ == "__main__":
+    main()

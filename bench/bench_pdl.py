@@ -6,7 +6,7 @@ launched with PDL (`kernels/_pdl.py`, the sm_90+ default) and once without, and 
 replay per batch with CUDA events (median of 20) at a 256-token context, beside the step's
 floor. Same run, same GPU, same weights: the ratio is PDL's own effect.
 
-Runs on the device machine:  python3 bench/bench_pdl.py [--batches 1,8,32,64,128]
+Runs on the device machine:  python3 -m bench.bench_pdl [--batches 1,8,32,64,128]
 """
 
 from __future__ import annotations
@@ -15,23 +15,12 @@ import argparse
 import gc
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gpu import (
-    LLAMA3_8B,
-    copy_bandwidth,
-    decode_step_floor_s,
-    engine_config,
-    graph_gpu_ms,
-    matmul_rate,
-    random_checkpoint,
-)
-
+from bench.engine_setup import engine_config, graph_gpu_ms, random_checkpoint
+from bench.floors import copy_bandwidth, decode_step_floor_s, matmul_rate
+from bench.shapes import LLAMA3_8B
 from sitsd.builder import build_runner
 
 CONTEXT = 256
@@ -54,6 +43,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_pdl needs a CUDA GPU")
     bw, mm = copy_bandwidth(), matmul_rate()
     gc.collect()
     torch.cuda.empty_cache()

@@ -2,12 +2,12 @@
 
 For each layer shape and row count: `F.linear` (cuBLAS), `gemv`'s default, and `skinny_gemm`
 (`kernels/skinny_gemm.py`) over a sweep of tilings and K splits, each output checked against
-`F.linear` before it is timed. Timing as in `bench_gemv.py`: 20 calls in one CUDA graph cycling
-through enough weight copies to defeat the L2, median of 10 replays; GB/s = weight bytes / time
-against the copy bandwidth measured in the same run. The winners, with their speed-up over
-cuBLAS, are what `sitsd.model.linear` routes to `skinny_gemm`.
+`F.linear` before it is timed. Timing as in `bench.bench_gemv`: 20 calls in one CUDA graph
+cycling through enough weight copies to defeat the L2, median of 10 replays; GB/s = weight bytes
+/ time against the copy bandwidth measured in the same run (`bench.floors`). The winners, with
+their speed-up over cuBLAS, are what `sitsd.model.linear` routes to `skinny_gemm`.
 
-GPU only:  python3 bench/bench_skinny.py [--rows 16,32,64] [--json PATH]; prints a table last.
+GPU only:  python3 -m bench.bench_skinny [--rows 16,32,64] [--json PATH]; prints a table last.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ import argparse
 import functools
 import json
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gemv import DTYPE, SHAPES, LayerCase, check_close, copy_bandwidth
-
+from bench.bench_gemv import DTYPE, SHAPES, LayerCase, check_close
+from bench.floors import copy_bandwidth
+from bench.timing import now
 from sitsd.kernels.gemv import gemv
 from sitsd.kernels.skinny_gemm import SkinnyConfig, choose_skinny_config, skinny_gemm
 
@@ -96,10 +93,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_skinny.py needs a CUDA GPU")
-    started = time.perf_counter()
+        sys.exit("bench.bench_skinny needs a CUDA GPU")
+    started = now()
     torch.manual_seed(0)
-    copy_gbs = copy_bandwidth()
+    copy_gbs = copy_bandwidth() / 1e9
     torch.cuda.empty_cache()
     rows = [int(r) for r in args.rows.split(",")]
     results = []
@@ -109,7 +106,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "results": results}, indent=1))
     print_table(results, copy_gbs)
-    print(f"\n{time.perf_counter() - started:.0f} s")
+    print(f"\n{now() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@
 
 Never part of the test run; about 1 minute on the CPU.
 
-    .venv/bin/python bench/bench_swap.py [--policy migrate] [--clients 8] [--json out.json]
-    python3 bench/bench_swap.py --device cuda --work-dir /scratch/swap   # the GPU machine
+    .venv/bin/python -m bench.bench_swap [--policy migrate] [--clients 8] [--json out.json]
+    python3 -m bench.bench_swap --device cuda --work-dir /scratch/swap   # the GPU machine
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -40,16 +39,15 @@ from pathlib import Path
 
 import grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from bench.daemon import BenchDaemon  # noqa: E402
-from sitsd.api.v1 import (  # noqa: E402
+from bench.daemon import BenchDaemon
+from bench.shapes import LLAMA3_8B, SMOLLM2
+from bench.timing import now, percentile
+from sitsd.api.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     inference_pb2_grpc,
 )
-from sitsd.api.v1 import inference_pb2 as pb  # noqa: E402
+from sitsd.api.v1 import inference_pb2 as pb
 
 SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
 TYPICAL_GAP = re.compile(r"steps are ([\d.]+) ms apart otherwise")
@@ -83,10 +81,10 @@ def write_gpu_versions(work: Path) -> tuple[Path, Path]:
 
     for name, noise in (("v1", 0.0), ("v2", 0.01)):
         if not (work / name / "manifest.json").exists():
-            started = time.monotonic()
+            started = now()
             write(work / name, "llama-3-8b", seed=0, noise=noise)
             write_manifest(work / name, workers=8)
-            print(f"wrote {name} in {time.monotonic() - started:.0f} s", flush=True)
+            print(f"wrote {name} in {now() - started:.0f} s", flush=True)
     return work / "v1", work / "v2"
 
 
@@ -123,7 +121,7 @@ class Load:
     def __init__(self, address: str, prompts: list[list[int]], clients: int, seed: int) -> None:
         self.address, self.prompts, self.clients = address, prompts, clients
         self.rng = random.Random(seed)
-        self.streams: list[list[float]] = []  # token arrival times (time.monotonic) per request
+        self.streams: list[list[float]] = []  # token arrival times (`bench.timing.now`) per request
         self.failed = 0
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
@@ -144,7 +142,7 @@ class Load:
             )
             try:
                 async for response in stub.Generate(request, timeout=600):
-                    times += [time.monotonic()] * len(response.token_ids)
+                    times += [now()] * len(response.token_ids)
             except grpc.aio.AioRpcError:
                 self.failed += 1
 
@@ -155,13 +153,13 @@ class Load:
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
+    """Count, P50 and P99 (nearest rank) and max of `values` seconds, in milliseconds."""
     if len(values) < 2:
         return {"n": len(values), "p50_ms": float("nan"), "p99_ms": float("nan"), "max_ms": 0}
-    q = statistics.quantiles(values, n=100, method="inclusive")
     return {
         "n": len(values),
-        "p50_ms": q[49] * 1e3,
-        "p99_ms": q[98] * 1e3,
+        "p50_ms": percentile(values, 50) * 1e3,
+        "p99_ms": percentile(values, 99) * 1e3,
         "max_ms": max(values) * 1e3,
     }
 
@@ -200,16 +198,16 @@ def deploy_and_swap(daemon: Daemon, v2: Path, after_s: float) -> dict:
     """Deploy v2 (timing each stage's start), wait a second, swap to it; the marks."""
     stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
     metadata = [("authorization", f"Bearer {daemon.token()}")]
-    marks: dict = {"deploy": time.monotonic(), "rss_before": daemon.rss_mib(), "stages": {}}
+    marks: dict = {"deploy": now(), "rss_before": daemon.rss_mib(), "stages": {}}
     request = admin_pb2.DeployRequest(path=str(v2), version="v2")
     for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
-        marks["stages"].setdefault(progress.stage, time.monotonic())
+        marks["stages"].setdefault(progress.stage, now())
     assert progress.stage == "staged", progress
-    marks["staged"], marks["rss_staged"] = time.monotonic(), daemon.rss_mib()
+    marks["staged"], marks["rss_staged"] = now(), daemon.rss_mib()
     time.sleep(1.0)  # a second of plain load between staging and the commit
-    marks["swap"] = time.monotonic()
+    marks["swap"] = now()
     swap = list(stub.Swap(admin_pb2.SwapRequest(version="v2"), metadata=metadata, timeout=3600))
-    marks["committed"], marks["last"] = time.monotonic(), swap[-1]
+    marks["committed"], marks["last"] = now(), swap[-1]
     assert marks["last"].stage == "committed", marks["last"]
     time.sleep(after_s)
     return marks
@@ -222,7 +220,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         daemon.wait_until_serving()
         slot_mib = float(SLOT_COST.search(daemon.log_text()).group(1))
         rng = random.Random(args.seed)
-        vocab = 49152 if args.device == "cpu" else 128256
+        vocab = (SMOLLM2 if args.device == "cpu" else LLAMA3_8B).vocab_size
         prompts = [
             [rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))] for _ in range(32)
         ]
@@ -280,8 +278,8 @@ def summarize(
 
 def wait_for_quiet(max_load: float, timeout_s: float) -> float:
     """Wait (up to `timeout_s`) for the 1-minute load average to fall under `max_load`."""
-    deadline = time.monotonic() + timeout_s
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+    deadline = now() + timeout_s
+    while os.getloadavg()[0] > max_load and now() < deadline:
         time.sleep(5)
     return os.getloadavg()[0]
 

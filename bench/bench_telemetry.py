@@ -17,7 +17,7 @@ back (the order alternates). The overhead is the median over pairs of 1 - on/off
 the machine's load between pairs cancels; its min-max over pairs is the spread. Prints a table
 last.
 
-    make bench-telemetry      # or: .venv/bin/python bench/bench_telemetry.py [--repeats 5]
+    make bench-telemetry      # or: .venv/bin/python -m bench.bench_telemetry [--repeats 5]
 """
 
 from __future__ import annotations
@@ -28,27 +28,23 @@ import io
 import logging
 import os
 import statistics
-import sys
 import threading
-import time
 import urllib.request
-from pathlib import Path
 
 import torch
 from opentelemetry.trace import SpanKind
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.observability.otlp_receiver
-
 from bench.bench_cpu import prompts_ids
+from bench.timing import now
 from sitsd.builder import launch_engine
 from sitsd.config import CacheConfig, ObservabilityConfig, SitsdConfig
 from sitsd.engine.observer import NullObserver
 from sitsd.observability import Observability
 from sitsd.observability.logs import setup_logging
 from sitsd.observability.metrics import MetricsServer
+from sitsd.testing.otlp_receiver import OtlpReceiver
 from sitsd.types import SamplingParams
 from sitsd.weights import load_checkpoint, resolve_model_path
-from tests.observability.otlp_receiver import OtlpReceiver
 
 
 class Switch:
@@ -95,16 +91,16 @@ async def measure(engine, obs, prompts, new_tokens: int, traced: bool) -> tuple[
 
     async def one(ids: list[int]) -> tuple[float, float, float]:
         span = obs.tracer.start_span("generate", kind=SpanKind.SERVER) if traced else None
-        t0, first = time.perf_counter(), None
+        t0, first = now(), None
         async for _ in engine.add_request(ids, params, trace_context=span):
-            first = first or time.perf_counter()
+            first = first or now()
         if span is not None:
             span.end()
-        return t0, first, time.perf_counter()
+        return t0, first, now()
 
-    t0 = time.perf_counter()
+    t0 = now()
     await asyncio.gather(*(one(p) for p in prompts))
-    concurrent = len(prompts) * new_tokens / (time.perf_counter() - t0)
+    concurrent = len(prompts) * new_tokens / (now() - t0)
     _, first, end = await one(prompts[0])
     return concurrent, (new_tokens - 1) / (end - first)
 

@@ -13,7 +13,7 @@
 Goodput and targets come from `--tiers` (default `bench/tiers-cpu.yaml`, the SITS table scaled
 to this CPU, see that file). Never part of the test run; it takes about 3-4 minutes.
 
-    .venv/bin/python bench/bench_tiers.py [--duration 60] [--out bench/out]
+    .venv/bin/python -m bench.bench_tiers [--duration 60] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from bench.daemon import BenchDaemon, bucket_quantile
+from sitsd.ctl.bench_report import plot_reports
 
-from bench.daemon import BenchDaemon, bucket_quantile  # noqa: E402
-from sitsd.ctl.bench_report import plot_reports  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(state_dir: str, policy: str, serve: list[str]) -> BenchDaemon:

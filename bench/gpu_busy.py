@@ -1,7 +1,7 @@
 """Is the engine GPU-bound while it decodes? The GPU's busy share of a window of steady decode.
 
 With asynchronous scheduling the host prepares step N+1 while the GPU runs step N; the engine
-step should then cost what the GPU does. `bench_gpu.py` still shows engine steps 0.2 ms (batch
+step should then cost what the GPU does. `bench.bench_gpu` still shows engine steps 0.2 ms (batch
 32) to 0.6 ms (batch 128) longer than a graph replay. This script tells the two possible causes
 apart: it decodes a batch through the whole engine (Llama-3-8B shapes, random bf16, the CUDA
 defaults, FCFS) and, once every request is past its prefill, records ~1 s of GPU kernels with
@@ -12,7 +12,7 @@ intervals over the window is the GPU's busy time:
   sampling, the pending-token patch); the kernel table says which;
 - busy well below 100%: the GPU waits for the host (the idle gap per step is the host's excess).
 
-Runs on the device machine:  python3 bench/gpu_busy.py [--batches 1,32,128] [--window 1.0]
+Runs on the device machine:  python3 -m bench.gpu_busy [--batches 1,32,128] [--window 1.0]
 """
 
 from __future__ import annotations
@@ -20,17 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gpu import LLAMA3_8B, engine_config, random_checkpoint
-
+from bench.engine_setup import engine_config, random_checkpoint
+from bench.shapes import LLAMA3_8B
+from bench.timing import now
 from sitsd.builder import build_engine
 from sitsd.daemon import freeze_startup_objects
 from sitsd.types import SamplingParams
@@ -72,10 +68,10 @@ async def measure(engine, batch: int, window_s: float) -> dict:
     await asyncio.sleep(0.2)  # steady decode
     steps0 = engine.core.num_steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
+        t0 = now()
         await asyncio.sleep(window_s)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = now() - t0
     steps = engine.core.num_steps - steps0
     for t in tasks:
         t.cancel()
@@ -118,6 +114,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--window", type=float, default=1.0, help="seconds profiled per batch")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.gpu_busy needs a CUDA GPU")
     asyncio.run(run([int(b) for b in args.batches.split(",")], args.window))
 
 

@@ -6,7 +6,7 @@ and a byte-level tokenizer (one token per byte, plus ChatML specials) with a cha
 The model's vocabulary is the real one; the tokenizer only ever produces its first ids, and
 sampled ids past it decode to nothing. Never used by the tests.
 
-    python3 bench/make_random_model.py OUT_DIR [--shape llama-3-8b|smollm2]
+    python3 -m bench.make_random_model OUT_DIR [--shape llama-3-8b|smollm2]
 """
 
 from __future__ import annotations
@@ -19,15 +19,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-SHAPES = {
-    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       rope_theta=500000.0, max_position_embeddings=8192,
-                       tie_word_embeddings=False),
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
-}  # fmt: skip
+from bench.shapes import MODELS
+from sitsd.model.arch import LlamaArch
+from sitsd.model.llama import expected_shapes
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -46,36 +41,29 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
+def hf_config(arch: LlamaArch) -> dict[str, object]:
+    """The `config.json` of a bf16 Llama checkpoint of architecture `arch`."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "rms_norm_eps": arch.rms_norm_eps, "torch_dtype": "bfloat16",
+            "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
+            "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+            "rope_theta": arch.rope_theta, "max_position_embeddings": arch.max_position_embeddings,
+            "tie_word_embeddings": arch.tie_word_embeddings}  # fmt: skip
 
 
 def write(out: Path, shape: str, seed: int = 0, noise: float = 0.0, noise_seed: int = 1) -> None:
     """`noise` > 0: each random weight w becomes w * (1 + noise * N(0, 1)) (a second version
     of the same model, as a fine-tune would be)."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-           "torch_dtype": "bfloat16", **SHAPES[shape]}  # fmt: skip
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    arch = MODELS[shape]
+    (out / "config.json").write_text(json.dumps(hf_config(arch), indent=2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     noise_gen = torch.Generator(device=device).manual_seed(noise_seed)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, index = 0, 0
-    for name, dims in tensor_shapes(cfg).items():
+    for name, dims in expected_shapes(arch).items():
         if name.endswith("norm.weight"):
             t = torch.ones(dims, dtype=torch.bfloat16)
         else:
@@ -103,7 +91,7 @@ def write(out: Path, shape: str, seed: int = 0, noise: float = 0.0, noise_seed: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    parser.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b")
     args = parser.parse_args()
     write(args.out, args.shape)
     print(f"wrote {args.shape} random weights to {args.out}")

@@ -1,38 +1,31 @@
 """Where a decode step's GPU time goes: kernel breakdown of graph replays, GEMM efficiency.
 
-Runs on the device machine: python3 bench/profile_decode.py. Llama-3-8B shapes, random bf16.
+Runs on the device machine: python3 -m bench.profile_decode. Llama-3-8B shapes, random bf16.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gpu import (
-    LLAMA3_8B,
-    copy_bandwidth,
-    engine_config,
-    random_checkpoint,
-    timed_ms,
-)
-
+from bench.engine_setup import engine_config, fill_decode_inputs, random_checkpoint
+from bench.floors import copy_bandwidth
+from bench.shapes import LLAMA3_8B
+from bench.timing import median_ms
 from sitsd.builder import build_runner
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.profile_decode needs a CUDA GPU")
     bw = copy_bandwidth()
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
     runner, _ = build_runner(engine_config(128, util=0.5), LLAMA3_8B, ckpt.tensors, "prof")
-    d = runner.builder.dev
-    d.slot_mapping.fill_(-1)
-    d.seq_lens.fill_(256)
-    blocks = torch.arange(runner.builder.max_blocks_per_seq, dtype=torch.int32, device="cuda")
-    d.block_tables.copy_(blocks.expand_as(d.block_tables))
+    fill_decode_inputs(runner, 256)
     for b in (1, 32, 128):
         bucket = runner.graphs.bucket_for(b)
         for _ in range(3):
@@ -42,7 +35,7 @@ def main() -> None:
             for _ in range(5):
                 runner.graphs.replay(bucket)
             torch.cuda.synchronize()
-        replay_ms = timed_ms(lambda bucket=bucket: runner.graphs.replay(bucket))
+        replay_ms = median_ms(functools.partial(runner.graphs.replay, bucket))
         print(f"\n=== batch {b}: graph replay {replay_ms:.3f} ms; kernels over 5 replays ===")
         print(
             prof.key_averages().table(
@@ -56,7 +49,8 @@ def main() -> None:
     for m in (1, 8, 128):
         for name, weight in shapes.items():
             x = torch.randn(m, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-            ms = timed_ms(lambda x=x, weight=weight: torch.nn.functional.linear(x, weight), 50)
+            linear = functools.partial(torch.nn.functional.linear, x, weight)
+            ms = median_ms(linear, repeats=50)
             gbs = weight.numel() * 2 / (ms / 1e3) / 1e9
             print(f"  M={m:<4} {name:<8} {tuple(weight.shape)}: {ms * 1e3:8.1f} us "
                   f"{gbs:7.0f} GB/s ({gbs * 1e9 / bw:.2f} of copy)")  # fmt: skip

@@ -1,39 +1,64 @@
 """What the tier scheduler alone does to gold's time to first token, in simulated time.
 
-The real `Scheduler` with the test suite's fake runner (`tests/engine/fakes.py`), driven like
-the engine core (admission control at arrival, shedding, schedule, step, update), with each
-step's duration from a model of the daemon on the GPU: `base + per-prompt-token x prompt tokens
-+ per-sequence x sequences` (defaults fitted to Llama-3-8B shapes on an H200 with
-`--mixed-graphs`: inter-token P50 ~10 ms at ~64 running, a 2048-token step ~50 ms, and the
-FCFS capacity of the daemon there, ~28 requests/s, within a few percent).
-Arrivals are the overload benchmark's (`bench/bench_tiers.py` on the GPU): Poisson, 20% gold /
-30% silver / 50% bronze, prompts 128-512, outputs 64-256 tokens, `--max-num-seqs 64`.
+The real `Scheduler` with a stand-in for the model (`TokenRunner`: each request's tokens, the
+next one sampled as the last + 1), driven like the engine core (admission control at arrival,
+shedding, schedule, step, update), with each step's duration from a model of the daemon on the
+GPU: `base + per-prompt-token x prompt tokens + per-sequence x sequences` (defaults fitted to
+Llama-3-8B shapes on an H200 with `--mixed-graphs`: inter-token P50 ~10 ms at ~64 running, a
+2048-token step ~50 ms, and the FCFS capacity of the daemon there, ~28 requests/s, within a few
+percent). Arrivals are the overload benchmark's (`bench.bench_tiers` on the GPU): Poisson,
+20% gold / 30% silver / 50% bronze, prompts 128-512, outputs 64-256 tokens, `--max-num-seqs 64`.
 
 No network, no event loop, no GIL: the gap between these figures and the daemon's is what the
 delivery path (engine thread -> asyncio -> gRPC -> client) adds. Deterministic for a seed.
 
-    .venv/bin/python bench/sim_tiers.py [--rate 56] [--duration 40] [--budget 2048]
+    .venv/bin/python -m bench.sim_tiers [--rate 56] [--duration 40] [--budget 2048]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import random
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.timing import percentile
 from sitsd.config import SchedulerConfig, TiersConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
+from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.types import FinishReason, SamplingParams, Tier
-from tests.engine.fakes import FakeRunner
 
 BLOCK = 16
+VOCAB_SIZE = 1000
+
+
+class TokenRunner:
+    """The model, as far as the simulation needs one: it keeps each request's tokens and, when
+    a step's chunk reaches the last of them, samples the last + 1. Time is the simulation's
+    model, not this runner's; it checks nothing (the tests' fake runner does)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}  # req_id -> prompt + outputs so far
+        self.num_computed: dict[str, int] = {}  # req_id -> tokens computed
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.tokens.pop(req_id, None)
+            self.num_computed.pop(req_id, None)
+        for new in so.new_reqs:
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.num_computed[new.req_id] = new.num_computed_tokens
+        sampled = []
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            tokens = self.tokens[req_id]
+            self.num_computed[req_id] += num_tokens
+            if self.num_computed[req_id] == len(tokens):  # the chunk ends the known tokens
+                tokens.append((tokens[-1] + 1) % VOCAB_SIZE)
+                sampled.append([tokens[-1]])
+            else:  # mid-prompt: nothing sampled
+                sampled.append([])
+        return ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
 
 
 def arrivals(rate: float, duration: float, seed: int) -> list[tuple[float, Tier, int, int]]:
@@ -55,7 +80,7 @@ def simulate(args: argparse.Namespace, policy: str, gold_step_tokens: int) -> di
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.budget, policy=policy)  # fmt: skip
     sched = Scheduler(config, KVCacheManager(40000, BLOCK), 2048, clock=lambda: now, tiers=tiers)
-    runner = FakeRunner(BLOCK)
+    runner = TokenRunner()
     pending = arrivals(args.rate, args.duration, args.seed)
     tier_of: dict[str, Tier] = {}
     arrived: dict[str, float] = {}
@@ -105,8 +130,7 @@ def simulate(args: argparse.Namespace, policy: str, gold_step_tokens: int) -> di
     for tier in Tier:
         values = sorted(v for r, v in ttft.items() if tier_of[r] is tier)
         if values:
-            p50, p90, p99 = (1e3 * values[max(0, math.ceil(q * len(values)) - 1)]
-                             for q in (0.5, 0.9, 0.99))  # fmt: skip
+            p50, p90, p99 = (1e3 * percentile(values, p) for p in (50, 90, 99))
             result[tier.value] = (len(values), p50, p90, p99, refused[tier], shed[tier])
     return result
 

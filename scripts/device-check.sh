@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on the lent device machine (its python3 has torch, triton, transformers):
 #   scripts/device-check.sh tests   GPU tests (kernels + runtime), summary last
-#   scripts/device-check.sh bench   bench/bench_gpu.py, table last
-#   scripts/device-check.sh run CMD...   CMD with the same set-up (e.g. python3 bench/bench_gemv.py)
+#   scripts/device-check.sh bench   python3 -m bench.bench_gpu, table last
+#   scripts/device-check.sh run CMD...   CMD with the same set-up (e.g. python3 -m bench.bench_gemv)
 # Wheels for packages the device lacks travel in .whl/; the SmolLM2 GGUF travels in two parts
 # (.smol/part1, .smol2/part2: one call's transfer is capped at 64 MiB) and is joined here.
 set -uo pipefail
@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 case "${1:-tests}" in
   tests) shift; python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
            --import-mode=importlib "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests.log" | tail -40 ;;
-  bench) shift; python3 bench/bench_gpu.py --json "${OUT:-/tmp}/bench_gpu.json" "$@" 2>&1 \
+  bench) shift; python3 -m bench.bench_gpu --json "${OUT:-/tmp}/bench_gpu.json" "$@" 2>&1 \
            | tee "${OUT:-/tmp}/bench-gpu.log" ;;
   run) shift; "$@" ;;
 esac

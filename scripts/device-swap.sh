@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hot-swap on the lent GPU machine: the GPU weight-slot tests, then bench/bench_swap.py with
+# Hot-swap on the lent GPU machine: the GPU weight-slot tests, then bench.bench_swap with
 # Llama-3-8B shapes (two ~16 GB versions written under /tmp/swap first). Logs go to $OUT.
 #   scripts/device-swap.sh [bench_swap flags...]
 set -uo pipefail
@@ -10,6 +10,6 @@ export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" --import-mode=importlib \
   tests/runtime/test_gpu_weight_slots.py 2>&1 | tee "$OUT/gpu-swap-tests.log" | tail -15
-python3 bench/bench_swap.py --device cuda --work-dir /tmp/swap --max-load 1000 \
+python3 -m bench.bench_swap --device cuda --work-dir /tmp/swap --max-load 1000 \
   --json "$OUT/bench_swap_gpu.json" "$@" 2>&1 | tee "$OUT/bench-swap-gpu.log" | grep -v "^$"
 cp /tmp/swap/daemon.log "$OUT/" 2>/dev/null

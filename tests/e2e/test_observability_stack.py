@@ -22,9 +22,9 @@ import yaml
 
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.api.v1 import inference_pb2_grpc
+from sitsd.testing.otlp_receiver import OtlpReceiver, attributes
 from tests.deploy.exprs import RULES, all_expressions, dashboard_expressions, unknown_metrics
 from tests.e2e.daemon_process import DaemonProcess, serving
-from tests.observability.otlp_receiver import OtlpReceiver, attributes
 from tests.observability.tools import free_port, require_binary, wait_for
 
 pytestmark = pytest.mark.slow

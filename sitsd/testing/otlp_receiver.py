@@ -1,7 +1,7 @@
 """A tiny OTLP/gRPC receiver (traces and logs) on 127.0.0.1 that keeps what it is sent.
 
-Stands in for the OpenTelemetry Collector in tests and in `bench/bench_telemetry.py`: the
-daemon's real exporters send to it over real gRPC.
+Stands in for the OpenTelemetry Collector in the tests (`tests/e2e`) and in
+`bench.bench_telemetry`: the daemon's real exporters send to it over real gRPC.
 """
 
 from __future__ import annotations
