@@ -361,6 +361,7 @@ class EngineCore(StepAhead):
             finish_reason=reason,
             usage=self._usage(request) if reason is not None else None,
             weights_version=update.weights_version or request.weights_version,
+            logprobs=update.logprobs,
         )
 
     def _finish(

@@ -71,7 +71,7 @@ from sitsd.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from sitsd.types import FinishReason
+from sitsd.types import FinishReason, TokenLogprob
 
 POLICIES = ("tiers", "fcfs")
 _STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the step-time moving average
@@ -85,6 +85,7 @@ class TokenUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     weights_version: str = ""  # the version that computed them (a request may flip later)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 class Scheduler(SwapPhases, TierPhases):
@@ -367,7 +368,10 @@ class Scheduler(SwapPhases, TierPhases):
             a = _STEP_TIME_SMOOTHING if self.step_time_s else 1.0
             self.step_time_s += a * (elapsed - self.step_time_s)
         updates = []
-        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+        logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
+        for req_id, token_ids, token_logprobs in zip(
+            runner_out.req_ids, runner_out.sampled_token_ids, logprobs
+        ):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue
@@ -383,7 +387,8 @@ class Scheduler(SwapPhases, TierPhases):
             version = request.weights_version
             if reason is not None:
                 self.finish_request(req_id, reason)
-            updates.append(TokenUpdate(request, accepted, reason, version))
+            accepted_logprobs = token_logprobs[: len(accepted)] if token_logprobs else None
+            updates.append(TokenUpdate(request, accepted, reason, version, accepted_logprobs))
         return updates
 
     def _finishes_pending(self, request: Request) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -151,9 +152,14 @@ class Tokenizer:
         return self._backend.decode(kept, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
     ) -> str:
         """Render a conversation into prompt text (encode it with `add_special_tokens=False`).
+
+        `extra` holds more template variables (`tools`, a template's own switches).
 
         Raises:
             ChatTemplateError: No chat template, or the template rejected the messages.
@@ -162,7 +168,9 @@ class Tokenizer:
             raise ChatTemplateError(
                 "this model has no chat template; send a plain prompt instead of messages"
             )
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
 
 
 def end_of_generation_ids(
