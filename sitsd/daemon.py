@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import logging
 import os
 import secrets
@@ -238,10 +239,11 @@ async def _launch_engine(
     Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
     during a minutes-long model load would wait for the load to finish.
     """
-    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
-    from sitsd.builder import launch_engine
-
-    return await launch_engine(config, observer=obs.telemetry, weights_version=version)
+    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need;
+    # and off the event loop: importing torch takes seconds on a busy machine, and the loop
+    # answers health checks meanwhile.
+    builder = await asyncio.to_thread(importlib.import_module, "sitsd.builder")
+    return await builder.launch_engine(config, observer=obs.telemetry, weights_version=version)
 
 
 def _install_signal_handlers() -> asyncio.Event:

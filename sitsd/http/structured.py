@@ -7,10 +7,14 @@ naming `response_format` (or `structured_outputs`), never a failed engine step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sitsd.api.inference import EngineLike
 from sitsd.http.errors import bad_request
-from sitsd.runtime.grammar import GrammarCompiler, GrammarError
 from sitsd.types import GrammarSpec
+
+if TYPE_CHECKING:
+    from sitsd.runtime.grammar import GrammarCompiler
 
 
 class GrammarChecker:
@@ -20,6 +24,10 @@ class GrammarChecker:
         self._compiler: tuple[EngineLike, GrammarCompiler] | None = None
 
     def __call__(self, engine: EngineLike, spec: GrammarSpec) -> None:
+        # Imported here: it needs torch, which the HTTP server must not import on the event
+        # loop at start-up (the engine's thread imports it while the model loads).
+        from sitsd.runtime.grammar import GrammarCompiler, GrammarError
+
         if self._compiler is None or self._compiler[0] is not engine:
             compiler = GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_info.vocab_size)
             self._compiler = (engine, compiler)
