@@ -249,7 +249,7 @@ def test_tool_messages_render_as_transformers_renders_them(client, smollm2_hf_to
             },
             400,
             "response_format",
-        ),  # fmt: skip
+        ),
         ({"max_tokens": 10**6}, 400, "max_tokens"),
     ],
 )
