@@ -29,7 +29,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "city": {"enum": ["Paris", "Lyon", "Nice"]},
     },
@@ -76,7 +76,8 @@ def test_sync_async_streamed_and_whole_answers_are_the_same_greedy_text(daemon, 
     chunks = list(streamed)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == whole.choices[0].finish_reason
 
     async def async_texts() -> tuple[str, str]:
         async_client = openai.AsyncOpenAI(base_url=daemon.http_url, api_key="none")
@@ -203,8 +204,9 @@ def test_stop_strings_cut_the_text_before_them(client):
     assert answer.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.timeout(1800)  # 100 sampled completions on a shared 2-core machine
 def test_json_schema_output_always_parses_and_validates(client):
-    answer = client.chat.completions.create(
+    answer = client.with_options(timeout=1800).chat.completions.create(
         model="", messages=[{"role": "user", "content": "Describe a person as JSON."}],
         temperature=1.0, max_tokens=80, n=100, seed=random.randrange(2**31),
         response_format={"type": "json_schema",
