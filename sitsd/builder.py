@@ -30,6 +30,7 @@ from sitsd.model.llama import LlamaModel, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
 from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.runtime.cuda_graphs import decode_buckets
+from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import StepInputBuilder
 from sitsd.runtime.kv_cache import (
     allocate_kv_caches,
@@ -122,6 +123,10 @@ def build_engine(
     arch = checkpoint.arch
     version = weights_version or weights_version_of(checkpoint)
     runner, info = build_runner(config, arch, checkpoint.tensors, version)
+    # Structured outputs: matchers over the serving vocabulary (built on first use).
+    runner.logits_processors.grammars = GrammarCompiler.for_tokenizer(
+        checkpoint.tokenizer, arch.vocab_size
+    )
     name = mcfg.served_model_name or checkpoint.name
     block_size = config.cache.block_size
     kv_cache = KVCacheManager(info.num_blocks, block_size, config.cache.enable_prefix_caching)

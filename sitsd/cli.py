@@ -28,6 +28,7 @@ from sitsd.config import (
     WATCH_COMMIT_MODES,
     WEIGHT_SLOT_MODES,
     CacheConfig,
+    HttpConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -61,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="load a model and serve it over gRPC",
-        description="Load a model and serve it over gRPC until SIGTERM or SIGINT.",
+        help="load a model and serve it over gRPC and HTTP",
+        description="Load a model and serve it over gRPC and the OpenAI-compatible HTTP API "
+        "until SIGTERM or SIGINT.",
     )
     _add_model_flags(serve.add_argument_group("model"))
     _add_cache_flags(serve.add_argument_group("KV cache"))
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tier_flags(serve.add_argument_group("SLA tiers"))
     _add_weights_flags(serve.add_argument_group("weights and hot-swap"))
     _add_server_flags(serve.add_argument_group("server"))
+    _add_http_flags(serve.add_argument_group("OpenAI-compatible HTTP API"))
     add_observability_flags(serve.add_argument_group("observability"))
     return parser
 
@@ -371,6 +374,34 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_http_flags(group: argparse._ArgumentGroup) -> None:
+    d = HttpConfig()
+    group.add_argument(
+        "--http-port",
+        type=int_at_least(0, 65535),
+        default=d.port,
+        metavar="PORT",
+        help="port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health); 0 = a free one, logged at start-up (default: %(default)s)",
+    )
+    group.add_argument(
+        "--http-host",
+        default=d.host,
+        metavar="HOST",
+        help="address of the HTTP API (default: the --host address)",
+    )
+    group.add_argument(
+        "--no-http", action="store_true", help="do not serve the HTTP API (default: served)"
+    )
+    group.add_argument(
+        "--api-key-file",
+        default=d.api_key_file,
+        metavar="PATH",
+        help="file of API keys, one a line: every /v1/* call then needs "
+        "'Authorization: Bearer <key>' (default: no key needed)",
+    )
+
+
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str], *, stdout_is_tty: bool = False
 ) -> SitsdConfig:
@@ -410,6 +441,12 @@ def config_from_args(
             shutdown_grace_s=args.shutdown_grace,
             admin_token_file=args.admin_token_file,
             state_dir=args.state_dir or default_state_dir(environ),
+        ),
+        http=HttpConfig(
+            enabled=not args.no_http,
+            host=args.http_host,
+            port=args.http_port,
+            api_key_file=args.api_key_file,
         ),
         observability=observability_config(args, environ, stdout_is_tty=stdout_is_tty),
         weights=WeightsConfig(

@@ -143,6 +143,17 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP front end (`sitsd.http`)."""
+
+    enabled: bool = True  # serve the HTTP API beside gRPC
+    host: str = ""  # address to bind; "" = the gRPC server's host
+    port: int = 8000  # HTTP port; 0 = pick a free one (logged at start-up)
+    api_key_file: str = ""  # file of API keys, one a line; "" = /v1/* needs no key
+    retry_after_s: int = 1  # the Retry-After header of 429 and 503 answers
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     """Metrics, traces and logs (`sitsd.observability`)."""
 
@@ -217,6 +228,7 @@ class SitsdConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)

@@ -2,16 +2,18 @@
 
 Start-up:  observability (logs, tracer/logger providers, metrics registry) -> admin token
            -> gRPC server up (health NOT_SERVING, Admin answers "loading") -> /metrics up
+           -> HTTP API up (/health 503 until warm; same engine reference as gRPC)
            -> which weights to serve (the persisted active version, else --model) -> engine
            built on a thread (load, allocate, warm up) -> engine started -> swap manager and
            watched directory -> SERVING.
-Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE -> watcher
-           stopped -> in-flight requests finish (up to the grace period, then aborted) -> engine
-           stopped -> server stopped -> /metrics stopped, spans and logs flushed -> exit 0. A
-           second signal exits at once.
+Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE (HTTP 503) ->
+           watcher stopped -> in-flight requests finish (up to the grace period, then aborted)
+           -> engine stopped -> HTTP API stopped -> gRPC server stopped -> /metrics stopped,
+           spans and logs flushed -> exit 0. A second signal exits at once.
 A model that fails to load is logged and the process exits 1, never hangs.
 
-What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.builder` (the engine),
+What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.http` (the OpenAI-compatible
+API), `sitsd.builder` (the engine),
 `sitsd.weights.startup` (restart recovery, the swap manager), `sitsd.weights.watcher`,
 `sitsd.observability` (metrics, traces, logs; it is the one place logging is configured).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import logging
 import os
 import secrets
@@ -36,6 +39,7 @@ from sitsd.observability.loop_lag import LoopLagMonitor
 
 if TYPE_CHECKING:
     from sitsd.engine.async_engine import AsyncEngine
+    from sitsd.http.server import HttpServer
 
 log = logging.getLogger("sitsd.daemon")
 
@@ -135,12 +139,20 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         log.error("cannot serve metrics on port %d: %s", config.observability.metrics_port, exc)
         await server.stop(0)
         return _EXIT_LOAD_FAILED
+    try:
+        http = await _start_http(config, server, obs)
+    except (OSError, ValueError) as exc:
+        log.error("cannot serve the HTTP API on port %d: %s", config.http.port, exc)
+        await server.stop(0)
+        return _EXIT_LOAD_FAILED
     stop = _install_signal_handlers()
     loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
     loop_lag.start()
     try:
         started = await _start_weights(config, stop, obs)
         if started is None:
+            if http is not None:
+                await http.stop()
             await server.stop(0)
             return 0 if stop.is_set() else _EXIT_LOAD_FAILED
         engine, swaps, watcher = started
@@ -150,7 +162,7 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         await stop.wait()
         if watcher is not None:
             await watcher.stop()
-        await _shutdown(server, engine, config.server.shutdown_grace_s)
+        await _shutdown(server, engine, config.server.shutdown_grace_s, http)
         return 0
     finally:
         await loop_lag.stop()
@@ -227,10 +239,11 @@ async def _launch_engine(
     Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
     during a minutes-long model load would wait for the load to finish.
     """
-    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need.
-    from sitsd.builder import launch_engine
-
-    return await launch_engine(config, observer=obs.telemetry, weights_version=version)
+    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need;
+    # and off the event loop: importing torch takes seconds on a busy machine, and the loop
+    # answers health checks meanwhile.
+    builder = await asyncio.to_thread(importlib.import_module, "sitsd.builder")
+    return await builder.launch_engine(config, observer=obs.telemetry, weights_version=version)
 
 
 def _install_signal_handlers() -> asyncio.Event:
@@ -251,7 +264,24 @@ def _install_signal_handlers() -> asyncio.Event:
     return stop
 
 
-async def _shutdown(server: ApiServer, engine: AsyncEngine, grace_s: float) -> None:
+async def _start_http(
+    config: SitsdConfig, server: ApiServer, obs: Observability
+) -> HttpServer | None:
+    """The OpenAI-compatible API on the gRPC server's `EngineRef` (None with --no-http)."""
+    if not config.http.enabled:
+        return None
+    from sitsd.http.server import start_http  # FastAPI and uvicorn: only when served
+
+    return await start_http(
+        config.http, server.engines, default_host=config.server.host,
+        max_tokens_default=config.scheduler.max_tokens_default, metrics=obs.metrics,
+        tracer=obs.tracer, grace_s=_SERVER_STOP_GRACE_S,
+    )  # fmt: skip
+
+
+async def _shutdown(
+    server: ApiServer, engine: AsyncEngine, grace_s: float, http: HttpServer | None = None
+) -> None:
     """Reverse of start-up: stop admitting, let requests finish, stop the engine and server."""
     started = time.monotonic()
     status = engine.status()
@@ -265,5 +295,7 @@ async def _shutdown(server: ApiServer, engine: AsyncEngine, grace_s: float) -> N
         await engine.shutdown(grace_s)
     except Exception:  # still stop the server: clients must not hang on a half-dead daemon
         log.exception("stopping the engine failed")
+    if http is not None:
+        await http.stop()
     await server.stop(_SERVER_STOP_GRACE_S)
     log.info("stopped in %.1fs", time.monotonic() - started)

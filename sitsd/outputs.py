@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sitsd.types import SamplingParams
+from sitsd.types import SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -85,7 +85,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # One list per req_id: the sampled token, or empty when the request was mid-prefill.
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[float]] | None = None  # log-probability of each sampled token
+    # Per req_id, a `TokenLogprob` per sampled token of the requests that asked for logprobs
+    # (`SamplingParams.logprobs`; empty for the others); None when no request asked.
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 @dataclass(frozen=True)

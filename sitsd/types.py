@@ -58,13 +58,33 @@ class SamplingError(ValueError):
         self.field = field_name
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each position
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on a request's output, enforced token by token while it decodes.
+
+    `kind` is one of `GRAMMAR_KINDS`: "json_schema" (`source` is the schema as JSON text),
+    "json_object" (any JSON object; `source` is ignored), "regex" or "lark" (a Lark grammar).
+    """
+
+    kind: str
+    source: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick the next tokens of one request.
 
-    `temperature == 0` is greedy decoding; `top_k == 0` and `top_p == 1` switch those filters off.
-    `seed is None` means a seed drawn at admission: still reproducible from the engine's side,
-    not from the client's.
+    `temperature == 0` is greedy decoding; `top_k == 0`, `top_p == 1` and `min_p == 0` switch
+    those filters off. `seed is None` means a seed drawn at admission: still reproducible from
+    the engine's side, not from the client's. Penalties and `logit_bias` change the logits
+    before any choice, greedy ones too (OpenAI's and vLLM's definitions: presence and frequency
+    over the output so far, repetition over prompt and output). `logprobs` asks for the
+    log-probability of each sampled token under the model (its log-softmax, before any of
+    the above) plus that many top alternatives; None asks for none.
     """
 
     max_tokens: int = 256
@@ -75,6 +95,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already output
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) seen logits
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # top alternatives per sampled token; None = no logprobs
+    grammar: GrammarSpec | None = None  # the output must match it
 
     def validate(self, max_tokens_limit: int) -> None:
         """Raise `SamplingError` naming the first field that is out of range."""
@@ -94,6 +121,39 @@ class SamplingParams:
             raise SamplingError("stop", "stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingError("seed", f"must be in [0, 2**63), got {self.seed}")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingError(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError(
+                "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}"
+            )
+        for token_id, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(
+                    "logit_bias", f"biases must be in [-100, 100], got {bias} for {token_id}"
+                )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
+            )
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise SamplingError(
+                "response_format", f"unknown kind {self.grammar.kind!r}; one of {GRAMMAR_KINDS}"
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +169,15 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass(slots=True)
 class RequestDelta:
     """What one engine step produced for one request; the last one has `finish_reason` set."""
@@ -121,6 +190,8 @@ class RequestDelta:
     weights_version: str = ""  # the weights version that produced these tokens
     error: str = ""  # set when finish_reason is ERROR or ABORT, for the client
     abort_cause: AbortCause | None = None  # set when the engine itself aborted the request
+    # One per new token when the request asked for logprobs (`SamplingParams.logprobs`).
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +208,11 @@ class RequestDelta:
             weights_version=self.weights_version,
             error=later.error,
             abort_cause=later.abort_cause,
+            logprobs=(
+                None
+                if self.logprobs is None and later.logprobs is None
+                else (self.logprobs or []) + (later.logprobs or [])
+            ),
         )
 
 
@@ -161,5 +237,10 @@ class TokenizerLike(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str: ...
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool = True,
+        **extra: object,
+    ) -> str:
+        """The conversation as prompt text; `extra` reaches the template (e.g. `tools`)."""
+        ...

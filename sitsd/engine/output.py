@@ -116,6 +116,7 @@ class OutputProcessor:
             finish_reason=reason,
             usage=usage_of(request) if reason is not None else None,
             weights_version=update.weights_version or request.weights_version,
+            logprobs=update.logprobs,
         )
 
 

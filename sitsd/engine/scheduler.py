@@ -54,7 +54,7 @@ from sitsd.outputs import (
     TierStats,
 )
 from sitsd.plugins.interface import BatchController
-from sitsd.types import TIER_ORDER, FinishReason
+from sitsd.types import TIER_ORDER, FinishReason, TokenLogprob
 
 _STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the step-time moving average
 
@@ -67,6 +67,7 @@ class TokenUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     weights_version: str = ""  # the version that computed them (a request may flip later)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 class Scheduler:
@@ -340,7 +341,12 @@ class Scheduler:
             a = _STEP_TIME_SMOOTHING if self.step_time_s else 1.0
             self.step_time_s += a * (elapsed - self.step_time_s)
         updates = []
-        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+        logprobs: list[list[TokenLogprob]] | list[None] = runner_out.logprobs or [None] * len(
+            runner_out.req_ids
+        )
+        for req_id, token_ids, token_logprobs in zip(
+            runner_out.req_ids, runner_out.sampled_token_ids, logprobs
+        ):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue
@@ -356,7 +362,8 @@ class Scheduler:
             version = request.weights_version
             if reason is not None:
                 self.finish_request(req_id, reason)
-            updates.append(TokenUpdate(request, accepted, reason, version))
+            accepted_logprobs = token_logprobs[: len(accepted)] if token_logprobs else None
+            updates.append(TokenUpdate(request, accepted, reason, version, accepted_logprobs))
         return updates
 
     def _append_tokens(

@@ -6,17 +6,20 @@ Names are `sitsd_*` without colons (colons belong to recording rules). Labels: `
 boundary is exact. Latency histograms carry exemplars with the request's `trace_id` (served
 only in the OpenMetrics format, which Prometheus asks for).
 
-What is observed when is `telemetry.py`'s (engine) and `sitsd.api.telemetry`'s (RPCs)
-business; this module also holds the small APIs that later subsystems call: the swap
-recorder's metrics (`record_swap_stage`, `record_swap`), the weights version, and the tier
-scheduler's gauges (`set_tier_batch_cap`, `set_tier_p99_estimate`). `MetricsServer` serves
-`/metrics`.
+What is observed when is `telemetry.py`'s (engine), `sitsd.api.telemetry`'s (RPCs) and
+`sitsd.http`'s (HTTP requests) business; this module also holds the small APIs that later
+subsystems call: the swap recorder's metrics (`record_swap_stage`, `record_swap`), the weights
+version, and the tier scheduler's gauges (`set_tier_batch_cap`, `set_tier_p99_estimate`).
+`MetricsServer` serves `/metrics` (and 404 elsewhere).
 """
 
 from __future__ import annotations
 
 import logging
-from wsgiref.simple_server import WSGIServer
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,8 +28,9 @@ from prometheus_client import (
     Histogram,
     Info,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 MODEL_TIER = ("model", "tier")
+WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 
 class Metrics:
@@ -148,15 +153,16 @@ class Metrics:
         )
         self.requests = Counter(
             "sitsd_requests",
-            "RPCs handled by sitsd's services (the denominator of availability SLIs).",
-            (*MODEL_TIER, "method"),
+            "API calls handled by sitsd, gRPC RPCs and HTTP requests (protocol), the "
+            "denominator of availability SLIs.",
+            (*MODEL_TIER, "method", "protocol"),
             registry=r,
         )
         self.request_errors = Counter(
             "sitsd_request_errors",
-            "Failed RPCs by error class (invalid_argument, resource_exhausted, deadline, "
+            "Failed API calls by error class (invalid_argument, resource_exhausted, deadline, "
             "cancelled, unavailable, internal, ...).",
-            (*MODEL_TIER, "method", "error_class"),
+            (*MODEL_TIER, "method", "protocol", "error_class"),
             registry=r,
         )
 
@@ -279,11 +285,13 @@ class Metrics:
         """For the tier scheduler: its live P99 estimate of `kind` (ttft, itl) for `tier`."""
         self.tier_p99_estimate.labels(self.model, tier, kind).set(seconds)
 
-    def count_rpc(self, method: str, tier: str, error_class: str | None) -> None:
-        """Count one finished RPC, and its error class if it failed."""
-        self.requests.labels(self.model, tier, method).inc()
+    def count_rpc(
+        self, method: str, tier: str, error_class: str | None, protocol: str = "grpc"
+    ) -> None:
+        """Count one finished API call ("grpc" or "http"), and its error class if it failed."""
+        self.requests.labels(self.model, tier, method, protocol).inc()
         if error_class is not None:
-            self.request_errors.labels(self.model, tier, method, error_class).inc()
+            self.request_errors.labels(self.model, tier, method, protocol, error_class).inc()
 
     # ---------------------------------------------------------------------- exposition
 
@@ -295,7 +303,11 @@ class Metrics:
 
 
 class MetricsServer:
-    """`/metrics` over HTTP on its own thread; Prometheus gets OpenMetrics when it asks."""
+    """`/metrics` over HTTP on its own thread; Prometheus gets OpenMetrics when it asks.
+
+    Every other path is 404: a client pointed at this port by mistake (an OpenAI client asking
+    for `/v1/models`) must fail plainly, not parse the Prometheus text as an answer.
+    """
 
     def __init__(self, metrics: Metrics, host: str, port: int) -> None:
         """Bind `host:port` (port 0 = a free one) and serve.
@@ -303,8 +315,19 @@ class MetricsServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._httpd: WSGIServer
-        self._httpd, self._thread = start_http_server(port, host, registry=metrics.registry)
+
+        class Server(ThreadingWSGIServer):
+            """A class of its own: the address family is set on it for this host."""
+
+        Server.address_family, address = _get_best_family(host, port)
+        app = _metrics_only(make_wsgi_app(metrics.registry))
+        self._httpd: WSGIServer = make_server(
+            address, port, app, Server, handler_class=_QuietHandler
+        )
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="sitsd-metrics", daemon=True
+        )
+        self._thread.start()
         self.host = host
         self.port: int = self._httpd.server_port
 
@@ -313,3 +336,22 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
+
+
+def _metrics_only(app: WSGIApp) -> WSGIApp:
+    """`app` on `/metrics`; 404 on every other path."""
+
+    def serve(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"404: this port serves only /metrics\n"]
+
+    return serve
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from sitsd.model.attention import AttentionMetadata
+from sitsd.runtime.grammar import GrammarState
 from sitsd.types import SamplingParams
 
 
@@ -35,6 +36,7 @@ class CachedRequestState:
     num_computed_tokens: int
     weights_version: str = ""  # the weights slot it runs on
     samples: bool = True  # False for a migration shadow: it computes KV, never samples
+    grammar: GrammarState | None = None  # structured output: its matcher, made on first use
 
     @property
     def num_output_tokens(self) -> int:

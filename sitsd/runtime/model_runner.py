@@ -34,6 +34,7 @@ import torch
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.runtime.cuda_graphs import DecodeGraphs
+from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import (
     CachedRequestState,
     StepInputBuilder,
@@ -41,10 +42,11 @@ from sitsd.runtime.input_batch import (
     build_step_inputs,
 )
 from sitsd.runtime.kv_cache import allocate_kv_caches
+from sitsd.runtime.logits_processors import LogitsProcessors, SampledLogprobs
 from sitsd.runtime.mixed_graphs import MixedGraphs
 from sitsd.runtime.sampler import sample_on_device
 from sitsd.runtime.weight_slots import WeightSlots
-from sitsd.types import SamplingParams
+from sitsd.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from sitsd.runtime.cuda_graphs import GraphPool
@@ -59,6 +61,7 @@ class ModelRunner:
         slots: WeightSlots,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         builder: StepInputBuilder,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.slots = slots
@@ -87,6 +90,8 @@ class ModelRunner:
         self._patch = _InputPatch(builder.max_num_seqs, self.device)
         # `prompt_logprobs`' own KV pool (allocated at its first call).
         self._scratch_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Logit bias, penalties and grammar masks of the requests that ask for them.
+        self.logits_processors = LogitsProcessors(builder.max_num_seqs, self.device, grammars)
 
     @property
     def weights_version(self) -> str:
@@ -185,6 +190,7 @@ class ModelRunner:
             groups.setdefault(state.weights_version, []).append(state)
         rows: list[CachedRequestState] = []
         sampled: list[torch.Tensor] = []  # per sub-batch: [num_sampled] int64
+        logprobs: list[tuple[int, SampledLogprobs]] = []  # (first row, its sub-batch's)
         for version, states in groups.items():
             # One sub-batch per version, in turn: on CUDA they queue on one stream, so the next
             # one's input copies wait for this one's forward, and its sampling is queued first.
@@ -193,8 +199,11 @@ class ModelRunner:
             )
             group_rows = [self.requests[r] for r in inputs.sampled_req_ids]
             if group_rows:
+                tokens, group_logprobs = self._sample(logits, group_rows, inputs, awaiting)
+                if group_logprobs is not None:
+                    logprobs.append((len(rows), group_logprobs))
                 rows += group_rows
-                sampled.append(self._sample(logits, group_rows))
+                sampled.append(tokens)
         if not rows:
             return PendingStep(self, req_ids, [], None)
         tokens = sampled[0] if len(sampled) == 1 else torch.cat(sampled)
@@ -202,6 +211,8 @@ class ModelRunner:
         # there if a later step is launched before this one's result).
         indices = [len(state.token_ids) for state in rows]
         host, ready = tokens, None
+        for _, group_logprobs in logprobs:
+            group_logprobs.to_host()  # queued before the ready event: read after its sync
         if self._tokens_host is not None and self._tokens_ready is not None:
             # CUDA: copy into pinned memory, sync later.
             self._turn ^= 1
@@ -209,7 +220,7 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             ready = self._tokens_ready[self._turn]
             ready.record()
-        pending = PendingStep(self, req_ids, rows, host, ready, indices, tokens)
+        pending = PendingStep(self, req_ids, rows, host, ready, indices, tokens, logprobs)
         self._last = pending
         return pending
 
@@ -233,14 +244,27 @@ class ModelRunner:
                 awaiting[req_id] = row
         return awaiting
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[CachedRequestState]) -> torch.Tensor:
-        return sample_on_device(
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [num_sampled, vocab] float32
+        rows: list[CachedRequestState],
+        inputs: StepInputs,
+        awaiting: dict[str, int],
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """The sampled ids ([num_sampled] int64, on the device) and their logprobs if asked."""
+        logprobs = SampledLogprobs(logits, rows) if SampledLogprobs.wanted(rows) else None
+        if any(s.params.logit_bias or s.params.penalized or s.params.grammar for s in rows):
+            last_tokens = inputs.input_ids.index_select(0, inputs.logits_indices)
+            self.logits_processors.apply(logits, rows, last_tokens, frozenset(awaiting))
+        tokens = sample_on_device(
             logits,
             [s.params for s in rows],
             [s.seed for s in rows],
             [s.num_output_tokens for s in rows],
         )
+        if logprobs is not None:
+            logprobs.record(tokens)
+        return tokens, logprobs
 
     def _forward(
         self,
@@ -327,6 +351,7 @@ class PendingStep:
         ready: torch.cuda.Event | None = None,  # recorded after the copy into `tokens`
         indices: list[int] | None = None,  # per row: where its token goes in its token ids
         device_tokens: torch.Tensor | None = None,  # the sampled ids where they were sampled
+        logprobs: list[tuple[int, SampledLogprobs]] | None = None,  # (first row, sub-batch's)
     ) -> None:
         self._runner = runner
         self._req_ids = req_ids
@@ -335,6 +360,7 @@ class PendingStep:
         self._ready = ready
         self._indices = indices or [len(state.token_ids) for state in rows]
         self.device_tokens = device_tokens
+        self._logprobs = logprobs or []
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the sampled ids (the step's one host sync) and record them."""
@@ -350,7 +376,20 @@ class PendingStep:
                 else:
                     state.token_ids.append(token_id)
                 sampled[state.req_id] = [token_id]
-        return ModelRunnerOutput(self._req_ids, [sampled.get(r, []) for r in self._req_ids])
+        output = ModelRunnerOutput(self._req_ids, [sampled.get(r, []) for r in self._req_ids])
+        if self._logprobs:
+            output.logprobs = self._logprob_lists(sampled)
+        return output
+
+    def _logprob_lists(self, sampled: dict[str, list[int]]) -> list[list[TokenLogprob]]:
+        """Per req_id, the logprobs of its sampled token (empty where none was asked)."""
+        by_req: dict[str, list[TokenLogprob]] = {}
+        for first, group in self._logprobs:
+            rows = self.rows[first : first + group.num_rows]
+            token_ids = [sampled[state.req_id][0] for state in rows]
+            for row, entry in group.entries(token_ids).items():
+                by_req[rows[row].req_id] = [entry]
+        return [by_req.get(r, []) for r in self._req_ids]
 
 
 class _InputPatch:

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
 
 Random draws use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to sampling
 from p). The noise is a counter-based hash of (request seed, output index, token id): splitmix64
@@ -109,6 +109,11 @@ def _sample_random(
         top_ps = _to_device([p.top_p for p in params], torch.float32, device)
         x = _apply_top_p(x, top_ps)
     probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_ps = _to_device([p.min_p for p in params], torch.float32, device)
+        # Drop what is less likely than min_p times the most likely token (which always stays).
+        floor = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
     return (probs / exponential_noise(seeds, probs.shape[-1], device)).argmax(dim=-1)
 
 

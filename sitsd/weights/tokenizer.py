@@ -151,9 +151,14 @@ class Tokenizer:
         return self._backend.decode(kept, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool = True,
+        **extra: object,
     ) -> str:
         """Render a conversation into prompt text (encode it with `add_special_tokens=False`).
+
+        `extra` holds more template variables (`tools`, a template's own switches).
 
         Raises:
             ChatTemplateError: No chat template, or the template rejected the messages.
@@ -162,7 +167,9 @@ class Tokenizer:
             raise ChatTemplateError(
                 "this model has no chat template; send a plain prompt instead of messages"
             )
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
 
 
 def end_of_generation_ids(

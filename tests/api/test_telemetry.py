@@ -83,7 +83,13 @@ class Rig:
         self.server.stop()
 
     def errors(self, error_class: str, method: str = GENERATE, tier: str = "silver") -> float:
-        labels = {"model": "fake-model", "tier": tier, "method": method, "error_class": error_class}
+        labels = {
+            "model": "fake-model",
+            "tier": tier,
+            "method": method,
+            "protocol": "grpc",
+            "error_class": error_class,
+        }
         return self.metrics.registry.get_sample_value("sitsd_request_errors_total", labels) or 0.0
 
     def server_spans(self, name: str = "sitsd.api.v1.Inference/Generate") -> list:
@@ -131,7 +137,7 @@ def test_caller_traceparent_is_continued_and_handed_to_the_engine(rig):
     assert span.attributes["rpc.grpc.status_code"] == 0
     (handed,) = engine.trace_contexts
     assert handed.get_span_context().span_id == span.context.span_id
-    labels = {"model": "fake-model", "tier": "gold", "method": GENERATE}
+    labels = {"model": "fake-model", "tier": "gold", "method": GENERATE, "protocol": "grpc"}
     assert rig.metrics.registry.get_sample_value("sitsd_requests_total", labels) == 1
 
 
@@ -212,7 +218,7 @@ def test_a_refused_admin_call_is_classed_unauthenticated(rig):
     wait_for(lambda: rig.errors("unauthenticated", method="Admin/Status", tier="") == 1)
     ok = [("authorization", f"Bearer {ADMIN_TOKEN}")]
     admin.Status(admin_pb2.StatusRequest(), metadata=ok, timeout=TIMEOUT)
-    labels = {"model": "fake-model", "tier": "", "method": "Admin/Status"}
+    labels = {"model": "fake-model", "tier": "", "method": "Admin/Status", "protocol": "grpc"}
     wait_for(lambda: rig.metrics.registry.get_sample_value("sitsd_requests_total", labels) == 2)
 
 

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
+HTTP_LISTENING = re.compile(r"http on (http://\S+/v1)")
 
 
 def process_env(state_dir: Path) -> dict[str, str]:
@@ -31,7 +32,8 @@ def process_env(state_dir: Path) -> dict[str, str]:
 class DaemonProcess:
     """`python -m sitsd serve --port 0 ...`; its stdout and stderr are collected in `log_lines`.
 
-    /metrics gets a free port too (`--metrics-port 0`) unless the flags choose one.
+    /metrics and the HTTP API get free ports too (`--metrics-port 0`, `--http-port 0`) unless
+    the flags choose them.
     """
 
     def __init__(self, state_dir: Path, *flags: str) -> None:
@@ -40,6 +42,8 @@ class DaemonProcess:
         self.log_lines: list[str] = []
         if "--metrics-port" not in flags and "--no-metrics" not in flags:
             flags = ("--metrics-port", "0", *flags)
+        if "--http-port" not in flags and "--no-http" not in flags:
+            flags = ("--http-port", "0", *flags)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -75,6 +79,13 @@ class DaemonProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (`.../v1`), from the start-up log."""
+        match = HTTP_LISTENING.search(self.log)
+        assert match, f"no 'http on' line in the log:\n{self.log}"
+        return match.group(1)
 
     def wait_for_port(self, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
