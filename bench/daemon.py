@@ -1,7 +1,8 @@
 """`sitsd serve` in a subprocess, for the benchmarks that drive the real daemon.
 
-Free ports (`--port 0 --metrics-port 0`), the log in a file, the address and /metrics URL once
-health says SERVING, the admin token, the process's RSS, and a stop that never hangs. This
+Free ports (`--port 0 --metrics-port 0 --http-port 0`), the log in a file, the address and
+/metrics URL once health says SERVING, the admin token, the process's RSS, and a stop that
+never hangs. This
 checkout comes first on the daemon's PYTHONPATH (the caller's entries, such as the GPU
 machine's wheels, follow).
 """
@@ -36,7 +37,7 @@ class BenchDaemon:
         self.log_path = log_path or state_dir / f"daemon-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
         command = [sys.executable, "-m", "sitsd", "serve", "--port", "0", "--metrics-port", "0",
-                   "--state-dir", str(state_dir), *flags]  # fmt: skip
+                   "--http-port", "0", "--state-dir", str(state_dir), *flags]  # fmt: skip
         self.proc = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT
         )
