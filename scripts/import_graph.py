@@ -25,7 +25,8 @@ Layers, lowest first; a package may import its own layer and the layers below it
     app        the composition root, the daemon, the `sitsd` command
     testing    test doubles and in-process peers shared by the tests and the benchmarks
 
-Exit status 1 when there is a loop or an upward import (`tests/test_import_graph.py` runs it).
+Exit status 1 when there is a loop or an upward import (`make lint` runs it, and
+`tests/test_import_graph.py` pins the same).
 """
 
 from __future__ import annotations
