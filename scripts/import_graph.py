@@ -12,6 +12,7 @@ Layers, lowest first; a package may import its own layer and the layers below it
 
     base       sitsd (the package root), types, outputs, config, flag_types
     kernels    the Triton kernels and their references
+    quant      quantized weight layouts and the checkpoint formats converted into them
     plugins    the plugin interface and the bundled plugins
     model      the Llama model, its layers and linear dispatch
     runtime    model runner, input batches, CUDA graphs, weight slots, sampler
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("sitsd", "sitsd.types", "sitsd.outputs", "sitsd.config", "sitsd.flag_types")),
     ("kernels", ("sitsd.kernels",)),
+    ("quant", ("sitsd.quant",)),
     ("plugins", ("sitsd.plugins",)),
     ("model", ("sitsd.model",)),
     ("runtime", ("sitsd.runtime",)),
