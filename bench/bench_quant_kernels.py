@@ -144,7 +144,9 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         return [
             c("fma", m, 4, 1024),
             c("fma", m, 8, 512),
+            c("fma", m, 16, 256),
             c("fma", m, 4, 2048, num_warps=8),
+            c("fma", m, 16, 128, split_k=2),
             c("dot_swapped", 16, 64, 128, split_k=2),
         ]
     if num_rows <= 64:

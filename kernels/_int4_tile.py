@@ -4,8 +4,9 @@ helper, inlined into both kernels).
 `dequant_tile` loads `BLOCK_N` rows x `BLOCK_K` columns of an INT4 weight
 (`sitsd.kernels.quant_layout`) starting at layout column `k0`, and returns them in float32:
 `q * scale + offset`, or `(q - 8) * scale` without offsets, zero past N and K. A chunk lies in one
-group or spans whole groups (both widths are powers of two), so the scales come as one
-`[BLOCK_N, groups in the chunk]` load broadcast over each group's columns.
+group (one scale per row) or spans whole groups (one scale per word of 8 codes: a word never
+straddles two groups); the codes keep the register layout of the words they came from until one
+final reshape, so the loads of the weight words stay 16-byte vectors and the scale loads few.
 """
 
 from __future__ import annotations
@@ -28,18 +29,27 @@ def dequant_tile(qw_ptr, s_ptr, o_ptr, offs_n, n_mask, k0, N, K: tl.constexpr,
         words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_w < K // 8)[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
     codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
-    # A chunk lies in one group, or spans NG whole ones (both are powers of two).
-    NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
-    WIDTH: tl.constexpr = BLOCK_K // NG
     NUM_GROUPS: tl.constexpr = (K + GROUP - 1) // GROUP
-    q = tl.reshape(codes, [BLOCK_N, NG, WIDTH]).to(tl.float32)
-    offs_g = k0 // GROUP + tl.arange(0, NG)
-    g_ptrs = offs_g[None, :] * N + offs_n[:, None]  # [BLOCK_N, NG] into [G, N]
-    g_mask = n_mask[:, None] & (offs_g < NUM_GROUPS)[None, :]
-    scale = tl.load(s_ptr + g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+    if BLOCK_K <= GROUP:
+        # The chunk lies in one group (both widths are powers of two): one scale per row.
+        g = k0 // GROUP
+        g_mask = n_mask & (g + 0 * offs_n < NUM_GROUPS)  # a block: the interpreter's & wants two
+        scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+        q = tl.reshape(codes, [BLOCK_N, BLOCK_K]).to(tl.float32)
+        if HAS_OFFSETS:
+            offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
+            return q * scale + offset[:, None]
+        return (q - 8.0) * scale
+    # The chunk spans whole groups: one scale per word (a word never straddles two groups),
+    # broadcast over its 8 codes, then one reshape (the words' register layout survives it).
+    g = (offs_w * 8) // GROUP  # [WORDS]
+    g_ptrs = g[None, :] * N + offs_n[:, None]  # [BLOCK_N, WORDS] into [G, N]
+    g_mask = n_mask[:, None] & (g < NUM_GROUPS)[None, :]
+    scale = tl.load(s_ptr + g_ptrs, mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
+    q = codes.to(tl.float32)
     if HAS_OFFSETS:
         offset = tl.load(o_ptr + g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
-        w = q * scale[:, :, None] + offset[:, :, None]
+        w = q * scale + offset[:, :, None]
     else:
-        w = (q - 8.0) * scale[:, :, None]
+        w = (q - 8.0) * scale
     return tl.reshape(w, [BLOCK_N, BLOCK_K])

@@ -71,15 +71,20 @@ class Int4MatmulConfig:
 
 @triton.jit
 def _load_x(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K: tl.constexpr,
-            BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr):  # fmt: skip
+            BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """x at the chunk's layout columns (gathered through perm): [BLOCK_M, BLOCK_K]."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
     cols = offs_k
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    if EVEN_K:  # a mask constant along K: the loads stay 16-byte vectors
+        mask = m_mask[:, None]  # broadcast by the load
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k)
+    else:
+        mask = m_mask[:, None] & (offs_k < K)[None, :]
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
     ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-    return tl.load(ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 # One compiled variant per (K, group, tile, flags): M changes with the batch, and layers that
@@ -106,6 +111,7 @@ def _int4_matmul_kernel(
     HAS_OFFSETS: tl.constexpr,
     HAS_PERM: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * BLOCK_K divides K: no weight masks
+    EVEN_K: tl.constexpr,  # SPLIT_K * BLOCK_K divides K: no K mask on x
     UPCAST: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
     PDL: tl.constexpr,
 ):
@@ -124,7 +130,7 @@ def _int4_matmul_kernel(
     for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BLOCK_K):
         w = dequant_tile(qw_ptr, s_ptr, o_ptr, offs_n, n_mask, k0, N, K, GROUP,
                          BLOCK_N, BLOCK_K, HAS_OFFSETS, EVEN)  # fmt: skip
-        a = _load_x(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K, BLOCK_K, HAS_PERM)
+        a = _load_x(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K, BLOCK_K, HAS_PERM, EVEN_K)
         if MODE == 0:
             acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
         elif UPCAST:
@@ -167,16 +173,18 @@ def choose_int4_config(
 ) -> Int4MatmulConfig:
     """A default configuration for `x [num_rows, k] @ W[n, k].T` (not yet measured on a GPU).
 
-    One or two rows: `fma` on 4 weight rows per program and chunks of up to 1024 columns (512
-    bytes of codes per row: one 16-byte vector per thread of 4 warps), the tiling that won for
-    16-bit weights in gemv. Up to 64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks.
-    More: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles, 64-wide chunks. The dot modes
-    split K (a power of two, at most 8, into whole chunks) until the grid has two programs per SM.
+    One or two rows: `fma` on 8 weight rows per program and chunks of up to 512 columns: one
+    16-byte vector of codes per thread of 4 warps, as in gemv's winning one-row tiling, with
+    twice gemv's rows because 4-bit rows are a quarter as long while each program still reloads
+    its chunk of x (with 8 rows, x is half the weight bytes a program reads). Up to 64 rows:
+    `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x 128 past
+    128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8, into
+    whole chunks) until the grid has two programs per SM.
     """
     del group_size  # the tiles work for every group size; the kernel adapts its scale loads
     k_pow2 = next_power_of_2(k)
     if num_rows <= 2:
-        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 4, max(8, min(1024, k_pow2)))
+        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 8, max(8, min(512, k_pow2)))
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip
@@ -260,7 +268,8 @@ def int4_matmul(
     if num_rows == 0 or n == 0:
         return out
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
-    even = n % config.block_n == 0 and k % (config.split_k * config.block_k) == 0
+    even_k = k % (config.split_k * config.block_k) == 0
+    even = even_k and n % config.block_n == 0
     target = out
     if config.split_k > 1:
         target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
@@ -273,7 +282,7 @@ def int4_matmul(
         K=k, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=config.split_k, K_SPLIT=k_split,
         MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None,
-        EVEN=even, UPCAST=upcast, PDL=pdl, num_warps=config.num_warps,
+        EVEN=even, EVEN_K=even_k, UPCAST=upcast, PDL=pdl, num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if config.split_k > 1:
