@@ -11,7 +11,8 @@ from gguf.quants import dequantize, quantize
 
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.from_gguf import from_gguf
-from sitsd.quant.layout import Int4Weight, Int8Weight
+from sitsd.quant.layout import Int4Weight, Int8Weight, select_rows
+from sitsd.weights.gguf_file import unpermute_qk
 
 Q = GGMLQuantizationType
 
@@ -77,6 +78,21 @@ def test_the_embedded_smollm2_tensors_dequantize_like_gguf(smollm2_gguf_header):
         assert info.ggml_type == Q.Q4_1
         expected = torch.from_numpy(np.array(dequantize(raw, Q.Q4_1)))
         assert torch.equal(_bits(weight.dequantize()), _bits(expected)), name
+
+
+def test_llama_cpp_q_row_order_is_undone_on_the_quantized_rows(smollm2_gguf_header):
+    # llama.cpp permutes Q/K rows for its interleaved RoPE; the loader undoes it on float rows
+    # (`unpermute_qk`). The same permutation of the quantized rows gives the same weight.
+    header = smollm2_gguf_header
+    info = header.tensors["blk.3.attn_q.weight"]
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    raw = np.array(blob[info.offset : info.offset + info.num_bytes]).reshape(info.shape[0], -1)
+    weight = from_gguf(torch.from_numpy(raw), info.ggml_type, shape=info.shape, name="q")
+    num_heads = header.metadata["llama.attention.head_count"]
+    order = unpermute_qk(np.arange(info.shape[0])[:, None], num_heads)[:, 0]
+    expected = unpermute_qk(np.array(dequantize(raw, info.ggml_type)), num_heads)
+    reordered = select_rows(weight, torch.from_numpy(order))
+    assert torch.equal(_bits(reordered.dequantize()), _bits(torch.from_numpy(expected)))
 
 
 def test_bad_input_is_refused_naming_the_tensor():
