@@ -19,7 +19,8 @@ Each layout can be dequantized (`dequantize`, float32 arithmetic as the formats 
 cast), and the functions below treat all three alike, as a weight slot needs: `narrow_rows` (a view
 of some output rows, to copy a q/k/v part of a fused weight in place), `concat_rows` (fusing q/k/v
 and gate/up), `select_rows` (reordering rows, e.g. undoing llama.cpp's Q/K permutation),
-`copy_weight_` and `validate_weight` (finite, non-zero scales: a host sync, for load and staging).
+`empty_like` and `copy_weight_` (a standby slot allocated once, filled in place at staging), and
+`validate_weight` (finite, non-zero scales: a host sync, for load and staging).
 
 Converting checkpoint formats into these layouts is the job of the `sitsd.quant` format modules;
 choosing a kernel for a layout is the model's.
@@ -51,6 +52,7 @@ __all__ = [
     "QuantizedWeight",
     "concat_rows",
     "copy_weight_",
+    "empty_like",
     "narrow_rows",
     "nbytes",
     "select_rows",
@@ -288,6 +290,13 @@ def concat_rows(parts: Sequence[W]) -> W:
         if axis is not None
     }
     return dataclasses.replace(first, **fused)
+
+
+def empty_like(weight: W) -> W:
+    """A weight of the same layout and structure with fresh, uninitialized tensors (a standby
+    weight slot, filled later by `copy_weight_`)."""
+    fresh = {name: torch.empty_like(t) for name, _, t in _tensor_fields(weight)}
+    return dataclasses.replace(weight, **fresh)
 
 
 def copy_weight_(dst: W, src: W) -> W:

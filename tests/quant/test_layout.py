@@ -13,6 +13,7 @@ from sitsd.quant.layout import (
     Int8Weight,
     concat_rows,
     copy_weight_,
+    empty_like,
     narrow_rows,
     nbytes,
     select_rows,
@@ -58,6 +59,15 @@ def test_copy_into_a_narrowed_view_fills_the_fused_weight_in_place(kind):
     copy_weight_(narrow_rows(fused, 16, 8), new_k)
     assert torch.equal(narrow_rows(fused, 16, 8).dequantize(), new_k.dequantize())
     assert [t.data_ptr() for t in vars(fused).values() if isinstance(t, torch.Tensor)] == before
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_empty_like_gives_a_slot_of_the_same_structure_that_copy_fills(kind):
+    weight = LAYOUTS[kind](24, 64)
+    slot = empty_like(weight)
+    assert type(slot) is type(weight)
+    assert copy_weight_(slot, weight) is slot
+    assert torch.equal(slot.dequantize(), weight.dequantize())
 
 
 def test_fusing_int4_parts_of_different_forms_is_exact():
