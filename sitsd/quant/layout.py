@@ -29,9 +29,9 @@ choosing a kernel for a layout is the model's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -53,10 +53,12 @@ __all__ = [
     "concat_rows",
     "copy_weight_",
     "empty_like",
+    "move_to",
     "narrow_rows",
     "nbytes",
     "select_rows",
     "validate_weight",
+    "with_tensors",
 ]
 
 # Field metadata: the axis along which a tensor field runs over W's output rows (None: it does
@@ -195,6 +197,12 @@ QuantizedWeight = Int4Weight | Fp8Weight | Int8Weight
 W = TypeVar("W", Int4Weight, Fp8Weight, Int8Weight)
 
 
+def with_tensors(weight: W, tensors: Mapping[str, torch.Tensor]) -> W:
+    """`weight` with the tensor fields named in `tensors` replaced, every other field kept."""
+    # dataclasses.replace's signature cannot say that only tensor fields are replaced.
+    return dataclasses.replace(weight, **tensors)  # type: ignore[arg-type]
+
+
 def _tensor_fields(weight: QuantizedWeight) -> list[tuple[str, int | None, torch.Tensor]]:
     """(name, row axis, tensor) of every tensor the weight holds."""
     out = []
@@ -218,7 +226,7 @@ def narrow_rows(weight: W, start: int, length: int) -> W:
         for name, axis, t in _tensor_fields(weight)
         if axis is not None
     }
-    return dataclasses.replace(weight, **parts)
+    return with_tensors(weight, parts)
 
 
 def select_rows(weight: W, index: torch.Tensor) -> W:
@@ -229,7 +237,7 @@ def select_rows(weight: W, index: torch.Tensor) -> W:
         for name, axis, t in _tensor_fields(weight)
         if axis is not None
     }
-    return dataclasses.replace(weight, **parts)
+    return with_tensors(weight, parts)
 
 
 def _device(weight: QuantizedWeight) -> torch.device:
@@ -240,16 +248,23 @@ def _one_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
     return next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
 
 
-def _harmonize(parts: Sequence[Int4Weight]) -> list[Int4Weight]:
+def _harmonize(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
     """INT4 parts in one form, exactly: one scale dtype (float32 when they differ), and offsets
-    for all when any part has them (`-8 * scale` for the others: exact in the scale's dtype)."""
-    scale_dtype = _one_dtype({p.scales.dtype for p in parts})
-    if all(p.offsets is None for p in parts):
-        return [dataclasses.replace(p, scales=p.scales.to(scale_dtype)) for p in parts]
+    for all when any part has them (`-8 * scale` for the others: exact in the scale's dtype).
+    Other layouts as they are."""
+    int4 = [p for p in parts if isinstance(p, Int4Weight)]
+    if len(int4) != len(parts):
+        return list(parts)
+    scale_dtype = _one_dtype({p.scales.dtype for p in int4})
+    out: list[QuantizedWeight] = []
+    if all(p.offsets is None for p in int4):
+        out += [dataclasses.replace(p, scales=p.scales.to(scale_dtype)) for p in int4]
+        return out
     offset_dtype = _one_dtype(
-        {p.scales.dtype if p.offsets is None else p.offsets.dtype for p in parts}
+        {p.scales.dtype if p.offsets is None else p.offsets.dtype for p in int4}
     )
-    return [p.with_dtypes(scale_dtype, offset_dtype) for p in parts]
+    out += [p.with_dtypes(scale_dtype, offset_dtype) for p in int4]
+    return out
 
 
 def concat_rows(parts: Sequence[W]) -> W:
@@ -264,8 +279,7 @@ def concat_rows(parts: Sequence[W]) -> W:
         len(kinds) == 1,
         f"cannot fuse weights of different layouts: {sorted(k.__name__ for k in kinds)}",
     )
-    if isinstance(parts[0], Int4Weight):
-        parts = _harmonize(parts)
+    parts = cast(Sequence[W], _harmonize(parts))  # one layout in, the same layout out
     first = parts[0]
     for i, p in enumerate(parts[1:], start=1):
         _check(
@@ -289,14 +303,19 @@ def concat_rows(parts: Sequence[W]) -> W:
         for name, axis, _ in _tensor_fields(first)
         if axis is not None
     }
-    return dataclasses.replace(first, **fused)
+    return with_tensors(first, fused)
 
 
 def empty_like(weight: W) -> W:
     """A weight of the same layout and structure with fresh, uninitialized tensors (a standby
     weight slot, filled later by `copy_weight_`)."""
     fresh = {name: torch.empty_like(t) for name, _, t in _tensor_fields(weight)}
-    return dataclasses.replace(weight, **fresh)
+    return with_tensors(weight, fresh)
+
+
+def move_to(weight: W, device: torch.device | str) -> W:
+    """`weight` with its tensors on `device`."""
+    return with_tensors(weight, {name: t.to(device) for name, _, t in _tensor_fields(weight)})
 
 
 def copy_weight_(dst: W, src: W) -> W:

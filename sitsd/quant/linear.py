@@ -14,13 +14,11 @@ dispatch, which may call the kernels directly.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from sitsd.kernels.quant_reference import fp8_matmul_ref
 from sitsd.quant.cpu import CpuInt4Weight, int4_cpu_matmul
-from sitsd.quant.layout import Fp8Weight, Int4Weight, QuantizedWeight
+from sitsd.quant.layout import Fp8Weight, Int4Weight, QuantizedWeight, move_to
 
 __all__ = ["ServingWeight", "quantized_linear", "to_serving_layout"]
 
@@ -30,14 +28,13 @@ ServingWeight = QuantizedWeight | CpuInt4Weight
 def to_serving_layout(weight: QuantizedWeight, device: torch.device | str) -> ServingWeight:
     """`weight` on `device`, INT4 in torch's CPU packing when that device is the CPU."""
     device = torch.device(device)
-    if device.type == "cpu" and isinstance(weight, Int4Weight):
-        return CpuInt4Weight.from_int4(weight)
-    moved = {
-        f.name: getattr(weight, f.name).to(device)
-        for f in dataclasses.fields(weight)
-        if isinstance(getattr(weight, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(weight, **moved)
+    if isinstance(weight, Int4Weight):
+        if device.type == "cpu":
+            return CpuInt4Weight.from_int4(weight)
+        return move_to(weight, device)
+    if isinstance(weight, Fp8Weight):  # one call per layout: move_to keeps the layout's type
+        return move_to(weight, device)
+    return move_to(weight, device)
 
 
 def quantized_linear(x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
