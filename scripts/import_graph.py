@@ -12,6 +12,7 @@ Layers, lowest first; a package may import its own layer and the layers below it
 
     base       sitsd (the package root), types, outputs, config, flag_types, tiers_file
     kernels    the Triton kernels and their references
+    quant      quantized weight layouts and the checkpoint formats converted into them
     plugins    the plugin interface and the bundled plugins
     model      the Llama model, its layers and linear dispatch
     runtime    model runner, input batches, CUDA graphs, weight slots, sampler
@@ -52,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("kernels", ("sitsd.kernels",)),
+    ("quant", ("sitsd.quant",)),
     ("plugins", ("sitsd.plugins",)),
     ("model", ("sitsd.model",)),
     ("runtime", ("sitsd.runtime",)),
