@@ -6,7 +6,8 @@ Formats: bf16 (`F.linear`, cuBLAS); INT4 group 128 without zero points (float16 
 FP8 e4m3 with per-channel scales and per-token activation scales.
 
 Floor of a call = the bytes it must move in its format (codes, scales, offsets, x and the output
-in bf16) / the device-to-device copy bandwidth measured at the start (`bench.floors.copy_bandwidth`).
+in bf16) / the device-to-device copy bandwidth measured at the start
+(`bench.floors.copy_bandwidth`).
 "x bf16" = cuBLAS bf16's time / this time; TFLOP/s = 2 M N K / time. Every timing is a CUDA
 graph of back-to-back calls cycling through enough weight copies that none is read from L2
 (`bench.timing.graph_ms`); every variant is checked against its plain-PyTorch reference first.

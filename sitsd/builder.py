@@ -4,8 +4,9 @@ Order: resolve the model path -> load the checkpoint -> weights on the device (q
 modules converted into their kernels' layouts, `--quantize` applied: `serving_format`) -> the
 weight slots (a second, standby slot for hot-swap when it fits, room kept for the model in 16
 bits when the serving weights are quantized, so a 16-bit version can be staged into it) -> KV
-pool from the memory budget -> model runner -> one warm-up step -> scheduler and engine core. Blocking (seconds to minutes):
-the daemon calls it off the event loop while health says NOT_SERVING.
+pool from the memory budget -> model runner -> one warm-up step -> scheduler and engine core.
+Blocking (seconds to minutes): the daemon calls it off the event loop while health says
+NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, ServingFormat, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
+from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.layout import Int4Weight
 from sitsd.quant.precision import load_precision_map
 from sitsd.quant.source import QuantSource
-from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.runtime.cuda_graphs import decode_buckets
 from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import StepInputBuilder

@@ -114,8 +114,7 @@ def load_precision_map(value: str) -> PrecisionMap:
             return PrecisionMap((("*", parse_precision(value, "--quantize")),), value)
         except QuantFormatError:
             raise QuantFormatError(
-                f"precision map {value!r} is neither a file nor a precision "
-                f"({', '.join(KINDS)})"
+                f"precision map {value!r} is neither a file nor a precision ({', '.join(KINDS)})"
             ) from None
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -213,9 +213,7 @@ def _num_bytes(ggml_type: int, shape: tuple[int, ...], name: str, path: Path) ->
     return math.prod(shape) // block_size * type_size
 
 
-def load_gguf(
-    path: Path, *, load_tensors: bool = True, keep_quantized: bool = True
-) -> Checkpoint:
+def load_gguf(path: Path, *, load_tensors: bool = True, keep_quantized: bool = True) -> Checkpoint:
     """Load a `.gguf` file.
 
     Args:

@@ -8,14 +8,21 @@ the dict `transformers` would read from `config.json`. Reading the file is `gguf
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from sitsd.weights.checkpoint import CheckpointError
 
-__all__ = ["llama3_freq_factors", "llama3_scaling_from_freq_factors", "rope_scaling"]
+__all__ = ["RopeScaling", "llama3_freq_factors", "llama3_scaling_from_freq_factors", "rope_scaling"]
+
+# Hugging Face's `rope_scaling` dict: "rope_type" a string, every other entry a number.
+RopeScaling = dict[str, str | float | int]
+
+
+def _float_or_none(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _f32(value: float) -> float:
@@ -24,21 +31,28 @@ def _f32(value: float) -> float:
 
 
 def rope_scaling(
-    meta: dict[str, Any], rope_freqs: np.ndarray | None, theta: float, head_dim: int, path: Path
-) -> dict[str, Any] | None:
+    meta: Mapping[str, object],
+    rope_freqs: np.ndarray | None,
+    theta: float,
+    head_dim: int,
+    path: Path,
+) -> RopeScaling | None:
     """HF-style `rope_scaling` from `llama.rope.scaling.*`, or from a Llama-3 `rope_freqs`."""
-    kind = meta.get("llama.rope.scaling.type", "none")
-    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
+    kind = str(meta.get("llama.rope.scaling.type", "none"))
+    factor = _float_or_none(
+        meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
+    )
     if kind == "none" and factor is not None and factor != 1.0:
         kind = "linear"  # older files: only rope.scale_linear
     if kind in ("linear", "yarn"):
         if factor is None:
             raise CheckpointError(f"{path}: {kind} rope scaling without a factor")
-        scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+        scaling: RopeScaling = {"rope_type": kind, "factor": _f32(factor)}
         if kind == "yarn":
-            scaling["original_max_position_embeddings"] = int(
-                meta["llama.rope.scaling.original_context_length"]
-            )
+            context = meta["llama.rope.scaling.original_context_length"]
+            if not isinstance(context, (int, float)):
+                raise CheckpointError(f"{path}: yarn rope scaling without an original context")
+            scaling["original_max_position_embeddings"] = int(context)
         return scaling
     if kind != "none":
         raise CheckpointError(f"{path}: rope scaling {kind!r} is not supported")
@@ -49,7 +63,7 @@ def rope_scaling(
 
 def llama3_scaling_from_freq_factors(
     factors: np.ndarray, theta: float, head_dim: int, path: Path
-) -> dict[str, Any]:
+) -> RopeScaling:
     """Recover Llama-3 `rope_scaling` from llama.cpp's per-frequency divisors (`rope_freqs`).
 
     The divisors depend on (original context, low/high freq factor) only through their ratios,
@@ -67,7 +81,7 @@ def llama3_scaling_from_freq_factors(
         if intercept < 0:
             candidates.append((round(-slope / intercept), 1.0, 1.0 - 1.0 / intercept))
     for ctx, low, high in candidates:
-        scaling = {
+        scaling: RopeScaling = {
             "rope_type": "llama3",
             "factor": _f32(factor),
             "low_freq_factor": low,
@@ -79,10 +93,11 @@ def llama3_scaling_from_freq_factors(
     raise CheckpointError(f"{path}: rope_freqs.weight does not match Llama-3 rope scaling")
 
 
-def llama3_freq_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+def llama3_freq_factors(scaling: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     """llama.cpp's `rope_freqs` for HF Llama-3 `rope_scaling`: the divisor of each frequency."""
-    factor, ctx = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factor = float(scaling["factor"])
+    ctx = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)  # [head_dim // 2]
     smooth = (ctx / wavelen - low) / (high - low)
     medium = 1.0 / ((1 - smooth) / factor + smooth)

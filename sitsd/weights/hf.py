@@ -2,9 +2,10 @@
 
 Reads the architecture from `config.json` (and its `quantization_config`, or AutoAWQ's
 `quant_config.json`: the checkpoint's `QuantSource`, its quantized modules' tensors kept as they
-are), memory-maps every safetensors shard (the index is optional), and builds the tokenizer from `tokenizer.json` plus the special tokens, BOS/EOS
-behaviour and chat template spread over `tokenizer_config.json`, `special_tokens_map.json`,
-`generation_config.json` and `chat_template.jinja`.
+are), memory-maps every safetensors shard (the index is optional), and builds the tokenizer
+from `tokenizer.json` plus the special tokens, BOS/EOS behaviour and chat template spread over
+`tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json` and
+`chat_template.jinja`.
 
 Choosing between formats and refusing bare pickle paths is `formats.load_checkpoint`'s job;
 copying tensors to a device is the model's.

@@ -246,7 +246,7 @@ def test_linear_weights_of_served_types_stay_raw_bytes_and_the_embedding_is_dequ
 
 
 def test_other_quantized_types_are_dequantized_with_a_log_line(tmp_path, seed, caplog):
-    path, source = write_tiny_gguf(tmp_path / "m.gguf", tensor_type="Q5_1", seed=seed)
+    path, _ = write_tiny_gguf(tmp_path / "m.gguf", tensor_type="Q5_1", seed=seed)
 
     with caplog.at_level("INFO", logger="sitsd.weights.gguf_file"):
         ckpt = load_checkpoint(path)
