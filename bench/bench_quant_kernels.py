@@ -6,10 +6,11 @@ Formats: bf16 (`F.linear`, cuBLAS); INT4 group 128 without zero points (float16 
 FP8 e4m3 with per-channel scales and per-token activation scales.
 
 Floor of a call = the bytes it must move in its format (codes, scales, offsets, x and the output
-in bf16) / the device-to-device copy bandwidth measured at the start (`bench_gemv.copy_bandwidth`).
+in bf16) / the device-to-device copy bandwidth measured at the start
+(`bench.floors.copy_bandwidth`).
 "x bf16" = cuBLAS bf16's time / this time; TFLOP/s = 2 M N K / time. Every timing is a CUDA
 graph of back-to-back calls cycling through enough weight copies that none is read from L2
-(`bench_gemv.graph_us`); every variant is checked against its plain-PyTorch reference first.
+(`bench.timing.graph_ms`); every variant is checked against its plain-PyTorch reference first.
 
 1. Single layers qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096), down (4096 x
    14336) at M = 1, 8, 32, 128, 512 (`--rows`) and 2048 (`--prefill-rows`): bf16; INT4
@@ -42,7 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.bench_gemv import copy_bandwidth, graph_us
+from bench.floors import copy_bandwidth
+from bench.shapes import LLAMA3_8B, linear_shapes
+from bench.timing import graph_ms
 from sitsd.kernels.activation import silu_and_mul
 from sitsd.kernels.fp8_matmul import fp8_matmul
 from sitsd.kernels.int4_dequant import int4_dequantize
@@ -52,13 +55,8 @@ from sitsd.kernels.quant_reference import fp8_matmul_ref
 from sitsd.quant.layout import Fp8Weight, Int4Weight, nbytes
 
 DTYPE, GROUP = torch.bfloat16, 128
-HIDDEN, INTERMEDIATE, NUM_LAYERS = 4096, 14336, 32  # Llama-3-8B
-SHAPES = {
-    "qkv": (6144, HIDDEN),
-    "o": (HIDDEN, HIDDEN),
-    "gate_up": (2 * INTERMEDIATE, HIDDEN),
-    "down": (HIDDEN, INTERMEDIATE),
-}
+NUM_LAYERS = LLAMA3_8B.num_layers
+SHAPES = {name: shape for name, shape in linear_shapes(LLAMA3_8B).items() if name != "lm_head"}
 SMOKE_SHAPES = {"qkv": (192, 128), "o": (128, 128), "gate_up": (512, 128), "down": (128, 256)}
 ROWS, PREFILL_ROWS, LAYER_ROWS = (1, 8, 32, 128, 512), (2048,), (1, 8, 32, 128)
 FORMATS = ("bf16", "int4", "int4 zp", "fp8")
@@ -215,7 +213,7 @@ class Bench:
     def us(self, calls: list[Callable[[], object]]) -> float:
         """Graph-timed microseconds per call; one wall-clock call in the smoke run."""
         if not self.smoke:
-            return graph_us(calls)
+            return graph_ms(calls) * 1e3
         start = time.perf_counter()
         calls[0]()
         return (time.perf_counter() - start) * 1e6

@@ -37,6 +37,8 @@ its CPU int4 matmul is `sitsd.quant.cpu`'s.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from sitsd.kernels._utils import check_dtype, check_shape
@@ -75,11 +77,13 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
     n, k = codes.shape
     if k % PACK:
         raise ValueError(f"codes must have a multiple of {PACK} columns, got shape {(n, k)}")
-    lanes = codes.to(torch.int32).reshape(n, k // PACK, PACK)
-    words = lanes[..., 0].clone()
-    for i in range(1, PACK):
-        words |= lanes[..., i] << (4 * i)  # int32 wraps: the top nibble sets the sign bit
-    return words
+    c = codes.to(torch.uint8)
+    # Two codes per byte (the even column in the low nibble); four bytes are one little-endian
+    # word, so code 8j + i lands in bits 4i..4i+3 of word j.
+    pairs = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()  # [N, K // 2] uint8
+    if sys.byteorder != "little":  # every platform torch ships for is, but say so
+        raise RuntimeError("pack_int4 assumes a little-endian host")
+    return pairs.view(torch.int32)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K] uint8, codes 0..15

@@ -65,6 +65,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.weights.checkpoint",
             "sitsd.weights.formats",
             "sitsd.weights.gguf_file",
+            "sitsd.weights.gguf_rope",
             "sitsd.weights.hf",
             "sitsd.weights.tokenizer",
             "sitsd.weights.chat_template",

@@ -33,7 +33,7 @@ from sitsd.quant.checks import check_scales, check_tensor
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.layout import Int4Weight, Int8Weight
 
-__all__ = ["GGUF_KEPT", "from_gguf"]
+__all__ = ["GGUF_KEPT", "from_gguf", "llama_cpp_row_order"]
 
 GGUF_KEPT = (
     GGMLQuantizationType.Q4_0,
@@ -134,3 +134,16 @@ def from_gguf(
     if qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K):
         check_scales(f"{name} (block mins)", _f16(blocks[..., 2:4]), allow_zero=True)
     return weight
+
+
+def llama_cpp_row_order(num_rows: int, num_heads: int) -> torch.Tensor:  # [num_rows] int64
+    """The row order that undoes llama.cpp's permutation of a Q or K projection: row i of the
+    Hugging Face weight is row `order[i]` of the GGUF one (for `select_rows`).
+
+    llama.cpp's converter regroups each head's rows from rotate-half halves into interleaved
+    pairs (`[heads, 2, rows / heads / 2] -> [heads, rows / heads / 2, 2]`); this is its inverse.
+    """
+    if num_rows % (2 * num_heads):
+        raise QuantFormatError(f"{num_rows} rows do not split into {num_heads} heads of pairs")
+    pairs = torch.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2)
+    return pairs.transpose(1, 2).reshape(-1)

@@ -194,7 +194,7 @@ class Int8Weight:
 
 
 QuantizedWeight = Int4Weight | Fp8Weight | Int8Weight
-W = TypeVar("W", Int4Weight, Fp8Weight, Int8Weight)
+W = TypeVar("W", bound=QuantizedWeight)
 
 
 def with_tensors(weight: W, tensors: Mapping[str, torch.Tensor]) -> W:

@@ -105,6 +105,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args[:4], torch.arange(8, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16 in mode 'dot'"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 8, 32))
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16 in mode 'dot_sw"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("dot_swapped", 48, 64, 128))
     with pytest.raises(ValueError, match="mode must be one of"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("wmma"))
     with pytest.raises(ValueError, match="split_k must be a power of two"):
@@ -165,7 +167,8 @@ def test_gpu_act_order_and_split_k_on_llama_down(dtype, device):
         x = _x(num_rows, k, dtype, device)
         ref = int4_matmul_ref(x, *weight.args)
         for split_k in (1, 2, 4, 8):
-            config = Int4MatmulConfig("dot_swapped", max(16, num_rows), 64, 128, split_k)
+            block_m = max(16, 1 << (num_rows - 1).bit_length())  # a power of two
+            config = Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k)
             assert_close(int4_matmul(x, *weight.args, config=config), ref, dtype)
 
 

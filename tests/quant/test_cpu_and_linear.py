@@ -11,8 +11,9 @@ from sitsd.quant.config import QuantScheme
 from sitsd.quant.convert import convert_linear
 from sitsd.quant.cpu import CpuInt4Weight, int4_cpu_matmul
 from sitsd.quant.errors import QuantFormatError
-from sitsd.quant.layout import Fp8Weight, Int4Weight, nbytes
+from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight, nbytes
 from sitsd.quant.linear import quantized_linear, to_serving_layout
+from sitsd.quant.rtn import quantize_int8
 from tests.kernels.helpers import assert_close
 from tests.quant.format_code import awq_pack, gptq_pack
 from tests.quant.test_layout import int4, int8
@@ -69,10 +70,15 @@ def test_every_layout_has_a_route_on_the_cpu():
     assert isinstance(served, CpuInt4Weight)
     assert_close(quantized_linear(x, served), _ref(x, w4), torch.bfloat16)
     assert_close(quantized_linear(x, w4), _ref(x, w4), torch.float32)  # dequantize + matmul
-    w8 = int8(24, 128)
-    torch.testing.assert_close(quantized_linear(x, w8), x @ w8.dequantize().T)
-    fp8 = Fp8Weight((torch.randn(24, 128) * 8).to(torch.float8_e4m3fn), torch.rand(24) + 0.1)
-    assert torch.equal(quantized_linear(x, fp8), fp8_matmul_ref(x, fp8.weight, fp8.scale))
+    w8 = int8(24, 128)  # groups of 32 (GGUF Q8_0): bfloat16 W for the call
+    w8 = Int8Weight(w8.qweight, w8.scales / 128, 32)  # outputs of order 1
+    assert_close(quantized_linear(x, w8), x @ w8.dequantize().T, torch.bfloat16)
+    per_row = quantize_int8(torch.randn(24, 128))  # torch's CPU int8 GEMM
+    assert_close(quantized_linear(x, per_row), x @ per_row.dequantize().T, torch.bfloat16)
+    fp8 = Fp8Weight((torch.randn(24, 128) * 8).to(torch.float8_e4m3fn), torch.rand(24) / 90 + 1e-3)
+    # No FP8 GEMM on a CPU: weight-only, so x is not quantized (unlike W8A8 on CUDA).
+    assert_close(quantized_linear(x, fp8), x @ fp8.dequantize().T, torch.bfloat16)
+    assert not torch.equal(quantized_linear(x, fp8), fp8_matmul_ref(x, fp8.weight, fp8.scale))
 
 
 def test_convert_linear_picks_each_formats_tensors_and_names_a_missing_one():
