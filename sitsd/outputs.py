@@ -141,4 +141,6 @@ class EngineStatus:
     tiers: tuple[TierStats, ...] = ()  # gold, silver, bronze
     slot_versions: tuple[str, ...] = ()  # the version in each weight slot ("" = none)
     active_slot: int = 0  # the slot new requests run on
+    slot_precisions: tuple[str, ...] = ()  # what runs in which bits in each slot
+    slot_weight_bytes: tuple[int, ...] = ()  # bytes each slot's weights take
     swapping: bool = False  # a commit is in progress (a migration catching up)

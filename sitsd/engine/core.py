@@ -281,6 +281,8 @@ class EngineCore:
             ),
             slot_versions=tuple(v or "" for v in slots.versions),
             active_slot=slots.active,
+            slot_precisions=tuple(slots.precision(i) for i in range(slots.num_slots)),
+            slot_weight_bytes=tuple(slots.nbytes(i) for i in range(slots.num_slots)),
             swapping=self.swaps.busy,
         )
 

@@ -122,6 +122,8 @@ class WeightSlots:
         self.dtype = first.norm.dtype  # the activations' (a 16-bit embedding may differ)
         self.fmt = fmt or ServingFormat(self.device, self.dtype)
         self._restructured: set[int] = set()  # slots whose tensors moved since their graphs
+        # (precision, bytes) of each slot's version, taken when it is filled (status reads it)
+        self._described: list[tuple[str, int]] = [(first.precision, first.nbytes)] * num_slots
 
     @property
     def num_slots(self) -> int:
@@ -149,12 +151,13 @@ class WeightSlots:
         return self._slots[0].nbytes
 
     def nbytes(self, index: int) -> int:
-        """Bytes slot `index` holds now."""
-        return self._slots[index].nbytes
+        """Bytes slot `index`'s version takes (as of its last `fill`)."""
+        return self._described[index][1]
 
     def precision(self, index: int) -> str:
-        """What runs in which bits in slot `index` (`LlamaWeights.precision`)."""
-        return self._slots[index].precision
+        """What runs in which bits in slot `index` (`LlamaWeights.precision`, as of its last
+        `fill`)."""
+        return self._described[index][0]
 
     def take_restructured(self, index: int) -> bool:
         """Whether slot `index`'s tensors moved since its graphs were captured (cleared)."""
@@ -200,6 +203,8 @@ class WeightSlots:
 
     def fill(self, index: int, version: str) -> None:
         """Slot `index` now holds `version` (its copy has completed)."""
+        weights = self._slots[index]
+        self._described[index] = (weights.precision, weights.nbytes)
         self.versions[index] = version
 
     # ----------------------------------------------------------------- the copy (stager)
