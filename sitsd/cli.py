@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from sitsd import __version__
 from sitsd.cli_observability import add_observability_flags, observability_config
+from sitsd.cli_quantize import add_quantize_command, run_quantize
 from sitsd.config import (
     ADMIN_TOKEN_FILE_NAME,
     STATE_DIR_ENV,
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weights_flags(serve.add_argument_group("weights and hot-swap"))
     _add_server_flags(serve.add_argument_group("server"))
     _add_http_flags(serve.add_argument_group("OpenAI-compatible HTTP API"))
+    add_quantize_command(commands)
     add_observability_flags(serve.add_argument_group("observability"))
     return parser
 
@@ -483,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sitsd` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "quantize":
+        return run_quantize(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

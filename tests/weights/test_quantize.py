@@ -1,0 +1,123 @@
+"""`sitsd quantize` on the tiny Llama: the AWQ directory it writes verifies as a version (manifest
+and all), serves in its own bits with the logits of its dequantized weights, keeps the modules
+the precision map keeps 16-bit; the AWQ packing round-trips the codes exactly; the scale search
+lowers the output error; bad requests are refused naming what does not fit."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sitsd.model.llama import build_weights
+from sitsd.quant.cpu import CpuInt4Weight
+from sitsd.quant.errors import QuantFormatError
+from sitsd.quant.export import awq_module
+from sitsd.quant.from_awq import int4_from_awq
+from sitsd.quant.precision import PrecisionMap
+from sitsd.quant.rtn import quantize_int4
+from sitsd.weights import load_checkpoint
+from sitsd.weights.checks import load_version
+from sitsd.weights.quantize import QuantizeConfig, quantize_checkpoint, quantize_module
+from tests.kernels.helpers import assert_close
+from tests.model.test_quantized_model import dequantized_logits, prompt_logits, random_prompt
+from tests.weights.tiny_models import write_tiny_llama
+
+QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales")
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 20
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    write_tiny_llama(tmp_path / "src", seed=random.randrange(1000))
+    return load_checkpoint(tmp_path / "src")
+
+
+def test_the_written_awq_directory_loads_back_with_its_codes_and_their_logits(tiny, tmp_path):
+    keep = PrecisionMap.from_mapping({"*.o_proj.weight": "bf16", "*": "int4-g32"})
+    config = QuantizeConfig(group_size=32, precision=keep, window=64)
+    layers = []
+    quantize_checkpoint(tiny, config, TEXT, tmp_path / "q", on_layer=lambda d, t: layers.append(d))
+    assert layers == [1, 2]  # one progress call per layer
+    loaded = load_version(tmp_path / "q")  # the manifest verifies: deployable
+    ckpt = loaded.checkpoint
+    hf = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert (hf["quant_method"], hf["bits"], hf["group_size"]) == ("awq", 4, 32)
+    assert hf["modules_to_not_convert"] == [f"model.layers.{n}.self_attn.o_proj" for n in (0, 1)]
+    assert "model.layers.0.self_attn.o_proj.weight" in ckpt.tensors  # kept 16-bit
+    assert "model.layers.0.mlp.down_proj.qweight" in ckpt.tensors
+    # Served in its own bits, it computes the logits of its dequantized weights.
+    reference = {n: t.float() for n, t in ckpt.tensors.items() if not n.endswith(QUANT_SUFFIXES)}
+    for name, w in tiny.tensors.items():
+        module = name.removesuffix(".weight")
+        if ckpt.quant.is_quantized(ckpt.tensors, module):
+            layout = ckpt.quant.convert(ckpt.tensors, module, tuple(w.shape), torch.device("cpu"))
+            reference[name] = layout.dequantize().float()
+            assert (reference[name] - w.float()).abs().max() < 0.25 * w.abs().max()
+    weights = build_weights(ckpt.arch, ckpt.tensors, "cpu", torch.float32, source=ckpt.quant)
+    assert isinstance(weights.layers[0].down_proj, CpuInt4Weight)
+    assert isinstance(weights.layers[0].o_proj, torch.Tensor)
+    ids = random_prompt(ckpt.arch.vocab_size)
+    got = prompt_logits(ckpt.arch, weights, ids)
+    assert_close(got, dequantized_logits(ckpt.arch, reference, ids), torch.bfloat16)
+
+
+def test_awq_packing_round_trips_the_codes_exactly():
+    w = torch.randn(40, 192)
+    for symmetric in (False, True):
+        codes = quantize_int4(w, 64, symmetric=symmetric)
+        t = awq_module(codes)
+        back = int4_from_awq(t["qweight"], t["qzeros"], t["scales"], shape=(40, 192),
+                             group_size=64, name="m")  # fmt: skip
+        assert torch.equal(back.dequantize(), codes.dequantize())
+
+
+def test_the_scale_search_lowers_the_weighted_output_error_of_rtn():
+    w = torch.randn(48, 256) * torch.rand(1, 256) * 3
+    w[:, random.randrange(256)] *= 20  # an outlier input channel
+    energy = torch.rand(256) ** 4 * 10
+    searched = quantize_module(w, 64, energy, "mse", "w")
+    plain = quantize_int4(w, 64)
+
+    def err(codes) -> float:
+        return float((((codes.dequantize() - w) ** 2) * energy).sum())
+
+    assert err(searched) < err(plain)
+    assert quantize_module(w, 64, energy, "none", "w").codes.equal(plain.codes)
+
+
+def test_bad_requests_are_refused_naming_what_does_not_fit(tiny, tmp_path):
+    with pytest.raises(QuantFormatError, match="not a multiple of the group size 128"):
+        quantize_checkpoint(tiny, QuantizeConfig(group_size=128), TEXT, tmp_path / "a")
+    int8 = PrecisionMap.from_mapping({"*.mlp.*": "int8"})
+    with pytest.raises(QuantFormatError, match=r"mlp.gate_proj.weight: the AWQ layout holds"):
+        quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=int8), TEXT,
+                            tmp_path / "b")  # fmt: skip
+    with pytest.raises(QuantFormatError, match="method 'gptq'"):
+        quantize_checkpoint(tiny, QuantizeConfig(method="gptq"), TEXT, tmp_path / "c")
+
+
+def test_the_command_writes_a_version_and_says_so(tiny, tmp_path):
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(TEXT)
+    done = subprocess.run(
+        [sys.executable, "-m", "sitsd", "quantize", "--model", str(tmp_path / "src"),
+         "--method", "rtn", "--bits", "4", "--group-size", "32", "--calibration",
+         str(calibration), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "rtn int4 g32 (AWQ layout)" in done.stdout
+    assert "2/2" in done.stderr  # the bar, per layer
+    assert load_version(tmp_path / "out").checkpoint.quant is not None
+    bad = subprocess.run(
+        [sys.executable, "-m", "sitsd", "quantize", "--model", str(tmp_path / "src"),
+         "--group-size", "128", "--out", str(tmp_path / "bad")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 1
+    assert "not a multiple of the group size 128" in bad.stderr
