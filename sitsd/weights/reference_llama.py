@@ -32,8 +32,9 @@ class ReferenceLlama:
     def __init__(self, arch: LlamaArch, tensors: Mapping[str, torch.Tensor], max_len: int):
         self.arch = arch
         self.tensors = tensors
+        device = tensors["model.embed_tokens.weight"].device  # every tensor's
         self.cos_sin = compute_cos_sin_cache(arch.head_dim, max_len, arch.rope_theta,
-                                             arch.rope_scaling)  # fmt: skip
+                                             arch.rope_scaling).to(device)  # fmt: skip
 
     def weight(self, name: str) -> torch.Tensor:
         return self.tensors[name].float()
@@ -70,7 +71,7 @@ class ReferenceLlama:
         x = F.rms_norm(h, (h.shape[-1],), self.weight(prefix + "input_layernorm.weight"), eps)
         q, k, v = run(tuple(f"self_attn.{p}" for p in _ATTENTION), x)
         b, t, _ = h.shape
-        positions = torch.arange(t)
+        positions = torch.arange(t, device=h.device)
         heads = []
         for i in range(b):
             qi = q[i].reshape(t, arch.num_heads, arch.head_dim)
