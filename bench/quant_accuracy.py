@@ -11,6 +11,10 @@ INT4 kernels compute, to their accumulation order):
     Q4_1 shipped    the embedded GGUF's own Q4_1 linear weights (Q8_0 embedding, as shipped)
     DIR ...         version directories `sitsd quantize` wrote (AWQ layout), loaded by sitsd
 
+The only SmolLM2 available offline is that Q4_1 file: its "16-bit" model is the Q4_1 weights
+dequantized (the two rows agree), and `sitsd quantize` re-quantizes those; with a 16-bit
+checkpoint (`--model DIR` here and in `sitsd quantize`) the rows measure what they say.
+
     python -m bench.quant_accuracy --write-calibration FILE   # docstrings of Python's stdlib
     python -m bench.quant_accuracy --quantized NAME=DIR [...] [--tokens 50000] [--exclude FILE]
         [--device cuda] [--json PATH]
@@ -97,6 +101,7 @@ def dense_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="the 16-bit (or GGUF) source")
     parser.add_argument("--quantized", nargs="*", default=[], metavar="NAME=DIR")
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=512)
@@ -116,7 +121,7 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model_path("default")
+    path = resolve_model_path(args.model)
     dense = load_checkpoint(path, keep_quantized=False)
     text, names = licence_text(set(args.exclude))
     ids = dense.tokenizer.encode(text, add_special_tokens=False)
