@@ -7,6 +7,7 @@ controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
     reserve_standby()              the standby slot's index, released to the caller (or
                                    `StandbyBusy` while requests still run on its version)
     copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
+    slot_writer(index)             or writes a pushed one into it, piece by piece (`SlotWriter`)
     fill(index, version)           the copy is complete: the slot holds `version`
     release(index)                 give the slot back empty (a rejected version)
     prompt_logprobs(ids, version)  a canary prompt through the model runner on that version
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from sitsd.model.arch import LlamaArch
+    from sitsd.runtime.slot_writer import SlotWriter
 
 T = TypeVar("T")
 
@@ -107,6 +109,16 @@ class SwapPort:
         engine's or the loop's: it takes seconds); returns the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
                                      on_progress=on_progress)  # fmt: skip
+
+    def slot_writer(self, index: int, *, chunk_bytes: int) -> SlotWriter:
+        """A writer into reserved slot `index` for a pushed version; what the push leaves out
+        it copies from the active slot. Used on the caller's threads (never the engine's or the
+        loop's: copies take seconds)."""
+        from sitsd.runtime.slot_writer import SlotWriter  # torch, only once a push arrives
+
+        slots = self._slots
+        active = slots.weights(slots.active)
+        return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes)
 
     async def commit(
         self, version: str, policy: str, in_place: InPlaceCopy | None = None
