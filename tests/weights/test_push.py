@@ -234,3 +234,32 @@ def test_the_prefix_cache_never_serves_kv_of_the_version_before_a_push(served, v
     assert repeat == after_push
     assert cached_repeat > 0  # its own blocks are, under its version
     assert after_push != first
+
+
+def test_a_streamed_push_copies_each_piece_before_it_reads_the_next(served, versions):
+    """Bounded memory: the daemon never holds more than the piece it is copying."""
+    tensors = version_tensors(versions["v2"])
+    port = served.manager.stager.port
+    writers = []
+    open_writer = port.slot_writer
+
+    def recording_writer(index, *, chunk_bytes):
+        writer = open_writer(index, chunk_bytes=chunk_bytes)
+        writers.append(writer)
+        return writer
+
+    port.slot_writer = recording_writer
+    plan_source = streamed(tensors)
+    read = [0]
+
+    async def watched():
+        async for piece in pieces(tensors.items(), random.randrange(64, 2048)):
+            # By the time the next piece is asked for, every byte read so far is in the slot.
+            copied = sum(writers[0].written(n) * 4 for n in tensors) if writers else 0
+            assert copied == read[0]
+            read[0] += len(piece.data)
+            yield piece
+
+    source = StreamedPush(plan_source.plan, watched())
+    served.push(source, PushHeader(version="bounded"))
+    assert read[0] == sum(t.numel() * 4 for t in tensors.values())
