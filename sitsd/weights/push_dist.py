@@ -120,6 +120,10 @@ class GroupPush:
     def plan(self) -> PushPlan:
         return self._plan
 
+    def check(self) -> None:
+        """The bucket layout fits the table (see `_layout`)."""
+        self._layout()
+
     async def receive(
         self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float
     ) -> int:

@@ -75,13 +75,16 @@ class IpcPush:
     def plan(self) -> PushPlan:
         return self._plan
 
-    async def receive(
-        self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float
-    ) -> int:
+    def check(self) -> None:
+        """One handle per tensor of the table, each view inside the memory it shares."""
         if [h.name for h in self._handles] != self._plan.names:
             raise VersionRejected("the IPC handles do not follow the tensor table, one each")
         for spec, handle in zip(self._plan.tensors, self._handles, strict=True):
             _check_extent(spec, handle)
+
+    async def receive(
+        self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float
+    ) -> int:
         await run_off_engine(lambda: self._copy(writer), name="sitsd-push-ipc")
         progress(
             SwapProgress(RELEASED, version, message="copied: the trainer may free its tensors")

@@ -9,7 +9,8 @@ only some tensors; the stager copies the others from the active slot. Values (Na
 only be checked once they are in the slot; `check_received` tells a push cut short.
 
 A transport is a `PushSource`: the stager (`sitsd.weights.staging.StandbyStager.stage_pushed`)
-hands it a `SlotWriter` of the reserved slot and awaits `receive`. Validating values, copying
+asks it to `check` what it was told (IPC handles, a bucket layout), then hands it a
+`SlotWriter` of the reserved slot and awaits `receive`. Validating values, copying
 the rest, the canary and the commit are the stager's and the swap manager's, shared with
 versions read from files.
 """
@@ -135,6 +136,14 @@ class PushSource(Protocol):
 
     @property
     def plan(self) -> PushPlan: ...
+
+    def check(self) -> None:
+        """The transport's own checks of what it was told (before any slot is touched).
+
+        Raises:
+            VersionRejected: naming the tensor.
+        """
+        ...
 
     async def receive(
         self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float

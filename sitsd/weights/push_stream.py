@@ -86,6 +86,9 @@ class StreamedPush:
     def plan(self) -> PushPlan:
         return self._plan
 
+    def check(self) -> None:
+        """Nothing to check before the bytes come (each piece is checked as it comes)."""
+
     async def receive(
         self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float
     ) -> int:

@@ -101,6 +101,7 @@ class StandbyStager:
             SwapRefusedError: the standby slot did not drain in time.
         """
         check_plan(push.plan, self.serving)  # before any slot is touched
+        push.check()
         index = await self._reserve_standby(version, progress)
         writer = self.port.slot_writer(index, chunk_bytes=self.settings.chunk_bytes)
         try:

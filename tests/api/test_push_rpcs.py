@@ -240,3 +240,27 @@ def test_the_client_imports_without_the_daemons_heavy_dependencies():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_bucket_layout_that_does_not_fit_is_rejected_before_the_standby_slot_is_touched(
+    served, client, versions
+):
+    pushed = version_tensors(versions["v2"])
+    v1 = served.manager.registry.active
+    client.push(pushed, version="kept")  # v1 goes to the standby slot: the rollback target
+    WeightGroup.create([client], backend="gloo", timeout_s=60)
+    spec = admin_pb2.TensorSpec(name=NORM, dtype="float32", shape=[64])
+    for placement, reason in (
+        (admin_pb2.TensorPlacement(bucket=0, offset=3), "offsets are multiples of 16"),
+        (admin_pb2.TensorPlacement(bucket=0, offset=16), "of bucket 0 (256 bytes"),
+        (admin_pb2.TensorPlacement(bucket=2, offset=0), "placed in bucket 2 of none"),
+    ):
+        request = admin_pb2.UpdateWeightsFromGroupRequest(
+            header=admin_pb2.PushHeader(version="layout", partial=True, tensors=[spec]),
+            bucket_bytes=[256], placements=[placement],
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as error:
+            list(client.stub.UpdateWeightsFromGroup(request, metadata=client.metadata))
+        assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert reason in error.value.details()
+        assert served.manager.versions().slots == {"kept": "active", v1: "standby"}
