@@ -78,7 +78,8 @@ class WeightGroup:
         """Host a group and have every daemon of `clients` join it (ranks 1..n, in order).
 
         Args:
-            backend: "nccl" or "gloo" ("" = nccl when this process sees a GPU, else gloo).
+            backend: "nccl" or "gloo" ("" = nccl when this process and every daemon have a
+                GPU, else gloo).
             master_address: the address daemons reach this machine at ("" = the one on the
                 route to the first daemon).
             master_port: the store's port (0 = a free one).
@@ -88,7 +89,9 @@ class WeightGroup:
         Raises:
             PushError: a daemon refused to join.
         """
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if not backend:  # NCCL when every rank has a GPU
+            on_gpus = all(c.status().weight_push.device.startswith("cuda") for c in clients)
+            backend = "nccl" if on_gpus and torch.cuda.is_available() else "gloo"
         name = name or f"trainer-{time.time_ns()}"
         if not master_address:
             host, _, port = clients[0].address.rpartition(":")

@@ -202,7 +202,8 @@ class WeightPushes:
     def _record(self, report: UpdateReport) -> None:
         self.last = report
         if self._telemetry is not None:
-            stages = {**report.stage_s, "total": report.total_s}
+            # Every stage is set: one this push skipped (no canary) reads 0, not the last one's.
+            stages = {s: report.stage_s.get(s, 0.0) for s in STAGES} | {"total": report.total_s}
             self._telemetry.metrics.record_weight_update(
                 report.transport, report.outcome, report.num_bytes, stages
             )
