@@ -92,3 +92,35 @@ def test_pieces_that_do_not_fit_are_refused_naming_the_tensor():
         writer.write_piece("model.norm.weight", 60, torch.ones(10))
     writer.write_piece("model.norm.weight", 0, torch.ones(10))
     assert writer.unfinished() == ["model.norm.weight"]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stream():
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    _, second = tiny(seed + 1)
+    slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.float32), "v1")
+    slots.release(1)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=512)
+    names = sorted(second)
+    from_host, from_device = names[::3], names[1::3]
+    for name in from_host:  # pinned uploads of pageable pieces, cast on the device
+        flat = second[name].to(torch.bfloat16).view(-1)
+        for start in range(0, flat.numel(), 300):
+            writer.write_piece(name, start, flat[start : start + 300])
+    for name in from_device:  # device to device, as an IPC push copies
+        writer.write(name, second[name].cuda().half())
+    rest = writer.copy_rest()
+    bad = writer.first_nonfinite(from_host + from_device)
+    writer.sync()
+    assert bad is None
+    assert sorted(rest) == sorted(set(names) - set(from_host) - set(from_device))
+    got, base = named(slots, 1), named(slots, 0)
+    for name in names:
+        if name in from_host:
+            want = second[name].to(torch.bfloat16).float().cuda()
+        elif name in from_device:
+            want = second[name].half().float().cuda()
+        else:
+            want = base[name]
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
