@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from sitsd.model.arch import LlamaArch
+    from sitsd.quant.source import QuantSource
     from sitsd.runtime.slot_writer import SlotWriter
 
 T = TypeVar("T")
@@ -104,11 +105,13 @@ class SwapPort:
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int:
-        """Copy a checkpoint into reserved slot `index` on the calling thread (never the
-        engine's or the loop's: it takes seconds); returns the bytes copied."""
+        """Copy a checkpoint (`source`: what it stores quantized) into reserved slot `index`
+        on the calling thread (never the engine's or the loop's: it takes seconds); returns
+        the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
-                                     on_progress=on_progress)  # fmt: skip
+                                     on_progress=on_progress, source=source)  # fmt: skip
 
     def slot_writer(self, index: int, *, chunk_bytes: int) -> SlotWriter:
         """A writer into reserved slot `index` for a pushed version; what the push leaves out
