@@ -2,8 +2,9 @@
 
 1. v1, the daemon's start-up weights: `--device cuda`: random bf16 weights in Llama-3-8B shapes
    written once as a version directory under `--work-dir` (about 16 GB); CPU: the embedded
-   SmolLM2. The daemon serves it (fcfs, two weight slots, `--gpu-memory-utilization 0.6` so
-   the trainer's tensors fit beside it on the same GPU).
+   SmolLM2 dequantized (a push is refused into quantized weights). The daemon serves it
+   (fcfs, two weight slots, `--gpu-memory-utilization 0.6` so the trainer's tensors fit beside
+   it on the same GPU).
 2. This process is the trainer: the pushed tensors are v1's with 1% relative noise, made on the
    GPU (bf16, 16 GB; a host copy for the gRPC stream). With a second GPU the weight group's
    copy lives there (NCCL needs one GPU per rank).
@@ -72,7 +73,8 @@ def write_v1(work: Path, device: str) -> Path:
         from sitsd.weights import load_checkpoint, resolve_model_path
         from sitsd.weights.export import write_version
 
-        write_version(load_checkpoint(resolve_model_path("default")), directory)
+        dense = load_checkpoint(resolve_model_path("default"), keep_quantized=False)
+        write_version(dense, directory)  # float32: a push writes 16/32-bit weights in place
     return directory
 
 

@@ -123,6 +123,14 @@ class SwapPort:
         active = slots.weights(slots.active)
         return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes)
 
+    def quantized_tensors(self) -> list[str]:
+        """Tensors a weight slot holds in a quantized layout (a push writes 16-bit ones only)."""
+        from sitsd.runtime.slot_writer import quantized_tensors
+
+        slots = self._slots
+        held = (quantized_tensors(slots.arch, slots.weights(i)) for i in range(slots.num_slots))
+        return [name for names in held for name in names]
+
     async def commit(
         self, version: str, policy: str, in_place: InPlaceCopy | None = None
     ) -> AsyncIterator[SwapEvent]:

@@ -16,6 +16,10 @@ One thread at a time (calls may move between threads: the stream orders them); t
 have been released by the engine, so nothing reads it meanwhile, and the base slot is only
 read. Which tensors a push may name, and what to do when one is wrong, is the weights
 subsystem's business; the slot flips only through the swap controller.
+
+A push writes dense tensors in place: a slot holding quantized layouts (`quantized_tensors`:
+`--quantize`, or a quantized checkpoint served as is) is refused, since its fields would have
+to be rebuilt in new tensors (`WeightSlots.copy_into` does that for checkpoints).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from contextlib import nullcontext
 import torch
 
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaWeights, weight_copy_plan
+from sitsd.model.llama import LlamaWeights, expected_shapes, weight_copy_plan
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -35,6 +39,12 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 class SlotWriteError(ValueError):
     """A piece that does not fit its tensor (unknown name, wrong size, past its end)."""
+
+
+def quantized_tensors(arch: LlamaArch, weights: LlamaWeights) -> list[str]:
+    """The Hugging Face names of the tensors `weights` holds in a quantized layout."""
+    dense = {name for _, name in weight_copy_plan(arch, weights)}
+    return [name for name in expected_shapes(arch) if name not in dense]
 
 
 class SlotWriter:
@@ -48,7 +58,14 @@ class SlotWriter:
         slot: the released slot's tensors (written).
         base: the serving slot's tensors (read: what a partial push keeps).
         chunk_bytes: the most a host-to-device upload moves at once.
+
+        Raises:
+            SlotWriteError: either slot holds quantized layouts.
         """
+        for held in (slot, base):
+            if quantized := quantized_tensors(arch, held):
+                raise SlotWriteError(f"{quantized[0]} is held quantized: a push writes 16-bit "
+                                     "weights in place")  # fmt: skip
         self._dst = {name: view for view, name in weight_copy_plan(arch, slot)}
         self._base = {name: view for view, name in weight_copy_plan(arch, base)}
         self._written: dict[str, int] = {}  # name -> elements written so far

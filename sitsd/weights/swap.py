@@ -235,6 +235,11 @@ class SwapManager:
             raise SwapRefusedError("a push is received into the standby weight slot; this "
                                    "daemon has one slot (--weight-slots)")  # fmt: skip
         async with self._exclusive(f"push of {version}", wait=False):
+            if quantized := self.port.quantized_tensors():
+                raise SwapRefusedError(
+                    f"a push writes 16-bit weights; this daemon holds {len(quantized)} tensors "
+                    f"quantized (e.g. {quantized[0]}): serve 16-bit weights to push"
+                )
             digest = f"push:{secrets.token_hex(8)}"  # each push is content of its own
             record, _ = self.registry.register(version, path, digest, PUSHED, VersionState.STAGED)
             trace = trace or self._trace(version)

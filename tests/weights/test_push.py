@@ -16,6 +16,7 @@ from sitsd.weights.push import PushHeader
 from sitsd.weights.push_plan import PushPlan
 from sitsd.weights.push_stream import StreamedPush, TensorPiece
 from sitsd.weights.versions import VersionState
+from tests.model.quant_checkpoints import write_quantized_llama
 from tests.weights.push_harness import PushServed, pieces, spec_of, streamed, version_tensors
 from tests.weights.tiny_versions import write_version
 
@@ -162,6 +163,20 @@ def test_a_refused_push_names_its_field_and_a_push_needs_two_slots(served, versi
             one_slot.push(streamed(pushed), PushHeader(version="x"))
     finally:
         one_slot.close()
+
+
+def test_a_push_into_quantized_weights_is_refused_before_anything_is_touched(tmp_path):
+    write_quantized_llama(tmp_path / "awq", "awq", seed=random.randrange(2**20))
+    quantized = PushServed(tmp_path / "awq", tmp_path / "state")
+    try:
+        before = quantized.manager.versions()
+        with pytest.raises(SwapRefusedError, match=r"quantized \(e\.g\. model\.layers\.0\."):
+            quantized.push(streamed({NORM: torch.ones(64)}, partial=True), PushHeader(version="q"))
+        assert quantized.manager.versions() == before  # nothing registered, no slot released
+        prompt = random_prompt()
+        assert len(quantized.generate(prompt)[0]) == 8  # serving goes on
+    finally:
+        quantized.close()
 
 
 def test_rollback_after_pushes_flips_back_and_a_pushed_version_out_of_its_slot_is_refused(
