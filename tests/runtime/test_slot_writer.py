@@ -4,12 +4,14 @@ from the serving slot, values checked where they will serve."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
-from sitsd.model.llama import build_weights, weight_copy_plan
-from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter
+from sitsd.model.llama import ServingFormat, build_weights, weight_copy_plan
+from sitsd.quant.precision import PrecisionMap
+from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, quantized_tensors
 from sitsd.runtime.weight_slots import WeightSlots
 from tests.runtime.test_weight_slots import tiny
 
@@ -92,6 +94,21 @@ def test_pieces_that_do_not_fit_are_refused_naming_the_tensor():
         writer.write_piece("model.norm.weight", 60, torch.ones(10))
     writer.write_piece("model.norm.weight", 0, torch.ones(10))
     assert writer.unfinished() == ["model.norm.weight"]
+
+
+def test_a_slot_holding_quantized_layers_is_refused_naming_the_first():
+    arch, tensors = tiny(random.randrange(2**20))
+    layer = random.randrange(arch.num_layers)
+    precision = PrecisionMap.from_mapping({f"model.layers.{layer}.mlp.down_proj*": "int8"})
+    fmt = ServingFormat(torch.device("cpu"), torch.float32, precision)
+    quantized = build_weights(arch, tensors, "cpu", torch.float32, fmt=fmt)
+    dense = build_weights(arch, tensors, "cpu", torch.float32)
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    assert quantized_tensors(arch, quantized) == [name]
+    assert quantized_tensors(arch, dense) == []
+    for slot, base in ((quantized, dense), (dense, quantized)):
+        with pytest.raises(SlotWriteError, match=rf"{re.escape(name)} is held quantized"):
+            SlotWriter(arch, slot, base, chunk_bytes=1000)
 
 
 @pytest.mark.gpu
