@@ -155,8 +155,8 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
                 await http.stop()
             await server.stop(0)
             return 0 if stop.is_set() else _EXIT_LOAD_FAILED
-        engine, swaps, watcher = started
-        await server.attach_engine(engine, swaps)
+        engine, swaps, pushes, watcher = started
+        await server.attach_engine(engine, swaps, pushes)
         log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())
         log.info("serving %s on port %d", engine.model_info.name, server.port)
         await stop.wait()
@@ -170,12 +170,13 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
 
 async def _start_weights(
     config: SitsdConfig, stop: asyncio.Event, obs: Observability
-) -> tuple[AsyncEngine, Any, Any] | None:
-    """The engine on the weights to serve, its swap manager, and the watcher (or None).
+) -> tuple[AsyncEngine, Any, Any, Any] | None:
+    """The engine on the weights to serve, its swap manager, trainers' pushes, and the
+    watcher (or None).
 
     None if something failed (logged) or a signal came first.
     """
-    from sitsd.weights.startup import choose_startup, create_swap_manager
+    from sitsd.weights.startup import choose_startup, create_swap_manager, create_weight_pushes
 
     try:
         choice = choose_startup(config)
@@ -187,6 +188,7 @@ async def _start_weights(
         return None
     try:
         swaps = create_swap_manager(engine.swap_port(), engine.tokenizer, config, choice, obs)
+        pushes = create_weight_pushes(swaps, config, obs)
         watcher = None
         if config.weights.watch_dir:
             from sitsd.weights.watcher import VersionWatcher
@@ -200,7 +202,7 @@ async def _start_weights(
         log.error("cannot set up hot-swap: %s: %s", type(exc).__name__, exc)
         await engine.shutdown(0)
         return None
-    return engine, swaps, watcher
+    return engine, swaps, pushes, watcher
 
 
 async def _load_engine(
