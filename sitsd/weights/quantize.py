@@ -4,6 +4,9 @@
     calibrate  token windows of the calibration text (if any) through the model, layer by layer
                (`sitsd.weights.reference_llama`): each layer's linear modules see the inputs
                the already quantized layers before it produce
+    awq        (`--method awq`) activation-aware scales per input channel, searched on the
+               calibration inputs and folded into the norms and modules before
+               (`sitsd.weights.awq_scales`)
     quantize   every linear module the precision map sends to int4 (all of them, by default),
                RTN per group of `group_size` inputs; the scale search (`mse`) picks, per row
                and group, the clipping of the range that minimises the output error
@@ -29,15 +32,17 @@ from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.export import awq_config, awq_module
 from sitsd.quant.precision import PrecisionMap
 from sitsd.quant.rtn import Int4Codes, quantize_int4
+from sitsd.weights.awq_scales import fold_layer_scales
 from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.export import write_version
 from sitsd.weights.manifest import Manifest, write_manifest
 from sitsd.weights.reference_llama import LayerInputs, ReferenceLlama
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "awq")
 SCALE_SEARCHES = ("mse", "none")
+_AWQ_SAMPLES = 512  # calibration tokens AWQ's scale search fits on
 _CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # fractions of each group's range tried
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
@@ -122,7 +127,10 @@ def quantize_checkpoint(
     arch = ckpt.arch
     calibrated = bool(calibration_text)
     windows = calibration_windows(ckpt, calibration_text, config) if calibrated else None
-    model = ReferenceLlama(arch, ckpt.tensors, config.window if windows is None
+    if config.method == "awq" and windows is None:
+        raise QuantFormatError("method awq needs calibration text (--calibration)")
+    tensors = dict(ckpt.tensors)  # AWQ folds its scales into some of them
+    model = ReferenceLlama(arch, tensors, config.window if windows is None
                            else windows.shape[1])  # fmt: skip
     written: dict[str, torch.Tensor] = {}
     kept: list[str] = []
@@ -135,10 +143,18 @@ def quantize_checkpoint(
     with torch.inference_mode():
         h = None if windows is None else model.embed(windows)
         for n in range(arch.num_layers):
-            inputs = LayerInputs()
+            inputs = LayerInputs(keep=_AWQ_SAMPLES if config.method == "awq" else 0)
             if h is not None:  # the inputs the quantized layers before this one give
                 model.layer(n, h, on_input=inputs)
-            for suffix in _LINEARS:
+            if config.method == "awq":
+                assert h is not None  # awq needs calibration windows (checked above)
+                mine = {f"model.layers.{n}.{x}" for x in LINEAR_MODULES}
+                quantized = {m for m in mine if _int4_group(config.precision, f"{m}.weight",
+                                                            config.group_size)}  # fmt: skip
+                fold_layer_scales(tensors, arch, n, inputs.samples, config.group_size, quantized)
+                inputs = LayerInputs()
+                model.layer(n, h, on_input=inputs)  # the scaled inputs' energy
+            for suffix in LINEAR_MODULES:
                 module = f"model.layers.{n}.{suffix}"
                 group = _int4_group(config.precision, f"{module}.weight", config.group_size)
                 if group is None:
@@ -156,7 +172,7 @@ def quantize_checkpoint(
                 h = model.layer(n, h, linear=linear)
             if on_layer is not None:
                 on_layer(n + 1, arch.num_layers)
-    for name, tensor in ckpt.tensors.items():
+    for name, tensor in tensors.items():
         module = name.rsplit(".", 1)[0]
         if module not in dequantized:
             written[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor

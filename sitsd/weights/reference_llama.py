@@ -97,13 +97,19 @@ class ReferenceLlama:
 
 
 class LayerInputs:
-    """The mean square of each input channel of every linear module a layer ran (`[K]`)."""
+    """The mean square of each input channel of every linear module a layer ran (`[K]`), and
+    the first `keep` tokens of each input (`[keep, K]`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0) -> None:
+        self.keep = keep
         self.mean_square: dict[str, torch.Tensor] = {}
+        self.samples: dict[str, torch.Tensor] = {}
 
     def __call__(self, module: str, x: torch.Tensor) -> None:
-        self.mean_square[module] = x.float().pow(2).reshape(-1, x.shape[-1]).mean(dim=0)
+        flat = x.float().reshape(-1, x.shape[-1])
+        self.mean_square[module] = flat.pow(2).mean(dim=0)
+        if self.keep:
+            self.samples[module] = flat[: self.keep].clone()
 
 
 def perplexity(model: ReferenceLlama, windows: torch.Tensor) -> tuple[float, int]:

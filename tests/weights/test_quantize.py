@@ -21,8 +21,15 @@ from sitsd.quant.from_awq import int4_from_awq
 from sitsd.quant.precision import PrecisionMap
 from sitsd.quant.rtn import quantize_int4
 from sitsd.weights import load_checkpoint
+from sitsd.weights.awq_scales import fold_layer_scales, search_scales
 from sitsd.weights.checks import load_version
-from sitsd.weights.quantize import QuantizeConfig, quantize_checkpoint, quantize_module
+from sitsd.weights.quantize import (
+    LINEAR_MODULES,
+    QuantizeConfig,
+    quantize_checkpoint,
+    quantize_module,
+)
+from sitsd.weights.reference_llama import LayerInputs, ReferenceLlama
 from tests.kernels.helpers import assert_close
 from tests.model.test_quantized_model import dequantized_logits, prompt_logits, random_prompt
 from tests.weights.tiny_models import write_tiny_llama
@@ -97,7 +104,7 @@ def test_bad_requests_are_refused_naming_what_does_not_fit(tiny, tmp_path):
     with pytest.raises(QuantFormatError, match=r"mlp.gate_proj.weight: the AWQ layout holds"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=int8), TEXT,
                             tmp_path / "b")  # fmt: skip
-    with pytest.raises(QuantFormatError, match="method 'gptq'"):
+    with pytest.raises(QuantFormatError, match="method 'gptq'"):  # not written yet
         quantize_checkpoint(tiny, QuantizeConfig(method="gptq"), TEXT, tmp_path / "c")
 
 
@@ -121,3 +128,45 @@ def test_the_command_writes_a_version_and_says_so(tiny, tmp_path):
     )  # fmt: skip
     assert bad.returncode == 1
     assert "not a multiple of the group size 128" in bad.stderr
+
+
+def test_awq_scales_folded_into_a_layer_leave_its_16_bit_outputs_unchanged(tiny):
+    tensors = {n: t.float() for n, t in tiny.tensors.items()}
+    model = ReferenceLlama(tiny.arch, tensors, 64)
+    ids = torch.tensor([tiny.tokenizer.encode(TEXT, add_special_tokens=False)[:48]])
+    with torch.inference_mode():
+        h = model.embed(ids)
+        inputs = LayerInputs(keep=48)
+        want = model.layer(0, h, on_input=inputs)
+        every = {f"model.layers.0.{m}" for m in LINEAR_MODULES}
+        fold_layer_scales(tensors, tiny.arch, 0, inputs.samples, 32, every)
+        got = model.layer(0, h)
+    changed = [n for n in tensors if not torch.equal(tensors[n], tiny.tensors[n].float())]
+    assert "model.layers.0.input_layernorm.weight" in changed  # the scales went somewhere
+    assert "model.layers.0.mlp.up_proj.weight" in changed
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_scales_never_raise_the_output_error_of_rtn_on_their_samples():
+    k = 128
+    x = torch.randn(200, k) * (torch.rand(k) ** 3 * 8)  # a few loud input channels
+    ws = [torch.randn(64, k), torch.randn(32, k)]
+    s = search_scales(x, ws, 32)
+    plain = sum(float(((x @ (w - quantize_int4(w, 32).dequantize()).T) ** 2).sum()) for w in ws)
+    scaled = sum(
+        float(((x @ (w - quantize_int4(w * s, 32).dequantize() / s).T) ** 2).sum()) for w in ws
+    )
+    assert scaled <= plain
+    assert not torch.allclose(s, torch.ones_like(s))  # loud channels: alpha 0 did not win
+
+
+def test_method_awq_writes_a_version_that_serves_in_its_own_bits(tiny, tmp_path):
+    config = QuantizeConfig(method="awq", group_size=32, window=64)
+    quantize_checkpoint(tiny, config, TEXT, tmp_path / "awq")
+    ckpt = load_version(tmp_path / "awq").checkpoint
+    weights = build_weights(ckpt.arch, ckpt.tensors, "cpu", torch.float32, source=ckpt.quant)
+    assert all(isinstance(w, CpuInt4Weight) for w in list(weights.linears())[:-1])
+    ids = random_prompt(ckpt.arch.vocab_size)
+    assert torch.isfinite(prompt_logits(ckpt.arch, weights, ids)).all()
+    with pytest.raises(QuantFormatError, match="awq needs calibration"):
+        quantize_checkpoint(tiny, config, "", tmp_path / "none")
