@@ -88,8 +88,16 @@ def test_the_16_bit_and_int4_versions_swap_both_ways_under_load_with_no_failed_r
                 swap = admin_pb2.SwapRequest(version=target, policy=admin_pb2.SWAP_POLICY_MIGRATE)
                 commits.append(list(stub.Swap(swap, metadata=meta, timeout=300))[-1])
                 at = time.monotonic()
-                wait_for(lambda at=at: sum(r.ok and r.started > at for r in load.records) >= 3,
-                         300, f"requests after the commit to {target}")  # fmt: skip
+                try:
+                    wait_for(lambda at=at: sum(r.ok and r.started > at for r in load.records) >= 3,
+                             300, f"requests after the commit to {target}")  # fmt: skip
+                except AssertionError as exc:  # say what the load and the daemon were doing
+                    seen = [(r.ok, r.status, round(r.started - at, 1), len(r.token_ids))
+                            for r in load.records]  # fmt: skip
+                    raise AssertionError(
+                        f"{exc}; (ok, status, started after the commit [s], "
+                        f"tokens): {seen}\n{daemon.log[-6000:]}"
+                    ) from None
         finally:
             records = load.stop()
         status = stub.Status(admin_pb2.StatusRequest(), timeout=30)

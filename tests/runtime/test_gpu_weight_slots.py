@@ -72,3 +72,44 @@ def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
     bad[name].view(-1)[0] = float("inf")  # in the first
     with pytest.raises(VersionRejected, match=name):
         check_finite(bad, names, serving, chunk_bytes=4096)
+
+
+def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(tmp_path):
+    from sitsd.weights import load_checkpoint
+    from tests.model.quant_checkpoints import write_quantized_llama
+    from tests.weights.tiny_models import write_tiny_llama
+
+    seed = random.randrange(1000)
+    write_tiny_llama(tmp_path / "dense", seed=seed)
+    write_quantized_llama(tmp_path / "int4", "awq", seed=seed)
+    dense, int4 = load_checkpoint(tmp_path / "dense"), load_checkpoint(tmp_path / "int4")
+    runner, _ = gpu_runner(dense.tensors, dense.arch, eager=False, version="dense")
+    slots = runner.slots
+    standby = slots.standby
+    slots.release(standby)
+    slots.copy_into(standby, int4.tensors, chunk_bytes=4096, source=int4.quant)
+    assert slots.take_restructured(standby)  # INT4 layouts: new tensors
+    runner.recapture_graphs(standby)
+    slots.fill(standby, "int4")
+    assert slots.precision(standby).startswith("int4-g32")
+    rng = random.Random()
+    prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
+               for i in range(4)}  # fmt: skip
+    mixed = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()
+                            for v in ("dense", "int4")}, 8)  # fmt: skip
+    for version, ckpt in (("dense", dense), ("int4", int4)):
+        eager, _ = build_fresh(ckpt, version)  # as start-up builds it, without graphs
+        want = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
+        assert {r: mixed[f"{r}-{version}"] for r in prompts} == want
+        del eager
+        torch.cuda.empty_cache()
+
+
+def build_fresh(ckpt, version: str):
+    cfg = SitsdConfig(
+        model=ModelConfig(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256),
+        cache=CacheConfig(num_blocks=64, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        weights=WeightsConfig(weight_slots="2"),
+    )
+    return build_runner(cfg, ckpt.arch, ckpt.tensors, version, source=ckpt.quant)
