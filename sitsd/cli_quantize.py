@@ -13,7 +13,8 @@ def add_quantize_command(commands: argparse._SubParsersAction[argparse.ArgumentP
     quantize = commands.add_parser(
         "quantize",
         help="quantize a 16-bit checkpoint into a deployable 4-bit version directory",
-        description="Quantize the linear layers of --model to 4 bits (AWQ GEMM layout, with "
+        description="Quantize the linear layers of --model to 4 bits (rtn: round to nearest; "
+        "awq: activation-aware scales first) into an AWQ GEMM directory (with "
         "manifest.json) into --out: what `sitsctl deploy` and the watched directory take.",
     )
     quantize.add_argument("--model", required=True, help="the source checkpoint (a Hugging "
@@ -31,7 +32,10 @@ def add_quantize_command(commands: argparse._SubParsersAction[argparse.ArgumentP
                           help="the most calibration tokens used")  # fmt: skip
     quantize.add_argument("--scale-search", choices=SCALE_SEARCHES, default="mse",
                           help="mse: the range clipping per group that minimises the output "
-                          "error on the calibration inputs; none: the full range")  # fmt: skip
+                          "error on the calibration inputs; kl: per layer, the clipping that "
+                          "keeps the model's next-token distributions closest to the 16-bit "
+                          "model's; "
+                          "none: the full range")  # fmt: skip
     quantize.add_argument(
         "--precision-map",
         default="",

@@ -35,11 +35,12 @@ from sitsd.quant.rtn import Int4Codes, quantize_int4
 from sitsd.weights.awq_scales import fold_layer_scales
 from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.export import write_version
+from sitsd.weights.kl_search import choose_clip, reference_logprobs
 from sitsd.weights.manifest import Manifest, write_manifest
 from sitsd.weights.reference_llama import LayerInputs, ReferenceLlama
 
 METHODS = ("rtn", "awq")
-SCALE_SEARCHES = ("mse", "none")
+SCALE_SEARCHES = ("mse", "kl", "none")
 _AWQ_SAMPLES = 512  # calibration tokens AWQ's scale search fits on
 _CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # fractions of each group's range tried
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -70,12 +71,21 @@ def calibration_windows(ckpt: Checkpoint, text: str, config: QuantizeConfig) -> 
 
 
 def quantize_module(
-    w: torch.Tensor, group_size: int, mean_square: torch.Tensor | None, search: str, name: str
+    w: torch.Tensor,
+    group_size: int,
+    mean_square: torch.Tensor | None,
+    search: str,
+    name: str,
+    *,
+    clip: float | None = None,
 ) -> Int4Codes:
-    """RTN codes of `w` `[N, K]`, with the range clipping per row and group that minimises the
-    output error weighted by the inputs' `mean_square` `[K]` (uniform when None)."""
+    """RTN codes of `w` `[N, K]`: with `clip` (the KL search's), every group's range clipped
+    by it; else (`mse`) the clipping per row and group that minimises the output error
+    weighted by the inputs' `mean_square` `[K]` (uniform when None); `none`: the full range."""
     n, k = w.shape
-    if search == "none" or k % group_size:  # quantize_int4 names what does not fit
+    if clip is not None:
+        return quantize_int4(w, group_size, clip=torch.tensor(clip), name=name)
+    if search != "mse" or k % group_size:  # quantize_int4 names what does not fit
         return quantize_int4(w, group_size, name=name)
     weight = torch.ones(k) if mean_square is None else mean_square.float()
     weight = weight.reshape(1, k // group_size, group_size)
@@ -107,6 +117,26 @@ def _int4_group(precision: PrecisionMap | None, name: str, default: int) -> int 
     return chosen.group_size
 
 
+def _layer_plan(config: QuantizeConfig, n: int, kept: list[str]) -> list[str]:
+    """Layer `n`'s modules that become int4; the others are appended to `kept`.
+
+    Raises:
+        QuantFormatError: the map asks for another group size than `config.group_size`.
+    """
+    plan = []
+    for suffix in LINEAR_MODULES:
+        module = f"model.layers.{n}.{suffix}"
+        group = _int4_group(config.precision, f"{module}.weight", config.group_size)
+        if group is None:
+            kept.append(module)
+        elif group != config.group_size:  # AWQ's config holds one group size
+            raise QuantFormatError(f"{module}: the map asks for groups of {group}, "
+                                   f"--group-size is {config.group_size}")  # fmt: skip
+        else:
+            plan.append(module)
+    return plan
+
+
 def quantize_checkpoint(
     ckpt: Checkpoint,
     config: QuantizeConfig,
@@ -127,8 +157,9 @@ def quantize_checkpoint(
     arch = ckpt.arch
     calibrated = bool(calibration_text)
     windows = calibration_windows(ckpt, calibration_text, config) if calibrated else None
-    if config.method == "awq" and windows is None:
-        raise QuantFormatError("method awq needs calibration text (--calibration)")
+    if windows is None and (config.method == "awq" or config.scale_search == "kl"):
+        raise QuantFormatError(f"{'method awq' if config.method == 'awq' else 'scale search kl'}"
+                               " needs calibration text (--calibration)")  # fmt: skip
     tensors = dict(ckpt.tensors)  # AWQ folds its scales into some of them
     model = ReferenceLlama(arch, tensors, config.window if windows is None
                            else windows.shape[1])  # fmt: skip
@@ -140,6 +171,7 @@ def quantize_checkpoint(
         w = dequantized.get(module)
         return model.dense(module, x) if w is None else x @ w.T
 
+    reference = None  # the 16-bit model's log-probabilities (the KL search)
     with torch.inference_mode():
         h = None if windows is None else model.embed(windows)
         for n in range(arch.num_layers):
@@ -154,18 +186,22 @@ def quantize_checkpoint(
                 fold_layer_scales(tensors, arch, n, inputs.samples, config.group_size, quantized)
                 inputs = LayerInputs()
                 model.layer(n, h, on_input=inputs)  # the scaled inputs' energy
-            for suffix in LINEAR_MODULES:
-                module = f"model.layers.{n}.{suffix}"
-                group = _int4_group(config.precision, f"{module}.weight", config.group_size)
-                if group is None:
-                    kept.append(module)
-                    continue
-                if group != config.group_size:  # AWQ's config holds one group size
-                    raise QuantFormatError(f"{module}: the map asks for groups of {group}, "
-                                           f"--group-size is {config.group_size}")  # fmt: skip
-                codes = quantize_module(model.weight(f"{module}.weight"), group,
-                                        inputs.mean_square.get(module), config.scale_search,
-                                        module)  # fmt: skip
+            plan = _layer_plan(config, n, kept)
+
+            def quantize_at(
+                clip: float | None, plan: list[str] = plan, inputs: LayerInputs = inputs
+            ) -> dict[str, Int4Codes]:
+                return {m: quantize_module(model.weight(f"{m}.weight"), config.group_size,
+                                           inputs.mean_square.get(m), config.scale_search, m,
+                                           clip=clip) for m in plan}  # fmt: skip
+
+            clip = None
+            if config.scale_search == "kl" and h is not None and windows is not None:
+                if reference is None:
+                    reference = reference_logprobs(model, windows[:1])
+                clip = choose_clip(model, n, h[:1], reference, lambda c: {
+                    m: q.dequantize() for m, q in quantize_at(c).items()})  # fmt: skip
+            for module, codes in quantize_at(clip).items():
                 written |= {f"{module}.{s}": t for s, t in awq_module(codes).items()}
                 dequantized[module] = codes.dequantize()
             if h is not None:

@@ -20,7 +20,7 @@ from sitsd.quant.export import awq_module
 from sitsd.quant.from_awq import int4_from_awq
 from sitsd.quant.precision import PrecisionMap
 from sitsd.quant.rtn import quantize_int4
-from sitsd.weights import load_checkpoint
+from sitsd.weights import kl_search, load_checkpoint
 from sitsd.weights.awq_scales import fold_layer_scales, search_scales
 from sitsd.weights.checks import load_version
 from sitsd.weights.quantize import (
@@ -169,4 +169,32 @@ def test_method_awq_writes_a_version_that_serves_in_its_own_bits(tiny, tmp_path)
     ids = random_prompt(ckpt.arch.vocab_size)
     assert torch.isfinite(prompt_logits(ckpt.arch, weights, ids)).all()
     with pytest.raises(QuantFormatError, match="awq needs calibration"):
+        quantize_checkpoint(tiny, config, "", tmp_path / "none")
+
+
+def test_the_kl_search_keeps_the_clipping_closest_to_the_16_bit_distributions(tiny, tmp_path):
+    model = ReferenceLlama(tiny.arch, tiny.tensors, 64)
+    ids = torch.tensor([tiny.tokenizer.encode(TEXT, add_special_tokens=False)[:64]])
+    modules = [f"model.layers.1.{m}" for m in LINEAR_MODULES]
+
+    def quantize_at(clip: float) -> dict[str, torch.Tensor]:
+        return {m: quantize_module(model.weight(f"{m}.weight"), 32, None, "kl", m, clip=clip)
+                .dequantize() for m in modules}  # fmt: skip
+
+    with torch.inference_mode():
+        reference = kl_search.reference_logprobs(model, ids)
+        h = model.layer(0, model.embed(ids))
+        chosen = kl_search.choose_clip(model, 1, h, reference, quantize_at)
+        kls = {}
+        for clip in kl_search.CLIPS:
+            trial = quantize_at(clip)
+            x = model.layer(1, h, linear=lambda m, x, t=trial: x @ t[m].T)
+            logprobs = model.logits(x).log_softmax(-1)
+            kls[clip] = float((reference.exp() * (reference - logprobs)).sum(-1).mean())
+    assert chosen == min(kls, key=kls.get)
+    assert len(set(kls.values())) > 1  # the clippings differ
+    config = QuantizeConfig(group_size=32, scale_search="kl", window=64)
+    quantize_checkpoint(tiny, config, TEXT, tmp_path / "kl")
+    assert load_version(tmp_path / "kl").checkpoint.quant is not None
+    with pytest.raises(QuantFormatError, match="scale search kl needs calibration"):
         quantize_checkpoint(tiny, config, "", tmp_path / "none")
