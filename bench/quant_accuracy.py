@@ -125,14 +125,13 @@ def main() -> None:
     dense = load_checkpoint(path, keep_quantized=False)
     text, names = licence_text(set(args.exclude))
     ids = dense.tokenizer.encode(text, add_special_tokens=False)
-    rows = min(len(ids), args.tokens + args.tokens // args.window) // args.window
+    rows = min(len(ids) // args.window, -(-args.tokens // (args.window - 1)))  # >= --tokens
     windows = torch.tensor(ids[: rows * args.window]).reshape(rows, args.window).to(args.device)
     print(f"text: {len(names)} files of {LICENSES} ({', '.join(names)}), {len(ids)} tokens; "
           f"scored: {rows} windows of {args.window}", flush=True)  # fmt: skip
-    models: list[tuple[str, Checkpoint]] = [
-        ("16-bit (GGUF dequantized)", dense),
-        ("Q4_1 GGUF as shipped", load_checkpoint(path)),
-    ]
+    models: list[tuple[str, Checkpoint]] = [("16-bit (the source dequantized)", dense)]
+    if path.suffix == ".gguf":  # the embedded model: its Q4_1 weights as shipped
+        models.append(("GGUF as shipped", load_checkpoint(path)))
     for spec in args.quantized:
         name, _, directory = spec.partition("=")
         models.append((name, load_checkpoint(directory)))

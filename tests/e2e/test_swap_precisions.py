@@ -100,7 +100,7 @@ def test_the_16_bit_and_int4_versions_swap_both_ways_under_load_with_no_failed_r
                     ) from None
         finally:
             records = load.stop()
-        status = stub.Status(admin_pb2.StatusRequest(), timeout=30)
+        status = stub.Status(admin_pb2.StatusRequest(), metadata=meta, timeout=30)
         listed = subprocess.run(
             [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "versions"],
             env=process_env(tmp_path), capture_output=True, text=True, timeout=120,
