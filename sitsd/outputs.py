@@ -15,6 +15,7 @@ No object here holds a tensor: crossing the scheduler/runner boundary costs list
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from sitsd.types import SamplingParams, TokenLogprob
@@ -56,6 +57,24 @@ class MigratedRequest:
     weights_version: str  # the version it runs on from this step
 
 
+class PreemptionReason(enum.StrEnum):
+    """Why a running request lost its blocks (it is recomputed later)."""
+
+    BLOCKS = "blocks"  # a running request needed KV blocks and none were free
+    TIER = "tier"  # a higher tier's request took its place in the batch
+    SWAP = "swap"  # a weight swap restarts it on the new weights
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """One request taken out of the batch, why, and for whom (what telemetry reports)."""
+
+    req_id: str  # the request preempted
+    reason: PreemptionReason
+    for_req_id: str = ""  # the request it made room for ("" for a swap)
+    for_tier: str = ""  # that request's tier
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What the runner computes in one step."""
@@ -66,6 +85,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state too
+    preemptions: list[Preemption] = field(default_factory=list)  # why, one per preempted id
     # Applied before `cached_reqs`: requests that flipped to new weights at this step's start.
     migrated: list[MigratedRequest] = field(default_factory=list)
     committed_version: str | None = None  # a migration to this version completed this step

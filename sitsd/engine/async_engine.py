@@ -27,7 +27,7 @@ from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.swap_port import SwapPort
 from sitsd.engine.validation import validate_request
 from sitsd.outputs import EngineStatus, ModelInfo
-from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, FinishReason, RequestDelta, SamplingParams, Tier
 
 
 class RequestStream:
@@ -70,10 +70,13 @@ class RequestStream:
                 self._finished = True
             yield delta
 
-    def abort(self, reason: str = "cancelled by the client") -> None:
-        """Cancel the request; its blocks are freed by the engine. Idempotent."""
+    def abort(
+        self, reason: str = "cancelled by the client", cause: EndReason = EndReason.CANCELLED
+    ) -> None:
+        """Cancel the request (`cause`: what happened, for telemetry); its blocks are freed
+        by the engine. Idempotent."""
         if not self._finished:
-            self._engine._abort(self.req_id, reason)
+            self._engine._abort(self, reason, cause)
 
     @property
     def finished(self) -> bool:
@@ -116,7 +119,7 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for stream in list(self._streams.values()):
-            stream.abort("the daemon is shutting down")
+            stream.abort("the daemon is shutting down", EndReason.SHUTDOWN)
         await asyncio.to_thread(self.core.stop)
         # The engine thread has gone: finish any stream it could not answer.
         for req_id in list(self._streams):
@@ -176,27 +179,25 @@ class AsyncEngine:
             raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
         elif "\x00" in req_id:  # the engine names migration shadows with it
             raise InvalidRequestError("request_id", "must not contain a NUL character")
-        arrival_time = time.monotonic()
-        refusal = self.core.admission_refusal(tier, arrival_time)
+        message = AddRequest(
+            req_id=req_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            tier=tier,
+            deadline=deadline,
+            arrival_time=time.monotonic(),
+            trace_context=trace_context,
+        )
+        refusal = self.core.admission_refusal(message)
         if refusal is not None:
-            raise OverloadedError(refusal)
+            raise OverloadedError(refusal.message)
         stream = RequestStream(self, req_id, len(prompt_token_ids))
         self._streams[req_id] = stream
-        self.core.submit(
-            AddRequest(
-                req_id=req_id,
-                prompt_token_ids=list(prompt_token_ids),
-                params=params,
-                tier=tier,
-                deadline=deadline,
-                arrival_time=arrival_time,
-                trace_context=trace_context,
-            )
-        )
+        self.core.submit(message)
         return stream
 
-    def _abort(self, req_id: str, reason: str) -> None:
-        self.core.submit(AbortRequest(req_id=req_id, reason=reason))
+    def _abort(self, stream: RequestStream, reason: str, cause: EndReason) -> None:
+        self.core.submit(AbortRequest(stream.req_id, reason, cause))
 
     # ------------------------------------------------------------------------------- outputs
 

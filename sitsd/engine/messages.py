@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sitsd.types import SamplingParams, Tier
+from sitsd.types import EndReason, SamplingParams, Tier
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +28,11 @@ class AddRequest:
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """Stop a request (client cancel, passed deadline); its blocks are freed."""
+    """Stop a request (client cancel, passed deadline, shutdown); its blocks are freed."""
 
     req_id: str
-    reason: str = "aborted"
+    reason: str = "aborted"  # for the client, in the last delta
+    cause: EndReason = EndReason.CANCELLED  # what happened, for telemetry
 
 
 @dataclass(frozen=True)

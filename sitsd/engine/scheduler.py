@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sitsd.config import SchedulerConfig, TiersConfig
-from sitsd.engine.admission import QueueSnapshot
+from sitsd.engine.admission import QueueSnapshot, Refusal
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.policy import make_policy
 from sitsd.engine.request import Request, RequestStatus
@@ -50,6 +50,8 @@ from sitsd.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    Preemption,
+    PreemptionReason,
     SchedulerOutput,
     TierStats,
 )
@@ -112,6 +114,7 @@ class Scheduler:
         # Told to the runner with the next SchedulerOutput, so it can drop their state.
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()  # preempted between steps (swap restarts)
+        self._preemptions: list[Preemption] = []  # and why, for the next step's observers
         # Asynchronous scheduling: the last scheduled step whose output is not in yet.
         self._ahead: SchedulerOutput | None = None
 
@@ -163,9 +166,11 @@ class Scheduler:
         """Pick this step's work, phase by phase (see the module docstring)."""
         now = self._step_started = self._clock()
         out = SchedulerOutput(
-            finished_req_ids=self._finished_req_ids, preempted_req_ids=self._preempted_req_ids
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+            preemptions=self._preemptions,
         )
-        self._finished_req_ids, self._preempted_req_ids = set(), set()
+        self._finished_req_ids, self._preempted_req_ids, self._preemptions = set(), set(), []
         if self._ahead is not None:
             self._apply_ahead(self._ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out)  # 0: migrated requests take their shadows' KV
@@ -177,7 +182,8 @@ class Scheduler:
             self.policy.admit(self, out)  # 3
             self.swaps.schedule_shadows(out)  # 4: in what is left
         if out.is_empty:
-            # Not launched: the runner hears of these with the next step that runs.
+            # Not launched: the runner hears of these with the next step that runs (observers
+            # heard of `out.preemptions` already).
             self._finished_req_ids |= out.finished_req_ids
             self._preempted_req_ids |= out.preempted_req_ids
         elif self.config.async_scheduling:
@@ -218,7 +224,7 @@ class Scheduler:
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
-                self.preempt(victim, out)
+                self.preempt(victim, out, PreemptionReason.BLOCKS, request)
                 preempted = True
                 if victim is request:
                     break
@@ -296,6 +302,9 @@ class Scheduler:
         out.new_reqs = [n for n in out.new_reqs if n.req_id != req_id]
 
     def take_back(self, request: Request, out: SchedulerOutput | None) -> None:
+        self._take_back(request, out, Preemption(request.req_id, PreemptionReason.SWAP))
+
+    def _take_back(self, request: Request, out: SchedulerOutput | None, record: Preemption) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
         migrating_to = self.swaps.drop_shadow(request, out)
@@ -306,13 +315,22 @@ class Scheduler:
         self.waiting.push_preempted(request)
         if out is None:
             self._preempted_req_ids.add(request.req_id)
+            self._preemptions.append(record)
         else:
             out.preempted_req_ids.add(request.req_id)
+            out.preemptions.append(record)
 
-    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def preempt(
+        self,
+        request: Request,
+        out: SchedulerOutput,
+        reason: PreemptionReason,
+        for_request: Request,
+    ) -> None:
         # Block-pressure victims come from the end of `running`, which this step has not
         # scheduled yet; tier victims scheduled already are taken out by `unschedule`.
-        self.take_back(request, out)
+        record = Preemption(request.req_id, reason, for_request.req_id, for_request.tier.value)
+        self._take_back(request, out, record)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.tracker.num_preempted[request.tier] += 1
@@ -386,7 +404,7 @@ class Scheduler:
 
     # ---------------------------------------------------------- admission control and status
 
-    def admission_refusal(self, request: Request) -> str | None:
+    def admission_refusal(self, request: Request) -> Refusal | None:
         """Why `request` (not added yet) must be refused at once (the policy's rule), or None."""
         return self.policy.refusal(request, self, self.step_time_s)
 
