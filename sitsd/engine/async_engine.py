@@ -46,6 +46,7 @@ class RequestStream:
         self._pending: deque[RequestDelta] = deque()
         self._ready = asyncio.Event()
         self._finished = False
+        self.aborted = False  # abort() was called: on its way out, no longer in flight
 
     def _put(self, delta: RequestDelta) -> None:
         self._pending.append(delta)
@@ -91,6 +92,7 @@ class AsyncEngine:
         self.model_info = model_info
         self.tokenizer = core.tokenizer
         self._streams: dict[str, RequestStream] = {}
+        self._num_aborted = 0  # of `_streams`, those aborted and waiting for their last delta
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -168,9 +170,11 @@ class AsyncEngine:
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests")
         validate_request(prompt_token_ids, params, self.model_info)
-        if len(self._streams) >= self.core.max_num_live_requests:
+        # Aborted streams are not in flight: the engine takes their abort before this add.
+        num_in_flight = len(self._streams) - self._num_aborted
+        if num_in_flight >= self.core.max_num_live_requests:
             raise QueueFullError(
-                f"{len(self._streams)} requests are in flight, the limit is "
+                f"{num_in_flight} requests are in flight, the limit is "
                 f"{self.core.max_num_live_requests}; retry later"
             )
         if req_id is None:
@@ -197,6 +201,11 @@ class AsyncEngine:
         return stream
 
     def _abort(self, stream: RequestStream, reason: str, cause: EndReason) -> None:
+        if stream.aborted:
+            return  # told the engine already
+        stream.aborted = True
+        if self._streams.get(stream.req_id) is stream:  # not finished yet
+            self._num_aborted += 1
         self.core.submit(AbortRequest(stream.req_id, reason, cause))
 
     # ------------------------------------------------------------------------------- outputs
@@ -214,6 +223,7 @@ class AsyncEngine:
                 continue
             if delta.finished:
                 del self._streams[delta.req_id]
+                self._num_aborted -= stream.aborted  # counted while it was in `_streams`
             stream._put(delta)
 
     # ---------------------------------------------------------------------------- hot-swap
