@@ -71,11 +71,15 @@ class FakeSlots:
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: object = None,
     ) -> int:
         assert self.versions[index] is None, "copy only into a released slot"
         name = threading.current_thread().name
         self.copies.append((name, index, list(self.versions), sorted(tensors), chunk_bytes))
         return 0
+
+    def take_restructured(self, index: int) -> bool:
+        return False  # fake weights keep their layout: no graphs to capture again
 
     def load(self, version: str) -> None:
         """Test helper: put `version` in the standby slot, as staging would."""
