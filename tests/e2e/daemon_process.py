@@ -19,6 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 HTTP_LISTENING = re.compile(r"http on (http://\S+/v1)")
+# The deadline of a test's call or wait that is not about time: only a hung daemon reaches it,
+# however busy the machine (a loaded 2-core CI runner takes minutes where an idle one takes
+# seconds). The calls and waits end as soon as their condition holds.
+LAST_GUARD_S = 600.0
 
 
 def process_env(state_dir: Path) -> dict[str, str]:
