@@ -263,8 +263,12 @@ def test_request_log_records_carry_the_request_trace_id(receiver, daemon, load):
 
 
 def test_a_refused_request_is_logged_with_its_error_class(daemon, load):
-    lines = [json.loads(x) for x in daemon.log.splitlines() if x.startswith("{")]
-    failed = [x for x in lines if x.get("event") == "rpc failed"]
+    def failures() -> list[dict]:
+        lines = [json.loads(x) for x in daemon.log.splitlines() if x.startswith("{")]
+        return [x for x in lines if x.get("event") == "rpc failed"]
+
+    # The client has its status before the daemon's line has come through its stdout pipe.
+    failed = wait_for(failures, LAST_GUARD_S, "an 'rpc failed' line")
     assert [x["error_class"] for x in failed] == ["invalid_argument"]
     assert re.fullmatch(r"[0-9a-f]{32}", failed[0]["trace_id"])
 
