@@ -60,6 +60,9 @@ class ApiServer:
         self._server = grpc.aio.server(
             # Auth runs first, so a refused Admin call never reaches the error mapping either.
             interceptors=[*interceptors, AdminAuthInterceptor(admin_token), ErrorInterceptor()],
+            # gRPC turns SO_REUSEPORT on by default: a second daemon on this port would then
+            # bind too, and clients would be spread over both. Off, its bind fails.
+            options=[("grpc.so_reuseport", 0)],
         )
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.engines, max_tokens_default=max_tokens_default), self._server
@@ -85,8 +88,11 @@ class ApiServer:
         address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
         try:
             self.port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc raises a bare RuntimeError for a port in use
-            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
+        except RuntimeError:  # grpc raises a bare RuntimeError, its reason on stderr
+            raise RuntimeError(
+                f"cannot listen on {address}: the port is in use (another daemon?) or the "
+                "address is not this host's; choose another --port or --host"
+            ) from None
         for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
             await self._health.set(service, _NOT_SERVING)
         await self._health.set(ADMIN_SERVICE, _SERVING)

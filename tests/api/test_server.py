@@ -182,6 +182,25 @@ def test_start_logs_the_bound_port(caplog):
         thread.stop()
 
 
+def test_a_second_server_on_a_daemons_port_fails_instead_of_sharing_it():
+    # gRPC servers turn SO_REUSEPORT on by default: two of them would both bind the port and
+    # the kernel would spread clients over both.
+    first = ServerThread()
+    try:
+
+        async def start_second() -> None:
+            other = ApiServer(
+                ServerConfig(host="127.0.0.1", port=first.port), admin_token="t",
+                max_tokens_default=8,
+            )  # fmt: skip
+            await other.start()
+
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{first.port}: "):
+            first.call(start_second())
+    finally:
+        first.stop()
+
+
 def test_start_on_a_port_in_use_fails_clearly():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
