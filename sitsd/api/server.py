@@ -1,4 +1,5 @@
-"""The daemon's gRPC server: servicers, health, reflection and interceptors on `grpc.aio`.
+"""The daemon's gRPC server: servicers, health, reflection (v1 and v1alpha: `sitsd.api.reflection`)
+and interceptors on `grpc.aio`.
 
 `ApiServer` goes through the daemon's life in steps the daemon drives:
 
@@ -18,11 +19,11 @@ from collections.abc import Sequence
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from sitsd.api.admin import AdminServicer
 from sitsd.api.inference import EngineLike, EngineRef, InferenceServicer
 from sitsd.api.interceptors import AdminAuthInterceptor, ErrorInterceptor
+from sitsd.api.reflection import enable_reflection
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from sitsd.config import ServerConfig
 
@@ -69,10 +70,7 @@ class ApiServer:
         )
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engines), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
-            self._server,
-        )
+        enable_reflection((INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE), self._server)
         self.port = 0
 
     async def start(self) -> int:

@@ -7,6 +7,7 @@ import socket
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -124,6 +125,52 @@ def test_reflection_serves_the_api_descriptors(server, channel):
     proto = database.FindFileContainingSymbol("sitsd.api.v1.Inference")
     assert proto.name == "sitsd/api/v1/inference.proto"
     assert "Generate" in [m.name for m in proto.service[0].method]
+
+
+def v1_reflection(channel: grpc.Channel, request: dict) -> object:
+    """One request over `grpc.reflection.v1`, with message classes built from v1's descriptors
+    (as a client generated from v1/reflection.proto would send them)."""
+    pool = descriptor_pool.Default()
+    request_class = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest")
+    )
+    response_class = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse")
+    )
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
+    (response,) = list(call(iter([request_class(**request)]), timeout=10))
+    return response
+
+
+def test_reflection_v1_lists_the_services(server, channel):
+    response = v1_reflection(channel, {"list_services": ""})
+    names = {s.name for s in response.list_services_response.service}
+    assert {"sitsd.api.v1.Inference", "sitsd.api.v1.Admin", "grpc.health.v1.Health"} <= names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= (
+        names
+    )
+
+
+@pytest.mark.parametrize(
+    ("symbol", "file_name"),
+    [
+        ("sitsd.api.v1.Inference", "sitsd/api/v1/inference.proto"),
+        ("grpc.reflection.v1.ServerReflection", "grpc/reflection/v1/reflection.proto"),
+    ],
+)
+def test_reflection_v1_serves_descriptors(server, channel, symbol, file_name):
+    response = v1_reflection(channel, {"file_containing_symbol": symbol})
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in response.file_descriptor_response.file_descriptor_proto
+    ]
+    described = next(f for f in files if f.name == file_name)
+    service = next(s for s in described.service if symbol.endswith(s.name))
+    assert service.method, described
 
 
 @pytest.mark.parametrize(
