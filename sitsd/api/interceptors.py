@@ -166,24 +166,39 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Admin RPCs need `authorization: Bearer <token>`; others pass untouched."""
+    """Admin RPCs need `authorization: Bearer <token>`; others pass untouched.
+
+    A refusal says which it was (no token, another scheme, a wrong token) and never what the
+    right token is or how close a guess came.
+    """
 
     def __init__(self, token: str) -> None:
         """Args: token: the bearer token Admin RPCs must present; must not be empty."""
         if not token:
             raise ValueError("the admin token must not be empty")
-        self._expected = f"bearer {token}".encode()
+        self._expected = token.encode()
 
-    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        """True when `metadata` holds the right `authorization` header."""
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """Why `metadata` is refused for an Admin RPC; None when it holds the right token."""
         for key, value in metadata or ():
             if key.lower() != "authorization":
                 continue
             presented = value if isinstance(value, bytes) else value.encode()
-            scheme, _, token = presented.partition(b" ")
+            scheme, _, token = presented.strip().partition(b" ")
+            if scheme.lower() != b"bearer":
+                return "the authorization metadata must be 'Bearer <admin token>'"
             # Constant-time: the comparison must not tell an attacker how much of a guess is right.
-            return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self._expected)
-        return False
+            if hmac.compare_digest(token.strip(), self._expected):
+                return None
+            return (
+                "the admin token is wrong: it is not this daemon's (sitsctl reads the daemon's "
+                "from its state directory, --token-file or $SITSD_ADMIN_TOKEN)"
+            )
+        return "no admin token: Admin RPCs need the metadata 'authorization: Bearer <admin token>'"
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """True when `metadata` holds the right `authorization` header."""
+        return self.refusal(metadata) is None
 
     async def intercept_service(
         self,
@@ -191,14 +206,12 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if (
-            handler is None
-            or not handler_call_details.method.startswith(ADMIN_METHOD_PREFIX)
-            or self.authorized(handler_call_details.invocation_metadata)
-        ):
+        if handler is None or not handler_call_details.method.startswith(ADMIN_METHOD_PREFIX):
             return handler
-        log.warning("refused %s: missing or wrong admin token", handler_call_details.method)
-        message = "Admin RPCs need the metadata 'authorization: Bearer <admin token>'"
+        message = self.refusal(handler_call_details.invocation_metadata)
+        if message is None:
+            return handler
+        log.warning("refused %s: %s", handler_call_details.method, message)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -66,13 +66,9 @@ def bad_request(param: str, message: str) -> HttpError:
     return HttpError(400, f"{param}: {message}", param=param, code="invalid_parameter")
 
 
-def unauthorized() -> HttpError:
-    return HttpError(
-        401,
-        "a valid API key is needed: send 'Authorization: Bearer <key>'",
-        type="authentication_error",
-        code="invalid_api_key",
-    )
+def unauthorized(message: str) -> HttpError:
+    """401: `message` says whether the key was missing or wrong (never which key is right)."""
+    return HttpError(401, message, type="authentication_error", code="invalid_api_key")
 
 
 def not_found(path: str) -> HttpError:

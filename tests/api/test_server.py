@@ -174,18 +174,33 @@ def test_reflection_v1_serves_descriptors(server, channel, symbol, file_name):
 
 
 @pytest.mark.parametrize(
-    "metadata",
-    [None, bearer("wrong-token"), bearer(ADMIN_TOKEN + "x"), [("authorization", ADMIN_TOKEN)]],
-    ids=["missing", "wrong", "longer", "no scheme"],
+    ("metadata", "says"),
+    [
+        (None, "no admin token"),
+        ([("x-other", "1")], "no admin token"),
+        (bearer("wrong-token"), "the admin token is wrong"),
+        (bearer(ADMIN_TOKEN + "x"), "the admin token is wrong"),
+        ([("authorization", ADMIN_TOKEN)], "must be 'Bearer <admin token>'"),
+        ([("authorization", f"Basic {ADMIN_TOKEN}")], "must be 'Bearer <admin token>'"),
+    ],
+    ids=["missing", "other metadata", "wrong", "longer", "no scheme", "basic"],
 )
-def test_admin_without_the_right_token_is_unauthenticated_and_does_nothing(engine, admin, metadata):
+def test_admin_without_the_right_token_is_unauthenticated_says_why_and_does_nothing(
+    engine, admin, metadata, says, caplog
+):
     calls = []
     engine.status = lambda: calls.append(1)  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, logger="sitsd.api.interceptors")
 
     error = rpc_error(lambda: admin.Status(admin_pb2.StatusRequest(), metadata=metadata))
 
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert says in error.details()
     assert calls == []
+    # Neither the answer nor the log reveals the token.
+    assert ADMIN_TOKEN not in error.details()
+    assert any(says in m for m in caplog.messages)
+    assert not any(ADMIN_TOKEN in m for m in caplog.messages)
 
 
 def test_admin_status_with_the_token_reports_the_engine(engine, admin, inference):

@@ -266,6 +266,12 @@ def test_api_keys_guard_v1_but_not_health():
         status, error = error_of(request(thread.base_url, "/v1/models"))
         assert status == 401
         assert error["code"] == "invalid_api_key"
+        assert error["message"].startswith("an API key is needed")
+        headers = {"authorization": "Bearer sk-wrong"}
+        status, error = error_of(request(thread.base_url, "/v1/models", headers=headers))
+        assert status == 401
+        assert error["message"].startswith("the API key is not valid")
+        assert API_KEY not in error["message"]
         with pytest.raises(openai.AuthenticationError):
             client(thread, "sk-wrong").models.list()
         assert client(thread, API_KEY).models.list().data[0].id == "fake-model"
