@@ -1,4 +1,5 @@
-"""Server interceptors (admin auth, errors) and the one mapping from failures to gRPC statuses.
+"""Server interceptors (admin auth, request decoding, errors) and the one mapping from failures
+to gRPC statuses.
 
 - `status_for_exception` and `status_for_finish` are the only places that decide which gRPC status
   a failure becomes: an engine exception raised by a servicer, or a request the engine ended with
@@ -7,10 +8,14 @@
   anything unexpected is INTERNAL, logged with its traceback, and the daemon keeps serving.
 - `AdminAuthInterceptor` refuses Admin RPCs without the right bearer token before the servicer
   runs, so a refused call does nothing.
+- `RequestDecodingInterceptor` makes request bytes that do not parse (bad UTF-8, truncated,
+  garbage, nested too deep) INVALID_ARGUMENT on every service, where grpc would answer UNKNOWN
+  and log a traceback per call.
 - `replace_behavior` wraps a method handler's behavior; these interceptors and
   `sitsd.api.telemetry`'s use it.
 
-Servicers raise; they never pick status codes themselves. Health and reflection pass untouched.
+Servicers raise; they never pick status codes themselves. Health and reflection pass untouched,
+but for their request decoding. Lines a client can cause are logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,6 +36,7 @@ from sitsd.engine.errors import (
     ModelNotFoundError,
     QueueFullError,
 )
+from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 from sitsd.weights.errors import (
     SwapFailedError,
@@ -116,9 +123,123 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     code, message = status_for_exception(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
-    else:
-        log.info("%s refused: %s: %s", method, code.name, message)
+    # A refusal is logged once, by the telemetry interceptor ("rpc failed", at a bounded rate).
     await context.abort(code, message)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a guarded deserializer hands the behavior for bytes that do not parse.
+
+    grpc itself would answer UNKNOWN and log an error-level traceback for each such call.
+    """
+
+    reason: str  # the parser's words
+
+    @property
+    def message(self) -> str:
+        return f"request: the message does not parse: {self.reason}"
+
+
+def _guarded_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def guarded(data: bytes) -> Any:
+        try:
+            return data if deserialize is None else deserialize(data)
+        except Exception as exc:  # DecodeError: bad UTF-8, truncated, garbage, nested too deep
+            return MalformedRequest(str(exc) or type(exc).__name__)
+
+    return guarded
+
+
+class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
+    """Request bytes that do not parse are INVALID_ARGUMENT, for every service (health too).
+
+    The handler's deserializer returns a `MalformedRequest` instead of raising, and the
+    behavior aborts on one (for request streams, at the message that does not parse). sitsd's
+    own methods are logged by the telemetry interceptor; others here, at a bounded rate.
+    """
+
+    def __init__(self) -> None:
+        self._log = RateLimitedLog(log)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+
+        async def refuse(malformed: MalformedRequest, context: grpc.aio.ServicerContext) -> None:
+            if not method.startswith(SITSD_METHOD_PREFIX):
+                self._log.log(logging.INFO, method, "%s refused: %s", method, malformed.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed.message)
+
+        changes: dict[str, Any] = {
+            "request_deserializer": _guarded_deserializer(handler.request_deserializer)
+        }
+        if handler.unary_unary is not None:
+            changes["unary_unary"] = _checked_unary(handler.unary_unary, refuse)
+        elif handler.unary_stream is not None:
+            changes["unary_stream"] = _checked_unary(handler.unary_stream, refuse)
+        elif handler.stream_unary is not None:
+            changes["stream_unary"] = _checked_stream(handler.stream_unary, refuse)
+        elif handler.stream_stream is not None:
+            changes["stream_stream"] = _checked_stream(handler.stream_stream, refuse)
+        return handler._replace(**changes)
+
+
+Refuse = Callable[[MalformedRequest, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+def _checked_unary(behavior: Behavior, refuse: Refuse) -> Behavior:
+    """`behavior` (one request in) refusing a `MalformedRequest` before it runs."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, MalformedRequest):
+                await refuse(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        return checked_stream
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, MalformedRequest):
+            await refuse(request, context)
+        return await behavior(request, context)
+
+    return checked
+
+
+def _checked_stream(behavior: Behavior, refuse: Refuse) -> Behavior:
+    """`behavior` (a stream of requests in) refusing at the first `MalformedRequest`."""
+
+    def checked_requests(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async def each() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, MalformedRequest):
+                    await refuse(request, context)
+                yield request
+
+        return each()
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for response in behavior(checked_requests(requests, context), context):
+                yield response
+
+        return checked_stream
+
+    async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(checked_requests(requests, context), context)
+
+    return checked
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -177,6 +298,7 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
         if not token:
             raise ValueError("the admin token must not be empty")
         self._expected = token.encode()
+        self._log = RateLimitedLog(log)
 
     def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """Why `metadata` is refused for an Admin RPC; None when it holds the right token."""
@@ -211,7 +333,8 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
         message = self.refusal(handler_call_details.invocation_metadata)
         if message is None:
             return handler
-        log.warning("refused %s: %s", handler_call_details.method, message)
+        method = handler_call_details.method
+        self._log.log(logging.WARNING, (method, message), "refused %s: %s", method, message)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -22,7 +22,11 @@ from grpc_health.v1.health import aio as health_aio
 
 from sitsd.api.admin import AdminServicer
 from sitsd.api.inference import EngineLike, EngineRef, InferenceServicer
-from sitsd.api.interceptors import AdminAuthInterceptor, ErrorInterceptor
+from sitsd.api.interceptors import (
+    AdminAuthInterceptor,
+    ErrorInterceptor,
+    RequestDecodingInterceptor,
+)
 from sitsd.api.reflection import enable_reflection
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from sitsd.config import ServerConfig
@@ -60,7 +64,12 @@ class ApiServer:
         self._health = health_aio.HealthServicer()
         self._server = grpc.aio.server(
             # Auth runs first, so a refused Admin call never reaches the error mapping either.
-            interceptors=[*interceptors, AdminAuthInterceptor(admin_token), ErrorInterceptor()],
+            interceptors=[
+                *interceptors,
+                AdminAuthInterceptor(admin_token),
+                RequestDecodingInterceptor(),
+                ErrorInterceptor(),
+            ],
             # gRPC turns SO_REUSEPORT on by default: a second daemon on this port would then
             # bind too, and clients would be spread over both. Off, its bind fails.
             options=[("grpc.so_reuseport", 0)],

@@ -26,9 +26,12 @@ from sitsd.http.protocol import ErrorInfo, ErrorResponse
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: raising sets `__traceback__`, which a frozen one refuses
 class HttpError(Exception):
-    """An answer other than 200: raised by the handlers, written by the app's handler."""
+    """An answer other than 200: raised by the handlers, written by the app's handler.
+
+    Create one per answer (a shared instance would collect every raise's traceback).
+    """
 
     status: int
     message: str
@@ -121,6 +124,11 @@ def error_for_finish(
     return HttpError(
         500, delta.error or "the request was aborted", type="server_error", code="aborted"
     )
+
+
+def client_closed() -> HttpError:
+    """What a request whose client went away counts as (499, nginx's code; never sent)."""
+    return HttpError(499, "the client closed the connection", code="cancelled")
 
 
 def deadline_exceeded() -> HttpError:

@@ -23,7 +23,13 @@ from starlette.responses import Response
 
 from sitsd.api.inference import EngineLike, EngineRef, check_model
 from sitsd.http import prompts, sampling
-from sitsd.http.errors import HttpError, bad_request, error_for_exception, error_for_finish
+from sitsd.http.errors import (
+    HttpError,
+    bad_request,
+    client_closed,
+    error_for_exception,
+    error_for_finish,
+)
 from sitsd.http.generation import Generation, RequestOptions
 from sitsd.http.protocol import (
     ChatCompletionChunk,
@@ -45,7 +51,6 @@ from sitsd.types import GrammarSpec, RequestDelta, SamplingParams, Tier
 
 TIER_HEADER = "x-sitsd-tier"
 TIMEOUT_HEADER = "x-sitsd-timeout-ms"  # the request's deadline, in ms from its arrival
-CLIENT_CLOSED = HttpError(499, "the client closed the connection", code="cancelled")
 
 GrammarCheck = Callable[[EngineLike, GrammarSpec], None]
 
@@ -200,7 +205,7 @@ class GenerationHandlers:
         try:
             error = await until_disconnect(self._gather(call), call.request.receive)
         except ClientGone:
-            error = CLIENT_CLOSED
+            error = client_closed()
         except Exception as exc:
             error = error_for_exception(exc, self._retry_after_s)
         finally:
@@ -259,7 +264,7 @@ class GenerationHandlers:
                 yield event(self._usage_chunk(call))
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):
-            error = error or CLIENT_CLOSED
+            error = error or client_closed()
             raise
         except HttpError as exc:
             error = exc
