@@ -157,6 +157,7 @@ def build_engine(
         name=name, max_model_len=info.max_model_len, vocab_size=arch.vocab_size,
         architecture=arch.architecture, dtype=str(dtype).removeprefix("torch."),
         device=str(runner.device), path=str(checkpoint.path.resolve()),
+        max_token_bytes=checkpoint.tokenizer.max_token_bytes,
     )  # fmt: skip
     return AsyncEngine(core, model_info)
 

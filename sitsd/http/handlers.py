@@ -101,8 +101,8 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids, prompt_texts = prompts.completion_prompts(
-                body, engine.tokenizer, info.vocab_size
+            prompt_ids, prompt_texts = await prompts.completion_prompts(
+                body, engine.tokenizer, info
             )
             params = [
                 sampling.completion_params(
@@ -132,7 +132,7 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids = prompts.chat_prompt(body, engine.tokenizer)
+            prompt_ids = await prompts.chat_prompt(body, engine.tokenizer, info)
             params = sampling.chat_params(
                 body, num_prompt_tokens=len(prompt_ids), max_model_len=info.max_model_len,
                 max_tokens_default=self._max_tokens_default, vocab_size=info.vocab_size,

@@ -195,6 +195,7 @@ class FakeEngine:
             dtype="float32",
             device="cpu",
             path="/nonexistent/fake",
+            max_token_bytes=4,  # a character per token
         )
         self.tokenizer = FakeTokenizer()
         self.weights_version = "fake-v1"
@@ -252,7 +253,7 @@ class FakeEngine:
     ) -> FakeStream:
         if not self._accepting:
             raise EngineStoppedError("the engine is not accepting requests")
-        validate_request(prompt_token_ids, params, self.model_info)
+        params = validate_request(prompt_token_ids, params, self.model_info)
         if len(self._live) >= self.max_num_live_requests:
             raise QueueFullError(f"{len(self._live)} requests are in flight; retry later")
         if self.refuse_with is not None:
