@@ -44,6 +44,7 @@ from sitsd.runtime.model_runner import ModelRunner
 from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+from sitsd.weights.versions import version_id_from
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def weights_version_of(ckpt: Checkpoint) -> str:
     for f in sorted(ckpt.files):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{ckpt.name}@{h.hexdigest()}"
+    return f"{version_id_from(ckpt.name)}@{h.hexdigest()}"
 
 
 def kernels_for(

@@ -39,6 +39,7 @@ from sitsd.engine.errors import (
 from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 from sitsd.weights.errors import (
+    InvalidVersionIdError,
     SwapFailedError,
     SwapRefusedError,
     UnknownVersionError,
@@ -55,6 +56,7 @@ _EXCEPTION_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),  # loading, or shutting down
+    (InvalidVersionIdError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownVersionError, grpc.StatusCode.NOT_FOUND),
     (VersionConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (SwapRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # rejected versions too

@@ -25,6 +25,7 @@ from sitsd.weights.versions import (
     PersistedVersion,
     VersionRegistry,
     VersionState,
+    is_version_id,
 )
 
 if TYPE_CHECKING:
@@ -98,8 +99,11 @@ def choose_startup(config: SitsdConfig) -> StartupChoice:
             active.version, name, path,
         )  # fmt: skip
     model_path = model_path or resolve_model_path(config.model.model)
-    # A version directory (it has a manifest) is named like any version: by the directory.
+    # A version directory (it has a manifest) is named like any version: by the directory
+    # (unless that is no version id; the builder then derives one from the files).
     version = model_path.name if manifest_digest(model_path) else None
+    if version is not None and not is_version_id(version):
+        version = None
     return StartupChoice(name, model_path, version, None, previous)
 
 
@@ -129,6 +133,7 @@ def create_swap_manager(
 
     Raises:
         CanaryFileError: the canary file cannot be used.
+        ValueError: the swap policy needs a second weight slot and there is one.
     """
     # Imported here: torch and the model code; the daemon calls this once the engine runs.
     from sitsd.weights.canary import read_canary_prompts
@@ -136,6 +141,11 @@ def create_swap_manager(
     from sitsd.weights.staging import StagingSettings
     from sitsd.weights.swap import SwapManager, SwapSettings
 
+    if config.swap.policy == "drain" and port.num_slots == 1:
+        raise ValueError(
+            "--swap-policy drain needs two weight slots, and only one fits here: choose "
+            "--swap-policy migrate or restart, or make room for a second slot"
+        )
     wcfg = config.weights
     prompts: list[list[int]] = []
     if wcfg.canary_file:
