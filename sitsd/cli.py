@@ -25,6 +25,7 @@ from sitsd import __version__
 from sitsd.cli_observability import add_observability_flags, observability_config
 from sitsd.config import (
     ADMIN_TOKEN_FILE_NAME,
+    CPU_TIME_SCALE,
     STATE_DIR_ENV,
     SWAP_POLICIES,
     WATCH_COMMIT_MODES,
@@ -40,6 +41,7 @@ from sitsd.config import (
     TiersConfig,
     WeightsConfig,
     default_state_dir,
+    default_tiers,
 )
 from sitsd.flag_types import (
     fraction,
@@ -246,7 +248,8 @@ def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
         metavar="FILE",
         help="YAML file with the tiers' TTFT/inter-token P99 targets, queue waits and batch "
         "shares, and the controller's settings (default: the SITS table: gold 80 ms / 120 ms "
-        "queue, silver 200 ms / 250 ms, bronze 1 s / 500 ms)",
+        f"queue, silver 200 ms / 250 ms, bronze 1 s / 500 ms; on a CPU {CPU_TIME_SCALE:g} times "
+        "as long)",
     )
     group.add_argument(
         "--default-tier",
@@ -270,7 +273,7 @@ def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _tiers_from_args(args: argparse.Namespace) -> TiersConfig:
-    tiers = args.tiers or TiersConfig()
+    tiers = args.tiers or default_tiers(args.device)
     changes: dict[str, object] = {}
     if args.default_tier:
         changes["default_tier"] = args.default_tier
