@@ -7,6 +7,8 @@ anything is bound or loaded, so that a user error is one line naming its flag, a
   (`sitsd.weights.formats.checkpoint_source`, which decides from file names alone);
 - `--batch-controller` / `--plugin-dir`: a controller of that name exists
   (`sitsd.engine.tiers.find_batch_controller`, which runs the plugin files);
+- `--quantize`: a precision word, or a precision map file that reads
+  (`sitsd.quant.load_precision_map`);
 - the files flags name: `--admin-token-file`, `--api-key-file` and `--canary-file` are
   readable files, `--watch-dir` is a directory.
 
@@ -34,12 +36,26 @@ def check_startup(config: SitsdConfig) -> None:
         raise ConfigError(f"--model: {exc}") from None
     if config.scheduler.policy == "tiers":
         find_batch_controller(config.tiers)
+    if config.model.quantize:
+        _check_precision_map(config.model.quantize)
     _check_file("--admin-token-file", config.server.admin_token_file)
     _check_file("--api-key-file", config.http.api_key_file if config.http.enabled else "")
     _check_file("--canary-file", config.weights.canary_file)
     watch_dir = config.weights.watch_dir
     if watch_dir and not Path(watch_dir).expanduser().is_dir():
         raise ConfigError(f"--watch-dir {watch_dir}: not a directory (create it first)")
+
+
+def _check_precision_map(value: str) -> None:
+    # Imported here: the quantized layouts import torch, which a daemon without --quantize
+    # imports only once the checks have passed.
+    from sitsd.quant.errors import QuantFormatError
+    from sitsd.quant.precision import load_precision_map
+
+    try:
+        load_precision_map(value)
+    except QuantFormatError as exc:
+        raise ConfigError(f"--quantize: {exc}") from None
 
 
 def _check_file(flag: str, path: str) -> None:

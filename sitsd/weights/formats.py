@@ -24,13 +24,18 @@ from sitsd.weights.checkpoint import (
 from sitsd.weights.embedded import embedded_model_path
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, load_tensors: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike[str], *, load_tensors: bool = True, keep_quantized: bool = True
+) -> Checkpoint:
     """Load a checkpoint from a HF model directory, a `.gguf` file, or a directory with one.
 
     Args:
         path: Where the checkpoint is.
         load_tensors: False reads only the architecture and the tokenizer (fast); `tensors`
             is then empty.
+        keep_quantized: GGUF: keep the linear weights of the types sitsd serves quantized as
+            raw bytes (`Checkpoint.quant` says which); False dequantizes them to float32.
+            Hugging Face quantized modules are always kept as they are.
 
     Returns:
         The checkpoint.
@@ -46,7 +51,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, load_tensors: bool = True) 
     kind, source = checkpoint_source(path)
     if kind == "hf":
         return hf.load_hf_dir(path, load_tensors=load_tensors)
-    ckpt = gguf_file.load_gguf(source, load_tensors=load_tensors)
+    ckpt = gguf_file.load_gguf(source, load_tensors=load_tensors, keep_quantized=keep_quantized)
     if source != path:  # a directory holding one .gguf file is named by the directory
         ckpt.name, ckpt.path = path.name, path
     return ckpt

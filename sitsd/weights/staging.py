@@ -121,9 +121,12 @@ class StandbyStager:
             loop, progress, "stage", version, pace=Pacer(self.settings.cpu_share)
         )
         tensors, chunk = loaded.checkpoint.tensors, self.settings.chunk_bytes
+        source = loaded.checkpoint.quant
         with trace.stage("stage"):
             await run_off_engine(
-                lambda: self.port.copy_into(index, tensors, chunk_bytes=chunk, on_progress=on_bytes)
+                lambda: self.port.copy_into(
+                    index, tensors, chunk_bytes=chunk, on_progress=on_bytes, source=source
+                )
             )
         await self.port.fill(index, version)
         if self.settings.canary_prompts:

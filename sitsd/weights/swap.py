@@ -296,7 +296,8 @@ class SwapManager:
         in_place = None
         if self.port.num_slots == 1:
             loaded = self._in_place.pop(version)
-            in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes)
+            in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes,
+                                   loaded.checkpoint.quant)  # fmt: skip
         with trace.stage("commit"):
             event = await self._follow_commit(version, policy, in_place, progress, trace)
         update = _progress_of(event)

@@ -65,6 +65,7 @@ EARLY = {
     "canary file": (["--canary-file", "/nonexistent.txt"], "--canary-file /nonexistent.txt"),
     "api key file": (["--api-key-file", "/nonexistent-keys"], "--api-key-file /nonexistent"),
     "watch dir": (["--watch-dir", "/nonexistent-watch"], "--watch-dir /nonexistent-watch"),
+    "precision map": (["--quantize", "int3"], "--quantize: precision map 'int3' is neither"),
 }
 
 
