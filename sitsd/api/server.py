@@ -40,6 +40,22 @@ OVERALL_HEALTH = ""  # the health service name that stands for the whole server
 
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_REPORTED = (OVERALL_HEALTH, INFERENCE_SERVICE, ADMIN_SERVICE)  # what health reports on
+
+
+class HealthServicer(health_aio.HealthServicer):
+    """grpc's asyncio health servicer with `List`, which it leaves UNIMPLEMENTED although the
+    service it registers (and reflection) lists it: every reported service with the status
+    `Check` gives it."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        statuses = {}
+        for service in _REPORTED:
+            check = health_pb2.HealthCheckRequest(service=service)
+            statuses[service] = await self.Check(check, context)
+        return health_pb2.HealthListResponse(statuses=statuses)
 
 
 class ApiServer:
@@ -61,7 +77,7 @@ class ApiServer:
         """
         self._config = config
         self.engines = EngineRef()
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self._server = grpc.aio.server(
             # Auth runs first, so a refused Admin call never reaches the error mapping either.
             interceptors=[

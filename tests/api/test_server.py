@@ -53,6 +53,21 @@ def test_health_is_not_serving_until_the_engine_is_attached_then_serving(fresh_s
         assert health_of(channel, "sitsd.api.v1.Inference") == SERVING
 
 
+def test_health_list_reports_every_service_as_check_does(fresh_server):
+    """grpc's asyncio servicer answered List with UNIMPLEMENTED (found by the fuzz test)."""
+
+    def listed(channel: grpc.Channel) -> dict[str, int]:
+        reply = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
+        return {name: status.status for name, status in reply.statuses.items()}
+
+    services = ("", "sitsd.api.v1.Inference", "sitsd.api.v1.Admin")
+    with grpc.insecure_channel(fresh_server.address) as channel:
+        assert listed(channel) == {s: health_of(channel, s) for s in services}
+        assert listed(channel)["sitsd.api.v1.Inference"] == NOT_SERVING
+        fresh_server.attach(FakeEngine())
+        assert listed(channel) == dict.fromkeys(services, SERVING)
+
+
 def test_requests_while_loading_are_unavailable_and_status_says_loading(fresh_server):
     with grpc.insecure_channel(fresh_server.address) as channel:
         inference = inference_pb2_grpc.InferenceStub(channel)
