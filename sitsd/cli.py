@@ -347,6 +347,14 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "chunks, so decoding keeps its cores); 1 = as fast as it can (default: 0.1)",
     )
     group.add_argument(
+        "--keep-pushed-versions",
+        type=int_at_least(1),
+        default=w.keep_pushed_versions,
+        metavar="N",
+        help="weight versions pushed by trainers that are remembered, the newest (older ones "
+        "are forgotten unless active, the rollback target or in a slot) (default: %(default)s)",
+    )
+    group.add_argument(
         "--canary-file",
         default=w.canary_file,
         metavar="FILE",
@@ -479,6 +487,7 @@ def config_from_args(
             canary_file=args.canary_file,
             canary_max_kl=args.canary_max_kl,
             staging_cpu_share=args.staging_cpu_share or 0.0,
+            keep_pushed_versions=args.keep_pushed_versions,
         ),
         swap=SwapConfig(
             policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step or 0

@@ -237,6 +237,9 @@ class WeightsConfig:
     # Of one core, the most staging uses on a CPU device (it sleeps between chunks, so serving
     # keeps its cores); 0 = 0.1. With CUDA the copies are the GPU's and staging runs unpaced.
     staging_cpu_share: float = 0.0
+    # Versions pushed by trainers that are remembered (`sitsctl versions`), the newest; older
+    # ones are forgotten (never the active one, the rollback target or one in a slot).
+    keep_pushed_versions: int = 8
 
 
 @dataclass(frozen=True)

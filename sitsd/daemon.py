@@ -49,6 +49,7 @@ from sitsd.weights import CheckpointError
 if TYPE_CHECKING:
     from sitsd.engine.async_engine import AsyncEngine
     from sitsd.http.server import HttpServer
+    from sitsd.weights.push import WeightPushes
     from sitsd.weights.startup import StartupChoice
     from sitsd.weights.swap import SwapManager
     from sitsd.weights.watcher import VersionWatcher
@@ -191,8 +192,8 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         if started is None:
             await _stop_servers(server, http)
             return 0 if stop.is_set() else _EXIT_FAILED
-        engine, swaps, watcher = started
-        await server.attach_engine(engine, swaps)
+        engine, swaps, pushes, watcher = started
+        await server.attach_engine(engine, swaps, pushes)
         log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())
         log.info("serving %s on port %d", engine.model_info.name, server.port)
         await stop.wait()
@@ -242,8 +243,9 @@ async def _stop_servers(server: ApiServer, http: HttpServer | None) -> None:
 
 async def _start_weights(
     config: SitsdConfig, stop: asyncio.Event, obs: Observability
-) -> tuple[AsyncEngine, SwapManager, VersionWatcher | None] | None:
-    """The engine on the weights to serve, its swap manager, and the watcher (or None).
+) -> tuple[AsyncEngine, SwapManager, WeightPushes, VersionWatcher | None] | None:
+    """The engine on the weights to serve, its swap manager, trainers' pushes, and the
+    watcher (or None).
 
     None if something failed (logged) or a signal came first.
     """
@@ -257,6 +259,7 @@ async def _start_weights(
         return None
     try:
         swaps = await asyncio.to_thread(_create_swap_manager, engine, config, choice, obs)
+        pushes = await asyncio.to_thread(_create_weight_pushes, swaps, config, obs)
         watcher = None
         if config.weights.watch_dir:
             from sitsd.weights.watcher import VersionWatcher
@@ -270,7 +273,7 @@ async def _start_weights(
         log.error("cannot set up hot-swap: %s: %s", type(exc).__name__, exc)
         await engine.shutdown(0)
         return None
-    return engine, swaps, watcher
+    return engine, swaps, pushes, watcher
 
 
 def _choose_startup(config: SitsdConfig) -> StartupChoice:
@@ -286,6 +289,15 @@ def _create_swap_manager(
     from sitsd.weights.startup import create_swap_manager
 
     return create_swap_manager(engine.swap_port(), engine.tokenizer, config, choice, obs)
+
+
+def _create_weight_pushes(
+    swaps: SwapManager, config: SitsdConfig, obs: Observability
+) -> WeightPushes:
+    # Off the loop: it imports the push transports.
+    from sitsd.weights.startup import create_weight_pushes
+
+    return create_weight_pushes(swaps, config, obs)
 
 
 async def _load_engine(

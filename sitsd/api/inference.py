@@ -94,12 +94,17 @@ class EngineRef:
         self.started_at = time.monotonic()
         self._engine: EngineLike | None = None
         self.swaps: Any | None = None  # the weight-version manager, once the engine serves
+        self.pushes: Any | None = None  # live weight pushes (`sitsd.weights.push.WeightPushes`)
         self._draining = False
 
-    def attach(self, engine: EngineLike, swaps: Any | None = None) -> None:
-        """Serve requests with `engine` (and weight operations with `swaps`) from now on."""
+    def attach(
+        self, engine: EngineLike, swaps: Any | None = None, pushes: Any | None = None
+    ) -> None:
+        """Serve requests with `engine` (weight operations with `swaps`, pushes with `pushes`)
+        from now on."""
         self._engine = engine
         self.swaps = swaps
+        self.pushes = pushes
 
     def drain(self) -> None:
         """Refuse new requests from now on (UNAVAILABLE); in-flight ones continue."""

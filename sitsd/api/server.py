@@ -124,10 +124,13 @@ class ApiServer:
         log.info("listening on %s:%d", shown_host, self.port)
         return self.port
 
-    async def attach_engine(self, engine: EngineLike, swaps: object | None = None) -> None:
+    async def attach_engine(
+        self, engine: EngineLike, swaps: object | None = None, pushes: object | None = None
+    ) -> None:
         """Serve requests with `engine` (loaded and warm) and report SERVING; `swaps` (a
-        `sitsd.weights.swap.SwapManager`) serves the Admin weight RPCs."""
-        self.engines.attach(engine, swaps)
+        `sitsd.weights.swap.SwapManager`) serves the Admin weight RPCs, `pushes` (a
+        `sitsd.weights.push.WeightPushes`) the live pushes."""
+        self.engines.attach(engine, swaps, pushes)
         for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
             await self._health.set(service, _SERVING)
 

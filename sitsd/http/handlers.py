@@ -298,8 +298,9 @@ class GenerationHandlers:
             if echo is not None and index not in echoed:
                 echoed.add(index)
                 prefix = echo[index // n] or ""
-            out = completion_chunk(call.header, index, delta, call.texts, prefix)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = completion_chunk(call.header, index, delta, call.texts, prefix, versions)
+            return None if out is None else _sent(call, index, out)
 
         return self._events(call, chunk)
 
@@ -317,10 +318,17 @@ class GenerationHandlers:
                 await inner.aclose()
 
         def chunk(index: int, delta: RequestDelta) -> str | None:
-            out = chat_chunk(call.header, index, delta, call.texts, logprobs)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = chat_chunk(call.header, index, delta, call.texts, logprobs, versions)
+            return None if out is None else _sent(call, index, out)
 
         return with_role()
+
+
+def _sent(call: _Call, index: int, chunk: BaseModel) -> str:
+    """`chunk` as JSON, its choice's token versions accounted for."""
+    call.collected.mark_sent(index)
+    return chunk.model_dump_json()
 
 
 def _tier(body_tier: str | None, request: Request) -> str:

@@ -6,7 +6,8 @@ directory still holds the manifest recorded at commit (files are hashed again on
 to), else the `--model` checkpoint, saying why. The served model keeps the name `--model` gives
 it (or `--served-model-name`), whatever version serves. `create_swap_manager` then registers
 what serves as the active version and the persisted previous one as the rollback target, reads
-the canary prompts, and builds the `SwapManager`.
+the canary prompts, and builds the `SwapManager`; `create_weight_pushes` the receiving side of
+trainers' pushes on top of it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from sitsd.engine.swap_port import SwapPort
     from sitsd.observability import Observability
     from sitsd.types import TokenizerLike
+    from sitsd.weights.push import WeightPushes
     from sitsd.weights.swap import SwapManager
 
 log = logging.getLogger("sitsd.swap")
@@ -167,3 +169,13 @@ def create_swap_manager(
     store = ActiveVersionStore(config.server.state_dir) if config.server.state_dir else None
     settings = SwapSettings(default_policy=config.swap.policy, staging=staging)
     return SwapManager(port, registry, serving, settings, store, telemetry)
+
+
+def create_weight_pushes(
+    manager: SwapManager, config: SitsdConfig, telemetry: Observability | None
+) -> WeightPushes:
+    """The daemon's `WeightPushes`: trainers' pushes through `manager`'s staging path."""
+    from sitsd.weights.push import PushSettings, WeightPushes
+
+    settings = PushSettings(keep_pushed=config.weights.keep_pushed_versions)
+    return WeightPushes(manager, settings, telemetry)

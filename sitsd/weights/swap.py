@@ -20,6 +20,11 @@ restages it from disk when the slot was reused). The active version is persisted
 commit is reported, so a restarted daemon comes back on it. With one weight slot, staging only
 validates; the commit copies the version over the slot between two steps (a pause; requests in
 flight are recomputed, `drain` is refused, and there is no canary: it needs a second slot).
+
+`push` takes a version a trainer pushes (`sitsd.weights.push`) through the same path: staged
+into the standby slot from its transport (`StandbyStager.stage_pushed`), the same canary,
+commit, policies and registry. A pushed version has no files: it is not persisted, and once
+its slot is reused it cannot be restaged (a rollback to it is refused).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +57,7 @@ from sitsd.weights.progress import (
     SwapTraceLike,
     ignore_progress,
 )
+from sitsd.weights.push_plan import PushSource
 from sitsd.weights.staging import StagingSettings, StandbyStager
 from sitsd.weights.versions import (
     ActiveVersionStore,
@@ -63,6 +70,8 @@ from sitsd.weights.versions import (
 )
 
 log = logging.getLogger("sitsd.swap")
+
+PUSHED = "push"  # the source of a version a trainer pushed
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,10 @@ class SwapManager:
                 return done
             if record.state is VersionState.REJECTED:
                 raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
+            if record.source == PUSHED and version not in self._loaded_versions():
+                raise SwapRefusedError(
+                    f"version {version} was pushed and is in no weight slot any more; push it again"
+                )
             trace = self._trace(version)
             with self._unchanged_if_failed(record):
                 if version not in self._loaded_versions():
@@ -218,6 +231,45 @@ class SwapManager:
             raise SwapRefusedError("nothing to roll back to: no version was active before this one")
         return await self.swap(previous, policy, progress, outcome="rolled_back")
 
+    async def push(
+        self,
+        version: str,
+        path: str,
+        push: PushSource,
+        policy: str = "",
+        progress: ProgressSink = ignore_progress,
+        *,
+        commit: bool = True,
+        trace: SwapTraceLike | None = None,
+    ) -> SwapProgress:
+        """Register what a trainer pushes (`push`, a transport) as `version` (`path`: where it
+        came from), stage it, and commit it unless `commit` is False ("staged": for `swap`).
+
+        Raises:
+            InvalidRequestError, VersionConflictError, SwapRefusedError, VersionRejectedError,
+            SwapFailedError.
+        """
+        policy = self._policy(policy)
+        if self.port.num_slots == 1:
+            raise SwapRefusedError("a push is received into the standby weight slot; this "
+                                   "daemon has one slot (--weight-slots)")  # fmt: skip
+        async with self._exclusive(f"push of {version}", wait=False):
+            if quantized := self.port.quantized_tensors():
+                raise SwapRefusedError(
+                    f"a push writes 16-bit weights; this daemon holds {len(quantized)} tensors "
+                    f"quantized (e.g. {quantized[0]}): serve 16-bit weights to push"
+                )
+            digest = f"push:{secrets.token_hex(8)}"  # each push is content of its own
+            record, _ = self.registry.register(version, path, digest, PUSHED, VersionState.STAGED)
+            trace = trace or self._trace(version)
+            await self._stage(record, progress, trace, push)
+            if commit:
+                return await self._commit(version, policy, progress, trace, "committed")
+            trace.finish("staged")
+        done = SwapProgress("staged", version, message="validated; ready to commit")
+        progress(done)
+        return done
+
     def versions(self) -> VersionsView:
         """Every version, and which slot holds which."""
         status = self.port.status()
@@ -236,16 +288,24 @@ class SwapManager:
     # ---------------------------------------------------------------------------- staging
 
     async def _stage(
-        self, record: WeightVersion, progress: ProgressSink, trace: SwapTraceLike
+        self,
+        record: WeightVersion,
+        progress: ProgressSink,
+        trace: SwapTraceLike,
+        push: PushSource | None = None,
     ) -> None:
-        """Verify, load, validate and (two slots) copy into the standby slot, then canary."""
+        """Verify, load, validate and (two slots) copy into the standby slot, then canary;
+        or, for a `push`, receive it into the standby slot (`StandbyStager.stage_pushed`)."""
         version = record.version
         if record.state is not VersionState.STAGED:
             self.registry.set_state(version, VersionState.STAGED)  # restaged from disk
         try:
-            loaded = await self.stager.stage(record, progress, trace)
-            if self.port.num_slots == 1:
-                self._in_place[version] = loaded  # copied over the slot by the commit
+            if push is not None:
+                await self.stager.stage_pushed(version, push, progress, trace)
+            else:
+                loaded = await self.stager.stage(record, progress, trace)
+                if self.port.num_slots == 1:
+                    self._in_place[version] = loaded  # copied over the slot by the commit
         except VersionRejected as exc:
             self._reject(version, str(exc), progress, trace)
             raise VersionRejectedError(f"version {version} rejected: {exc}") from None
@@ -351,9 +411,9 @@ class SwapManager:
         fsync can wait seconds for the disk, and every stream's tokens go out on this loop.
         """
         self.registry.activate(version)
-        if self.store is None:
-            return
         active = self.registry.get(version)
+        if self.store is None or active.source == PUSHED:  # no files to come back to
+            return
         previous = self.registry.find(self.registry.previous)
         try:
             await asyncio.to_thread(

@@ -97,7 +97,7 @@ class WeightVersion:
     path: str  # the checkpoint (a directory, or a .gguf file for the start-up model)
     manifest_digest: str  # sha256 of its manifest.json ("" when it has none: start-up model)
     state: VersionState
-    source: str  # "startup", "restored", "deploy" or "watch"
+    source: str  # "startup", "restored", "deploy", "watch" or "push" (a trainer's tensors)
     reason: str = ""  # why it was rejected
     created_at: float = 0.0  # time.time() when registered
     updated_at: float = 0.0  # time.time() of the last state change
@@ -160,6 +160,18 @@ class VersionRegistry:
         with self._lock:
             known = self._versions.get(version)
             return None if known is None else dataclasses.replace(known)
+
+    def remove(self, version: str) -> None:
+        """Forget `version` (a pushed one past the number kept); never the active one or the
+        rollback target.
+
+        Raises:
+            VersionError: it is the active version or the rollback target.
+        """
+        with self._lock:
+            if version in (self._active, self._previous):
+                raise VersionError(f"version {version!r} is active or the rollback target")
+            self._versions.pop(version, None)
 
     def set_state(self, version: str, state: VersionState, reason: str = "") -> WeightVersion:
         """Move `version` to `state` (must be an allowed transition).
