@@ -210,11 +210,15 @@ def tier_targets(
 
 
 def corpus_token_ids(client: Client, min_tokens: int) -> list[int]:
-    """Token ids of the corpus, repeated until there are at least `min_tokens`."""
-    response = client.inference.Tokenize(
-        pb.TokenizeRequest(text=CORPUS), timeout=client.unary_timeout
-    )
-    ids = list(response.token_ids)
+    """Token ids of the corpus, repeated until there are at least `min_tokens`.
+
+    Tokenized a sentence at a time: the daemon refuses text that cannot fit its context, and
+    a sentence fits the shortest one (ids of the daemon's BOS may thus be among them).
+    """
+    ids: list[int] = []
+    for sentence in CORPUS.split(". "):
+        request = pb.TokenizeRequest(text=sentence.strip() + ". ")
+        ids += client.inference.Tokenize(request, timeout=client.unary_timeout).token_ids
     if not ids:
         raise CtlError("the daemon tokenized the benchmark corpus to nothing")
     while len(ids) < min_tokens:

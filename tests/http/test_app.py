@@ -132,6 +132,31 @@ def test_streamed_chat_sends_the_role_first_finish_reason_last_then_usage_and_do
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_every_choice_says_which_weights_version_computed_each_of_its_tokens(http, route, stream):
+    switch_at, max_tokens = random.randrange(1, 9), random.randrange(9, 13)
+    http.engine.version_switch = (switch_at, "fake-v2")  # a commit between two tokens
+    fields = {"max_tokens": max_tokens, "stream": stream, "n": 2}
+    body = chat_body(**fields) if "chat" in route else {"prompt": "q", **fields}
+    status, _, raw = request(http.base_url, route, body)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(e) for e in sse_events(raw)[:-1]]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+    else:
+        choices = json.loads(raw)["choices"]
+    for index in (0, 1):
+        runs = [
+            (run["version"], run["num_tokens"])
+            for c in choices
+            if c["index"] == index
+            for run in c["weights_versions"] or ()
+        ]
+        per_token = [version for version, n in runs for _ in range(n)]
+        assert per_token == ["fake-v1"] * switch_at + ["fake-v2"] * (max_tokens - switch_at)
+
+
 def test_the_official_client_parses_the_stream(http):
     stream = client(http).completions.create(
         model="fake-model", prompt="q", max_tokens=6, stream=True,
@@ -272,6 +297,12 @@ def test_api_keys_guard_v1_but_not_health():
         status, error = error_of(request(thread.base_url, "/v1/models"))
         assert status == 401
         assert error["code"] == "invalid_api_key"
+        assert error["message"].startswith("an API key is needed")
+        headers = {"authorization": "Bearer sk-wrong"}
+        status, error = error_of(request(thread.base_url, "/v1/models", headers=headers))
+        assert status == 401
+        assert error["message"].startswith("the API key is not valid")
+        assert API_KEY not in error["message"]
         with pytest.raises(openai.AuthenticationError):
             client(thread, "sk-wrong").models.list()
         assert client(thread, API_KEY).models.list().data[0].id == "fake-model"
