@@ -149,7 +149,15 @@ def refusal_reason(
         return None
     message = (
         f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the {tier.value} "
-        f"tier's {limit_s * 1000:.0f} ms; retry later"
+        f"tier's {limit_s * 1000:.0f} ms; {what_to_change(tier)}"
     )
     ahead = (w.tier for w in snapshot.waiting if w.key <= key)
     return Refusal(message, wait, limit_s, QueuePlace.behind(ahead, len(snapshot.running)))
+
+
+def what_to_change(tier: Tier) -> str:
+    """The end of a refusal's message: what the client, or the operator, can do about it."""
+    return (
+        "retry later, send it at a tier that may wait longer, or raise "
+        f"tiers.{tier.value}.max_queue_wait_ms in the daemon's --tiers file"
+    )

@@ -30,6 +30,7 @@ from sitsd.engine.admission import (
     refusal_reason,
     running_entry,
     waiting_entry,
+    what_to_change,
 )
 from sitsd.engine.batch import Batch, WaitingQueue
 from sitsd.engine.request import Request
@@ -198,7 +199,8 @@ class TierPolicy:
                     (
                         request.req_id,
                         f"overloaded: waited {waited * 1000:.0f} ms in the queue, over the "
-                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later",
+                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; "
+                        f"{what_to_change(request.tier)}",
                     )
                 )
         return overdue

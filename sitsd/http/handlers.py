@@ -29,6 +29,7 @@ from sitsd.http import prompts, sampling
 from sitsd.http.errors import (
     HttpError,
     bad_request,
+    client_closed,
     deadline_exceeded,
     error_for_exception,
     error_for_finish,
@@ -54,7 +55,6 @@ from sitsd.types import EndReason, GrammarSpec, RequestDelta, SamplingParams, Ti
 
 TIER_HEADER = "x-sitsd-tier"
 TIMEOUT_HEADER = "x-sitsd-timeout-ms"  # the request's deadline, in ms from its arrival
-CLIENT_CLOSED = HttpError(499, "the client closed the connection", code="cancelled")
 
 GrammarCheck = Callable[[EngineLike, GrammarSpec], None]
 
@@ -106,8 +106,8 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids, prompt_texts = prompts.completion_prompts(
-                body, engine.tokenizer, info.vocab_size
+            prompt_ids, prompt_texts = await prompts.completion_prompts(
+                body, engine.tokenizer, info
             )
             params = [
                 sampling.completion_params(
@@ -137,7 +137,7 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids = prompts.chat_prompt(body, engine.tokenizer)
+            prompt_ids = await prompts.chat_prompt(body, engine.tokenizer, info)
             params = sampling.chat_params(
                 body, num_prompt_tokens=len(prompt_ids), max_model_len=info.max_model_len,
                 max_tokens_default=self._max_tokens_default, vocab_size=info.vocab_size,
@@ -301,8 +301,9 @@ class GenerationHandlers:
             if echo is not None and index not in echoed:
                 echoed.add(index)
                 prefix = echo[index // n] or ""
-            out = completion_chunk(call.header, index, delta, call.texts, prefix)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = completion_chunk(call.header, index, delta, call.texts, prefix, versions)
+            return None if out is None else _sent(call, index, out)
 
         return self._events(call, chunk)
 
@@ -320,10 +321,17 @@ class GenerationHandlers:
                 await inner.aclose()
 
         def chunk(index: int, delta: RequestDelta) -> str | None:
-            out = chat_chunk(call.header, index, delta, call.texts, logprobs)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = chat_chunk(call.header, index, delta, call.texts, logprobs, versions)
+            return None if out is None else _sent(call, index, out)
 
         return with_role()
+
+
+def _sent(call: _Call, index: int, chunk: BaseModel) -> str:
+    """`chunk` as JSON, its choice's token versions accounted for."""
+    call.collected.mark_sent(index)
+    return chunk.model_dump_json()
 
 
 def _tier(body_tier: str | None, request: Request) -> str:
@@ -350,7 +358,7 @@ def _deadline(request: Request) -> CallDeadline:
 
 def _client_gone(call: _Call) -> HttpError:
     """What a client that closed the connection counts as: its deadline, or a cancellation."""
-    return deadline_exceeded() if call.deadline.explains_leaving() else CLIENT_CLOSED
+    return deadline_exceeded() if call.deadline.explains_leaving() else client_closed()
 
 
 def _end(call: _Call, error: HttpError | None) -> None:

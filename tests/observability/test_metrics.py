@@ -6,6 +6,7 @@ import ast
 import random
 import re
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -260,3 +261,18 @@ def test_every_swap_outcome_stage_and_version_event_the_weights_code_records_is_
     events = literals_passed_to({"_count"})
     assert {"detected", "committed"} <= events
     assert events <= set(VERSION_EVENTS)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/", "/metricsx", "/metrics/extra"])
+def test_the_metrics_port_answers_only_metrics_and_404_elsewhere(path):
+    server = MetricsServer(populated(), "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert urllib.request.urlopen(base + "/metrics", timeout=10).status == 200
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert caught.value.code == 404
+        body = caught.value.read()
+        assert b"sitsd_" not in body  # no metrics text a client could mistake for an answer
+    finally:
+        server.close()
