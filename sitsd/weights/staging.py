@@ -6,13 +6,16 @@
     validate       against the serving model (`checks.validate`)           stager thread
     stage          reserve the standby slot (once no request runs on it:
                    a drain may still hold it), copy into it                 stager thread
-    canary         prompts through both slots (`canary.py`), one prefill
-                   per engine turn                                          engine thread
+    canary         prompts on both slots (`canary.py`), as low-priority
+                   work in the engine's steps, compared off the loop        engine thread
+
+The canary's prompts are paced by the engine (`sitsd.engine.pacing`), like every swap's work
+inside its steps.
 
 Everything it asks of the engine goes through the `SwapPort`. Each stage is timed in the
-swap's trace. A failed check raises `checks.VersionRejected`; the caller
-(`sitsd.weights.swap.SwapManager`) records it. With one weight slot only verify, load and
-validate run: the commit copies the loaded version in place.
+swap's trace and announced by a progress event as it starts. A failed check raises
+`checks.VersionRejected`; the caller (`sitsd.weights.swap.SwapManager`) records it. With one
+weight slot only verify, load and validate run: the commit copies the loaded version in place.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sitsd.config import DEFAULT_CHUNK_BYTES
 from sitsd.engine.swap_controller import StandbyBusy
 from sitsd.engine.swap_port import SwapPort
 from sitsd.weights import CheckpointError, load_checkpoint
-from sitsd.weights.canary import CanaryResult, compare
+from sitsd.weights.canary import CanaryResult, CanaryScore, compare
 from sitsd.weights.checks import (
     LoadedVersion,
     ServingModel,
@@ -43,6 +46,8 @@ log = logging.getLogger("sitsd.swap")
 
 _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
 _HASH_WORKERS = 4  # files of a version hashed at once when staging is not paced (GPU)
+# Canary prompt tokens whose log-probabilities ([tokens, vocab] float32) are held at once.
+_CANARY_TOKENS_IN_FLIGHT = 512
 
 
 @dataclass(frozen=True)
@@ -152,16 +157,43 @@ class StandbyStager:
             await asyncio.sleep(_SLOT_POLL_S)
 
     async def _run_canary(self, version: str, progress: ProgressSink) -> CanaryResult:
+        """Both versions' log-probabilities on every prompt, computed in the engine's steps
+        (a few prompts at a time: their log-probabilities stay on the device until compared),
+        each prompt compared on a thread of its own (the comparison's host syncs would stall
+        the event loop, which streams every token)."""
         active_version = self.port.status().weights_version
-        scores = []
-        for ids in self.settings.canary_prompts:  # one prefill per engine turn
-            prompt = list(ids)
-            active = await self.port.prompt_logprobs(prompt, active_version)
-            new = await self.port.prompt_logprobs(prompt, version)
-            scores.append(compare(active, new, prompt))
+        prompts = [list(ids) for ids in self.settings.canary_prompts]
+        started = f"{len(prompts)} prompts on {active_version} and {version}"
+        progress(SwapProgress("canary", version, message=started))
+        scores: list[CanaryScore] = []
+        for group in _in_flight_groups(prompts, _CANARY_TOKENS_IN_FLIGHT):
+            scores += await asyncio.gather(
+                *(self._score(prompt, active_version, version) for prompt in group)
+            )
         result = CanaryResult(tuple(scores), self.settings.canary_max_kl)
         message = result.describe()
         progress(SwapProgress("canary", version, message=message, canary_kl=result.mean_kl,
                               canary_ppl_ratio=result.ppl_ratio))  # fmt: skip
         log.info("%s", message, extra={"weights_version": version})
         return result
+
+    async def _score(self, prompt: list[int], active_version: str, version: str) -> CanaryScore:
+        active, new = await asyncio.gather(
+            self.port.prompt_logprobs(prompt, active_version),
+            self.port.prompt_logprobs(prompt, version),
+        )
+        return await run_off_engine(lambda: compare(active, new, prompt), name="sitsd-canary")
+
+
+def _in_flight_groups(prompts: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    """Consecutive prompts whose tokens, counted under both versions, stay within
+    `max_tokens` (a longer prompt goes alone)."""
+    groups: list[list[list[int]]] = []
+    size = max_tokens
+    for prompt in prompts:
+        if size + 2 * len(prompt) > max_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(prompt)
+        size += 2 * len(prompt)
+    return groups
