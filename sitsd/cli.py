@@ -334,12 +334,15 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "past --swap-step-share near the end if it must) (default: %(default)s)",
     )
     group.add_argument(
+        "--staging-share",
         "--staging-cpu-share",
+        dest="staging_share",
         type=fraction,
         default=None,
         metavar="FRACTION",
-        help="CPU device: the most of one core staging a new version may use (it sleeps between "
-        "chunks, so decoding keeps its cores); 1 = as fast as it can (default: 0.1)",
+        help="the most of what it shares with serving staging a new version may use (it "
+        "sleeps between chunks): on a CPU device, one core; on a GPU, the host-to-device "
+        "link; 1 = as fast as it can (default: 0.1)",
     )
     group.add_argument(
         "--canary-file",
@@ -471,7 +474,7 @@ def config_from_args(
             weight_slots=args.weight_slots,
             canary_file=args.canary_file,
             canary_max_kl=args.canary_max_kl,
-            staging_cpu_share=args.staging_cpu_share or 0.0,
+            staging_share=args.staging_share or 0.0,
         ),
         swap=SwapConfig(
             policy=args.swap_policy,

@@ -7,6 +7,7 @@ controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
     reserve_standby()              the standby slot's index, released to the caller (or
                                    `StandbyBusy` while requests still run on its version)
     copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
+                                   (`copy_seconds`: the device time its transfers took)
     fill(index, version)           the copy is complete: the slot holds `version`
     release(index)                 give the slot back empty (a rejected version)
     prompt_logprobs(ids, version)  a canary prompt on that version, computed as low-priority
@@ -124,6 +125,11 @@ class SwapPort:
         engine's or the loop's: it takes seconds); returns the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
                                      on_progress=on_progress)  # fmt: skip
+
+    def copy_seconds(self) -> float:
+        """Device seconds the copies' host-to-device transfers took so far (0 on a CPU): the
+        clock staging paces a copy to a GPU on. Read it on the copying thread."""
+        return self._slots.copy_seconds
 
     async def commit(
         self, version: str, policy: str, in_place: InPlaceCopy | None = None

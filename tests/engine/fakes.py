@@ -25,6 +25,7 @@ class FakeSlots:
     dtype = torch.float32
     device = torch.device("cpu")
     slot_nbytes = 0
+    copy_seconds = 0.0
 
     def __init__(self, version: str = "fake@0", num_slots: int = 2) -> None:
         self.versions: list[str | None] = [version] + [None] * (num_slots - 1)

@@ -4,6 +4,7 @@ nothing (marker `gpu`)."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -72,3 +73,27 @@ def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
     bad[name].view(-1)[0] = float("inf")  # in the first
     with pytest.raises(VersionRejected, match=name):
         check_finite(bad, names, serving, chunk_bytes=4096)
+
+
+def test_staging_copies_measure_their_transfer_time_and_keep_their_pinned_buffers():
+    arch, first = tiny(random.randrange(1000))
+    _, second = tiny(random.randrange(1000, 2000))
+    runner, _ = gpu_runner(first, arch, eager=True, version="v1")
+    slots = runner.slots
+    standby = slots.standby
+    assert slots.copy_seconds == 0.0
+    seen = []
+    slots.release(standby)
+    started = time.perf_counter()
+    nbytes = slots.copy_into(standby, second, chunk_bytes=4096,
+                             on_progress=lambda d, t: seen.append(slots.copy_seconds))  # fmt: skip
+    wall = time.perf_counter() - started
+    first_copy = slots.copy_seconds
+    assert 0.0 < first_copy <= wall
+    assert seen == sorted(seen), "it grows as the copy goes"
+    pinned = [b.data_ptr() for b in slots._upload._buffers]
+    slots.fill(standby, "v2")
+    slots.release(standby)
+    assert slots.copy_into(standby, first, chunk_bytes=4096) == nbytes
+    assert slots.copy_seconds > first_copy
+    assert [b.data_ptr() for b in slots._upload._buffers] == pinned, "no new pinned memory"
