@@ -14,7 +14,8 @@ the engine's time on average.
                sub-batch and work that runs alone on a weight slot serving nothing else:
                extra time ~ fixed + per_token x tokens. Alone, the fixed part is a whole second
                pass over the other slot's weights, whatever the size of the piece.
-    allowance  the tokens whose predicted cost fits in `share x steady`, in every step. When
+    allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
+               twice the largest piece measured: noise must not turn into a huge step). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
                pieces are spaced instead: each is as large as one steady step of extra time
                allows, and waits until the credit the share earns every step covers that, so
@@ -74,9 +75,11 @@ class _Cost:
 
     def __init__(self) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
+        self._fitted: tuple[float, float] | None = None  # `fit()` of the samples as they are
 
     def add(self, num_tokens: int, extra_s: float) -> None:
         self._samples.append((num_tokens, extra_s))
+        self._fitted = None
 
     @property
     def known(self) -> bool:
@@ -95,6 +98,11 @@ class _Cost:
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token): least squares once `separable`, else all of it
         per token."""
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> tuple[float, float]:
         samples = self._samples
         sizes = [n for n, _ in samples]
         if self.separable:
@@ -148,8 +156,8 @@ class StepPacer:
         fixed, per_token = cost.fit()
         share_s = settings.share * steady
         smallest = fixed + per_token
-        if smallest <= share_s:  # fits in every step
-            return max(1, int((share_s - fixed) / per_token))
+        if smallest <= share_s:  # fits in every step; at most twice what was measured so far
+            return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
         # (fewer, fuller pieces: each pays the fixed part once). Until pieces of different
         # sizes have told the fixed part from the per-token one, each is twice the largest.

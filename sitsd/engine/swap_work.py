@@ -9,9 +9,10 @@ probes, into that allowance.
 A step carries one kind of swap work: work on a weights version that serves in the step (it
 joins that sub-batch: it costs its tokens), or, when there is none, work on a version that
 serves nothing in it (a sub-batch of its own: a whole pass over another slot's weights). A
-step whose serving work computes prompt tokens too is longer than steady already: its
-allowance shrinks by them (to an eighth at least). With nothing to serve, a swap's work takes
-the whole budget. Every step's shape goes to the pacer in `SchedulerOutput.swap_work`.
+step whose serving work computes prompt tokens too is longer than steady already: the
+allowance of work that joins shrinks by them (to an eighth at least; a piece of its own keeps
+its size, it pays for its pass either way). With nothing to serve, a swap's work takes the
+whole budget. Every step's shape goes to the pacer in `SchedulerOutput.swap_work`.
 
 The scheduler (`sitsd.engine.scheduler`) owns this phase and calls it once a step.
 """
@@ -56,7 +57,7 @@ class SwapWorkPhase:
         if num_serving:
             allowance = pacer.allowance(num_serving, alone)
             prefill = out.total_num_scheduled_tokens - len(out.num_scheduled_tokens)
-            if allowance > 0:
+            if allowance > 0 and not alone:  # a spaced piece keeps its size: it pays its pass
                 allowance = max(-(-allowance // 8), allowance - prefill)
         else:  # nothing served in this step: nothing to protect
             allowance = self._batch.budget(out)
