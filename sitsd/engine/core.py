@@ -15,10 +15,9 @@ Its parts: the `Scheduler` (which tokens to compute), the model runner (computin
 commits, `sitsd.engine.swap_controller`) and an `EngineObserver` (telemetry), told of every
 request added, preempted, migrated and finished, of every step and of the status after each
 turn. Swap commands, and engine calls that may run the model, first finish a step launched
-ahead. Nothing else touches
-the scheduler or the runner, so no lock guards them; other threads read `status()`, a snapshot
-replaced after every turn, and `admission_refusal()`, which checks a new request against the
-queue snapshot of the last turn.
+ahead. Nothing else touches the scheduler or the runner, so no lock guards them; other threads
+read `status()`, a snapshot replaced after every turn, and `admission_refusal()`, which checks
+a new request against the queue snapshot of the last turn.
 """
 
 from __future__ import annotations
