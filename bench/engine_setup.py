@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import expected_shapes
 from sitsd.weights.formats import Checkpoint
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 class SyntheticTokenizer:
@@ -38,6 +42,11 @@ class SyntheticTokenizer:
 
         vocab = {f"w{i}": i for i in range(vocab_size)}
         self._tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object (what structured outputs compile their grammars over)."""
+        return self._tok
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -14,6 +14,10 @@ references). Accessing a wrapper without triton raises ImportError naming the mi
     gemv                   x @ weight.T for up to 64 rows (decode's linear layers), SwiGLU fusable
     norm_gemv              residual add + RMSNorm + x @ weight.T for one row, in one launch
     skinny_gemm            x @ weight.T for 2-64 rows, swapped MMA operands, split over K
+    int4_matmul            x @ W.T for an INT4 group-quantized W (W4A16), 1 to hundreds of rows
+    int4_dequantize        an INT4 group-quantized W as a 16-bit [N, K] matrix (then cuBLAS)
+    per_token_quant_fp8    each row of x to float8_e4m3fn with its own scale
+    fp8_matmul             x @ W.T for an FP8 W, x quantized per token (W8A8)
 
 A wrapper checks its arguments and picks its own launch configuration from the shapes. Which
 kernel runs when (device, dtype, row counts, programmatic dependent launch) is the model's
@@ -38,6 +42,10 @@ _WRAPPERS = {
     "gemv": "gemv",
     "norm_gemv": "norm_gemv",
     "skinny_gemm": "skinny_gemm",
+    "int4_matmul": "int4_matmul",
+    "int4_dequantize": "int4_dequant",
+    "per_token_quant_fp8": "fp8_matmul",
+    "fp8_matmul": "fp8_matmul",
 }
 
 __all__ = sorted(_WRAPPERS)

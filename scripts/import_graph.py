@@ -12,6 +12,7 @@ Layers, lowest first; a package may import its own layer and the layers below it
 
     base       sitsd (the package root), types, outputs, config, flag_types, tiers_file
     kernels    the Triton kernels and their references
+    quant      quantized weight layouts and the checkpoint formats converted into them
     plugins    the plugin interface and the bundled plugins
     model      the Llama model, its layers and linear dispatch
     runtime    model runner, input batches, CUDA graphs, weight slots, sampler
@@ -25,7 +26,8 @@ Layers, lowest first; a package may import its own layer and the layers below it
     app        the composition root, the daemon, the `sitsd` command
     testing    test doubles and in-process peers shared by the tests and the benchmarks
 
-Exit status 1 when there is a loop or an upward import (`tests/test_import_graph.py` runs it).
+Exit status 1 when there is a loop or an upward import (`make lint` runs it, and
+`tests/test_import_graph.py` pins the same).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("kernels", ("sitsd.kernels",)),
+    ("quant", ("sitsd.quant",)),
     ("plugins", ("sitsd.plugins",)),
     ("model", ("sitsd.model",)),
     ("runtime", ("sitsd.runtime",)),
@@ -62,6 +65,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.weights.checkpoint",
             "sitsd.weights.formats",
             "sitsd.weights.gguf_file",
+            "sitsd.weights.gguf_rope",
             "sitsd.weights.hf",
             "sitsd.weights.tokenizer",
             "sitsd.weights.chat_template",

@@ -1,9 +1,12 @@
 """Build a ready-to-start engine from the configuration: load, size, allocate, warm up.
 
-Order: resolve the model path -> load the checkpoint -> weights on the device -> the weight
-slots (a second, standby slot for hot-swap when it fits) -> KV pool from the memory budget ->
-model runner -> one warm-up step -> scheduler and engine core. Blocking (seconds to minutes):
-the daemon calls it off the event loop while health says NOT_SERVING.
+Order: resolve the model path -> load the checkpoint -> weights on the device (quantized
+modules converted into their kernels' layouts, `--quantize` applied: `serving_format`) -> the
+weight slots (a second, standby slot for hot-swap when it fits, room kept for the model in 16
+bits when the serving weights are quantized, so a 16-bit version can be staged into it) -> KV
+pool from the memory budget -> model runner -> one warm-up step -> scheduler and engine core.
+Blocking (seconds to minutes): the daemon calls it off the event loop while health says
+NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ from sitsd.engine.observer import EngineObserver
 from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaModel, build_weights
+from sitsd.model.llama import LlamaModel, LlamaWeights, ServingFormat, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
 from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
+from sitsd.quant.errors import QuantFormatError
+from sitsd.quant.layout import Int4Weight
+from sitsd.quant.precision import load_precision_map
+from sitsd.quant.source import QuantSource
 from sitsd.runtime.cuda_graphs import decode_buckets
 from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import StepInputBuilder
@@ -78,15 +85,47 @@ def weights_version_of(ckpt: Checkpoint) -> str:
     return f"{ckpt.name}@{h.hexdigest()}"
 
 
+def serving_format(mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ServingFormat:
+    """How every version is held: device, dtype, the `--quantize` map, `--dequantize`.
+
+    Raises:
+        ValueError: the precision map cannot be read.
+    """
+    try:
+        precision = load_precision_map(mcfg.quantize) if mcfg.quantize else None
+    except QuantFormatError as exc:
+        raise ValueError(f"--quantize: {exc}") from None
+    return ServingFormat(device, dtype, precision, mcfg.dequantize)
+
+
 def kernels_for(
-    device: torch.device, mcfg: ModelConfig, arch: LlamaArch, max_num_seqs: int
-) -> KernelSet:
+    device: torch.device, mcfg: ModelConfig, arch: LlamaArch, max_num_seqs: int,
+    int4_workspace: torch.Tensor | None = None,
+) -> KernelSet:  # fmt: skip
     """The CPU kernels, or the Triton ones with the decode-attention split counters (zeros,
-    one per sequence x kv head of the largest decode batch)."""
+    one per sequence x kv head of the largest decode batch) and the INT4 dequantize
+    workspace."""
     if device.type == "cpu":
         return cpu_kernels()
     counters = torch.zeros(max_num_seqs * arch.num_kv_heads, dtype=torch.int32, device=device)
-    return triton_kernels(pdl=mcfg.pdl, split_counters=counters)
+    return triton_kernels(pdl=mcfg.pdl, split_counters=counters, int4_workspace=int4_workspace)
+
+
+def int4_workspace_for(weights: LlamaWeights, dtype: torch.dtype) -> torch.Tensor | None:
+    """A CUDA workspace as large as the largest INT4 linear (dequantize + cuBLAS for long
+    prefill chunks, `sitsd.model.qlinear`); None without INT4 weights or off CUDA."""
+    sizes = [w.shape[0] * w.shape[1] for w in weights.linears() if isinstance(w, Int4Weight)]
+    if not sizes or weights.norm.device.type != "cuda":
+        return None
+    return torch.empty(max(sizes), dtype=dtype, device=weights.norm.device)
+
+
+def standby_slot_bytes(weights: LlamaWeights, arch: LlamaArch, dtype: torch.dtype) -> int:
+    """What the standby slot must be able to hold: the serving weights, or, when they are
+    quantized, the model in the serving dtype (a 16-bit version of it can be staged)."""
+    dense = arch.num_parameters * dtype.itemsize
+    quantized = any(not isinstance(w, torch.Tensor) for w in weights.linears())
+    return max(weights.nbytes, dense) if quantized else weights.nbytes
 
 
 @dataclass(frozen=True)
@@ -123,7 +162,7 @@ def build_engine(
         checkpoint = load_checkpoint(path)
     arch = checkpoint.arch
     version = weights_version or weights_version_of(checkpoint)
-    runner, info = build_runner(config, arch, checkpoint.tensors, version)
+    runner, info = build_runner(config, arch, checkpoint.tensors, version, checkpoint.quant)
     # Structured outputs: matchers over the serving vocabulary (built on first use).
     runner.logits_processors.grammars = GrammarCompiler.for_tokenizer(
         checkpoint.tokenizer, arch.vocab_size
@@ -142,13 +181,14 @@ def build_engine(
         scheduler, runner, checkpoint.tokenizer, name,
         default_tier=Tier(config.tiers.default_tier), observer=observer,
     )  # fmt: skip
-    dtype = runner.weights.embed_tokens.dtype
+    dtype = runner.slots.dtype
     log.info(
-        "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB; "
+        "model %s ready in %.1fs: %d layers, %.0fM params, %s on %s, weights %.0f MiB (%s); "
         "KV capacity %d blocks x %d = %d tokens (%.0f MiB), context %d; CUDA graphs: %s; "
         "asynchronous scheduling: %s; kernels: %s",
         name, time.monotonic() - t0, arch.num_layers, arch.num_parameters / 1e6,
         str(dtype).removeprefix("torch."), runner.device, runner.weights.nbytes / 2**20,
+        runner.weights.precision,
         info.num_blocks, block_size, info.num_blocks * block_size,
         info.num_blocks * bytes_per_block(arch, block_size, dtype) / 2**20, info.max_model_len,
         graphs_summary(info), "on" if scfg.async_scheduling else "off", runner.model.kernels.name,
@@ -178,9 +218,16 @@ def graphs_summary(info: RuntimeInfo) -> str:
 
 
 def build_runner(
-    config: SitsdConfig, arch: LlamaArch, tensors: Mapping[str, torch.Tensor], weights_version: str
+    config: SitsdConfig,
+    arch: LlamaArch,
+    tensors: Mapping[str, torch.Tensor],
+    weights_version: str,
+    source: QuantSource | None = None,
 ) -> tuple[ModelRunner, RuntimeInfo]:
-    """Weights on the device, the KV pool sized and allocated, warmed up, graphs captured."""
+    """Weights on the device, the KV pool sized and allocated, warmed up, graphs captured.
+
+    `source` says which of the checkpoint's modules are stored quantized (`Checkpoint.quant`).
+    """
     mcfg, ccfg, scfg = config.model, config.cache, config.scheduler
     device = torch.device(mcfg.device)
     dtype = resolve_dtype(mcfg)
@@ -192,8 +239,10 @@ def build_runner(
     elif mcfg.num_threads:
         torch.set_num_threads(mcfg.num_threads)
     max_model_len = served_max_model_len(mcfg, arch)
-    weights = build_weights(arch, tensors, device, dtype)
-    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs)
+    fmt = serving_format(mcfg, device, dtype)
+    weights = build_weights(arch, tensors, device, dtype, source=source, fmt=fmt)
+    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs,
+                          int4_workspace_for(weights, dtype))  # fmt: skip
     model = LlamaModel(arch, kernels, max_model_len, device)
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
@@ -203,14 +252,15 @@ def build_runner(
     # sort buffers and slack. The mixed graphs' activations are added once profiled.
     mixed_logits_bytes = sum(min(b, scfg.max_num_seqs) for b in mixed_buckets) * arch.vocab_size * 4
     graph_reserve = 256 * 2**20 + vocab_bytes + mixed_logits_bytes
+    standby_bytes = standby_slot_bytes(weights, arch, dtype)
     num_slots, why = decide_weight_slots(
-        config, device, weights.nbytes,
+        config, device, standby_bytes,
         kv_floor=-(-max_model_len // ccfg.block_size) * bytes_per_block(arch, ccfg.block_size,
                                                                       dtype),
         reserve=2 * graph_reserve + 2 * vocab_bytes,
     )  # fmt: skip
     # Allocated before the profiling pass, so the KV budget accounts for the second slot.
-    slots = WeightSlots(arch, weights, weights_version, num_slots)
+    slots = WeightSlots(arch, weights, weights_version, num_slots, fmt)
     if device.type == "cuda":
         peak = profile_peak_memory(
             model, weights, arch, config, dtype, device, max_num_tokens, max_model_len
@@ -218,6 +268,8 @@ def build_runner(
         # A mixed graph pool holds the activations of its largest bucket (the profiled step).
         activations = peak - torch.cuda.memory_allocated(device) if mixed else 0
         reserve = num_slots * (graph_reserve + activations) + 2 * vocab_bytes
+        if num_slots == 2:  # room for the standby slot to grow to a 16-bit version
+            reserve += standby_bytes - weights.nbytes
         budget = gpu_kv_budget(device, ccfg.gpu_memory_utilization, ccfg.gpu_memory_limit,
                                peak, reserve, baseline_outside_torch)  # fmt: skip
         ccfg = replace(ccfg, kv_cache_memory=max(budget, 0))

@@ -136,6 +136,20 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         "each kernel's launch overlaps the tail of the one before it (default: on with "
         "compute capability 9.0 or newer, where it exists)",
     )
+    group.add_argument(
+        "--quantize",
+        default=d.quantize,
+        metavar="MAP",
+        help="quantize 16-bit linear weights at load (round to nearest): a precision map (YAML "
+        "file of glob patterns over tensor names -> int4, int4-g64, int8, fp8, bf16, fp16) or "
+        "one precision for every linear layer (default: weights as the checkpoint has them)",
+    )
+    group.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="serve quantized checkpoints (GGUF Q4/Q8, AWQ, GPTQ, compressed-tensors, FP8) "
+        "dequantized to --dtype instead of in their own bits (default: their own bits)",
+    )
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -436,6 +450,8 @@ def config_from_args(
             enforce_eager=args.enforce_eager,
             mixed_graphs=args.mixed_graphs,
             pdl=args.pdl,
+            quantize=args.quantize,
+            dequantize=args.dequantize,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -33,6 +33,11 @@ class ModelConfig:
     # CUDA: launch the decode kernels with programmatic dependent launch (each one's launch
     # overlaps the tail of the kernel before it). None: on where supported (sm_90+).
     pdl: bool | None = None
+    # A precision map (YAML file of glob -> int4/int8/fp8/bf16/fp16) or one precision for every
+    # linear: 16-bit modules are RTN-quantized at load (and at staging); "" = none
+    quantize: str = ""
+    # Serve quantized checkpoints (GGUF Q4/Q8, AWQ, GPTQ, ...) dequantized to `dtype`
+    dequantize: bool = False
 
 
 @dataclass(frozen=True)

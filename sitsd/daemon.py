@@ -122,6 +122,7 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         log.error("cannot set up the admin token: %s", exc)
         return _EXIT_LOAD_FAILED
     log.info("admin token in %s", token_path)
+    stop = _install_signal_handlers()  # before anything is served: a signal then still drains
     server = ApiServer(
         config.server,
         admin_token=token,
@@ -145,7 +146,6 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         log.error("cannot serve the HTTP API on port %d: %s", config.http.port, exc)
         await server.stop(0)
         return _EXIT_LOAD_FAILED
-    stop = _install_signal_handlers()
     loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
     loop_lag.start()
     try:

@@ -42,6 +42,13 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: Path) -> Checkpoint:
+    """The embedded model with every tensor dequantized to float32 (what transformers reads)."""
+    return load_checkpoint(smollm2_path, keep_quantized=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized(smollm2_path: Path) -> Checkpoint:
+    """The embedded model as served: its Q4_1 linear weights kept as raw bytes."""
     return load_checkpoint(smollm2_path)
 
 

@@ -12,6 +12,8 @@ from sitsd.types import SamplingParams, Tier
 if TYPE_CHECKING:
     import torch
 
+    from sitsd.quant.source import QuantSource
+
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
@@ -58,6 +60,7 @@ class InPlaceCopy:
 
     tensors: Mapping[str, torch.Tensor]  # Hugging Face names, shapes already checked
     chunk_bytes: int  # the most copied at once
+    source: QuantSource | None = None  # what the checkpoint stores quantized
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from sitsd.model.arch import LlamaArch
+    from sitsd.quant.source import QuantSource
 
 
 class PendingStepLike(Protocol):
@@ -72,11 +73,22 @@ class WeightSlotsLike(Protocol):
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int: ...
+
+    def nbytes(self, index: int) -> int: ...
+
+    def precision(self, index: int) -> str: ...
+
+    def take_restructured(self, index: int) -> bool: ...
 
 
 class ModelRunnerLike(Protocol):
     """The model runner (`sitsd.runtime.model_runner.ModelRunner`)."""
+
+    def recapture_graphs(self, index: int) -> float:
+        """Capture slot `index`'s CUDA graphs again (its tensors moved); seconds taken."""
+        ...
 
     @property
     def slots(self) -> WeightSlotsLike: ...

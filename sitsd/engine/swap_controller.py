@@ -4,7 +4,9 @@
 reaches it only through `sitsd.engine.swap_port.SwapPort`, whose calls run here:
 
     reserve_standby   release the standby slot to the stager once no request runs on it
-    fill / release    the stager copied a version into it (or gave up on it)
+    fill / release    the stager copied a version into it (or gave up on it); a version of
+                      another structure (another precision) has its CUDA graphs captured
+                      again first, between two steps
     prompt_logprobs   a canary prompt on one version, handed to the scheduler as low-priority
                       work in the next steps (`sitsd.engine.probes`); its log-probabilities
                       come back from the runner once its last chunk has been computed
@@ -133,7 +135,12 @@ class SwapController:
         return index
 
     def fill(self, index: int, version: str) -> None:
-        """Slot `index` now holds `version` (its copy has completed)."""
+        """Slot `index` now holds `version` (its copy has completed); graphs captured again
+        for it when its tensors moved (a version of another precision)."""
+        if self._slots.take_restructured(index):
+            seconds = self._runner.recapture_graphs(index)
+            log.info("weight slot %d holds a new structure: graphs captured in %.2fs", index,
+                     seconds)  # fmt: skip
         self._slots.fill(index, version)
 
     def release(self, index: int) -> None:
@@ -166,8 +173,10 @@ class SwapController:
                 slots.release(slots.active)
                 slots.copy_into(
                     slots.active, command.in_place.tensors,
-                    chunk_bytes=command.in_place.chunk_bytes,
+                    chunk_bytes=command.in_place.chunk_bytes, source=command.in_place.source,
                 )  # fmt: skip
+                if slots.take_restructured(slots.active):
+                    self._runner.recapture_graphs(slots.active)
                 slots.fill(slots.active, command.version)
                 policy = "restart"  # the old weights are gone: in-flight KV is recomputed
             elif slots.index_of(command.version) is None:

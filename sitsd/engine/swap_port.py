@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from sitsd.model.arch import LlamaArch
+    from sitsd.quant.source import QuantSource
 
 T = TypeVar("T")
 
@@ -120,11 +121,13 @@ class SwapPort:
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int:
-        """Copy a checkpoint into reserved slot `index` on the calling thread (never the
-        engine's or the loop's: it takes seconds); returns the bytes copied."""
+        """Copy a checkpoint (`source`: what it stores quantized) into reserved slot `index`
+        on the calling thread (never the engine's or the loop's: it takes seconds); returns
+        the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
-                                     on_progress=on_progress)  # fmt: skip
+                                     on_progress=on_progress, source=source)  # fmt: skip
 
     def copy_seconds(self) -> float:
         """Device seconds the copies' host-to-device transfers took so far (0 on a CPU): the

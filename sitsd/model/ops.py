@@ -3,7 +3,9 @@
 On the CPU the model runs `sitsd.model.cpu_kernels` (the plain-PyTorch references of
 `sitsd.kernels.reference`, with fewer torch ops where dispatch cost shows); on CUDA, the Triton
 kernels of `sitsd.kernels`. All take and return the same tensors, so the model code is one
-code path. No module-level switch: a `KernelSet` belongs to the object that uses it.
+code path. The three linears take a weight in any form (`sitsd.model.qlinear`: dense tensors
+to the set's own 16-bit path, quantized layouts to their kernels). No module-level switch: a
+`KernelSet` belongs to the object that uses it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sitsd.kernels import reference
+from sitsd.model.qlinear import QuantizedLinears, any_linear, any_norm_linear, any_swiglu_linear
 from sitsd.model.routing import pdl_pays
 
 T = TypeVar("T")
@@ -35,11 +38,32 @@ class KernelSet:
     # launch; the CPU runs the two halves (`cpu_kernels.rotary_embedding`, `.reshape_and_cache`)
     rotary_and_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    # The linears take a dense or quantized weight (`sitsd.quant.linear.LinearWeight`):
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
     # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
     # the pre-norm projection, `norm_linear` below or a fused kernel
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _linears(
+    dense_linear: Callable[..., torch.Tensor],
+    dense_swiglu: Callable[..., torch.Tensor],
+    dense_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    silu: Callable[[torch.Tensor], torch.Tensor],
+    rms_norm: Callable[..., torch.Tensor],
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    quantized: QuantizedLinears,
+) -> dict[str, Callable[..., torch.Tensor] | Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """The set's three linears over weights in any form (`sitsd.model.qlinear`)."""
+    linear = partial(any_linear, dense_linear, quantized)
+    return {
+        "linear": linear,
+        "swiglu_linear": partial(any_swiglu_linear, dense_swiglu, silu, linear),
+        "norm_linear": partial(
+            any_norm_linear, dense_norm_linear, partial(norm_linear, rms_norm, add_rms_norm, linear)
+        ),
+    }
 
 
 def swiglu_linear(
@@ -90,12 +114,14 @@ def reference_kernels() -> KernelSet:
         fused_add_rms_norm=reference.fused_add_rms_norm_ref,
         rotary_and_cache=reference.rotary_and_cache_ref,
         silu_and_mul=reference.silu_and_mul_ref,
-        linear=F.linear,
-        swiglu_linear=partial(swiglu_linear, reference.silu_and_mul_ref),
-        norm_linear=partial(
-            norm_linear, reference.rms_norm_ref, reference.fused_add_rms_norm_ref, F.linear
-        ),
-    )
+        **_linears(
+            F.linear, partial(swiglu_linear, reference.silu_and_mul_ref),
+            partial(norm_linear, reference.rms_norm_ref, reference.fused_add_rms_norm_ref,
+                    F.linear),
+            reference.silu_and_mul_ref, reference.rms_norm_ref, reference.fused_add_rms_norm_ref,
+            QuantizedLinears(),
+        ),  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def cpu_kernels() -> KernelSet:
@@ -110,16 +136,19 @@ def cpu_kernels() -> KernelSet:
         fused_add_rms_norm=k.fused_add_rms_norm,
         rotary_and_cache=k.rotary_and_cache,
         silu_and_mul=k.silu_and_mul,
-        linear=F.linear,
-        swiglu_linear=partial(swiglu_linear, k.silu_and_mul),
-        norm_linear=partial(norm_linear, k.rms_norm, k.fused_add_rms_norm, F.linear),
-    )
+        **_linears(
+            F.linear, partial(swiglu_linear, k.silu_and_mul),
+            partial(norm_linear, k.rms_norm, k.fused_add_rms_norm, F.linear),
+            k.silu_and_mul, k.rms_norm, k.fused_add_rms_norm, QuantizedLinears(),
+        ),  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def triton_kernels(
     use_gemv: bool | None = None,
     pdl: bool | None = None,
     split_counters: torch.Tensor | None = None,
+    int4_workspace: torch.Tensor | None = None,
 ) -> KernelSet:
     """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
 
@@ -136,6 +165,10 @@ def triton_kernels(
     `split_counters` (int32 zeros on the device, one per decode sequence x kv head, owned by
     the model runner): decode attention's splits merge their partials themselves, one launch
     instead of two per layer (`decode_attention`); None: a reduce kernel merges them.
+
+    `int4_workspace` (the runner's, in the activations' dtype, as large as its largest INT4
+    linear): long prefill chunks run INT4 layers as dequantize + cuBLAS in it
+    (`qlinear.QuantizedLinears`); None: `int4_matmul` at every row count.
     """
     from sitsd.kernels._utils import supports_pdl
     from sitsd.kernels.activation import silu_and_mul
@@ -165,7 +198,8 @@ def triton_kernels(
         fused_add_rms_norm=add_norm,
         rotary_and_cache=partial(with_pdl, rotary_and_cache, pdl),
         silu_and_mul=swiglu,
-        linear=tuned.linear,
-        swiglu_linear=tuned.swiglu_linear,
-        norm_linear=tuned.norm_linear,
-    )
+        **_linears(
+            tuned.linear, tuned.swiglu_linear, tuned.norm_linear, swiglu, norm,
+            add_norm, QuantizedLinears(int4_workspace),
+        ),  # type: ignore[arg-type]
+    )  # fmt: skip

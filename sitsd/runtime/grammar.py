@@ -30,7 +30,7 @@ import llguidance
 import torch
 from llguidance.torch import fill_next_token_bitmask
 
-from sitsd.types import GrammarSpec
+from sitsd.types import GrammarSpec, TokenizerLike
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -59,11 +59,10 @@ class GrammarCompiler:
         self._grammars: OrderedDict[GrammarSpec, str] = OrderedDict()
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: object, vocab_size: int) -> GrammarCompiler:
-        """From a `sitsd.weights.Tokenizer` (its `backend` and `eos_token_ids`)."""
-        backend = tokenizer.backend  # type: ignore[attr-defined]
-        eos = tokenizer.eos_token_ids  # type: ignore[attr-defined]
-        return cls(backend.to_str(), vocab_size, eos[0] if eos else 0)
+    def for_tokenizer(cls, tokenizer: TokenizerLike, vocab_size: int) -> GrammarCompiler:
+        """From the serving tokenizer (its `backend` and `eos_token_ids`)."""
+        eos = tokenizer.eos_token_ids
+        return cls(tokenizer.backend.to_str(), vocab_size, eos[0] if eos else 0)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:

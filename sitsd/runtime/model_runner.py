@@ -69,6 +69,7 @@ class ModelRunner:
         self.slot_graphs: dict[int, DecodeGraphs] = {}  # slot index -> its captured graphs
         self.slot_mixed: dict[int, MixedGraphs] = {}  # slot index -> its mixed-step graphs
         self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
+        self._decode_buckets: list[int] = []  # the decode graphs' batch buckets
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
         # Every graph of this runner is captured on this stream (see `capture_graph`).
@@ -112,6 +113,7 @@ class ModelRunner:
         every version it will hold: a commit flips an index and copies nothing.
         """
         seconds = 0.0
+        self._decode_buckets = list(buckets)
         for index in range(self.slots.num_slots):
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
             pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
@@ -138,6 +140,29 @@ class ModelRunner:
                 pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
                 seconds += mixed.capture(pool, self._capture_stream)
             self.slot_mixed[index] = mixed
+        return seconds
+
+    def recapture_graphs(self, index: int) -> float:
+        """Capture slot `index`'s decode and mixed-step graphs again, for tensors that moved (a
+        version of another structure was staged into it); returns the seconds it took. The
+        old graphs go first, so their pool memory is reused. Eager slots have nothing to do."""
+        seconds = 0.0
+        pool = self._graph_pools.get(index)
+        decode = self.slot_graphs.pop(index, None)
+        if decode is not None and pool is not None:
+            del decode
+            graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, self._decode_buckets)
+            seconds += graphs.capture(self.slots.weights(index), pool, self._capture_stream)
+            self.slot_graphs[index] = graphs
+        mixed = self.slot_mixed.get(index)
+        if mixed is not None:
+            fresh = MixedGraphs(self.model, self.builder, self.kv_caches,
+                                self.slots.weights(index), mixed.buckets)  # fmt: skip
+            captured = mixed.captured
+            del mixed
+            self.slot_mixed[index] = fresh
+            if captured and pool is not None:
+                seconds += fresh.capture(pool, self._capture_stream)
         return seconds
 
     @property

@@ -20,7 +20,10 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_UNIFORM_BITS = 24  # float32 holds them exactly: u in (0, 1), never 0
+# float32 holds bits + 0.5 exactly at 23 bits, so u = (bits + 0.5) / 2**23 lies in (0, 1), never
+# 1: at 24 bits the top value rounded to u = 1, a noise of 0, and that token won the race
+# whatever its probability (one row in ~340 at a 49k vocabulary).
+_UNIFORM_BITS = 23
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -42,7 +45,7 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def uniform_bits(seeds: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seeds), vocab] int64: entry (i, j) is the top 24 bits of splitmix64 of `seeds[i]`
+    """[len(seeds), vocab] int64: entry (i, j) is the top 23 bits of splitmix64 of `seeds[i]`
     advanced `j + 1` times. int64 multiplication wraps on both devices, so the bits are the
     same on the CPU and the GPU."""
     rows = _to_device([_signed(s) for s in seeds], torch.int64, device)

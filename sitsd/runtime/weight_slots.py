@@ -16,6 +16,13 @@ copy and kept: allocating pinned memory takes driver locks the engine's launches
 device time of those transfers is measured (`copy_seconds`): the link is what a copy shares
 with serving, and staging paces itself on it. Which version goes where, and when, is
 `sitsd.weights.swap`'s business.
+
+Precisions: every slot is built by one `ServingFormat` (device, dtype, `--quantize`), but two
+versions may differ in what their checkpoints store quantized (a bf16 version and its INT4
+one). A copy fills each field in place when the new version's value has the field's structure
+(dense tensors chunk by chunk, as before; quantized layouts converted on the device, then
+copied); a field of another structure is rebuilt in new tensors, and the slot is marked
+`restructured` until the runner has captured its CUDA graphs again (`take_restructured`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,17 @@ import torch
 
 from sitsd.config import DEFAULT_CHUNK_BYTES
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaWeights, empty_weights_like, weight_copy_plan
+from sitsd.model.llama import LlamaWeights, ServingFormat, empty_weights_like, weight_copy_plan
+from sitsd.model.weights import (
+    SlotField,
+    build_field,
+    dense16_dtype,
+    dense_copy_dtype,
+    field_tensor_names,
+    slot_fields,
+)
+from sitsd.quant.linear import copy_weight_into, same_structure, weight_nbytes
+from sitsd.quant.source import QuantSource
 
 
 class PinnedUpload:
@@ -99,13 +116,19 @@ class WeightSlots:
     """One or two weight slots of one model, and which one is active."""
 
     def __init__(
-        self, arch: LlamaArch, first: LlamaWeights, version: str, num_slots: int = 2
+        self,
+        arch: LlamaArch,
+        first: LlamaWeights,
+        version: str,
+        num_slots: int = 2,
+        fmt: ServingFormat | None = None,
     ) -> None:
         """Args:
         arch: the architecture every slot holds.
         first: the start-up weights (slot 0, active).
         version: their version id.
         num_slots: 1 or 2; the second slot is allocated here, once.
+        fmt: how every version is built (default: dense, in `first`'s device and dtype).
         """
         if num_slots not in (1, 2):
             raise ValueError(f"num_slots must be 1 or 2, got {num_slots}")
@@ -116,8 +139,10 @@ class WeightSlots:
         self._slots = [first] + [empty_weights_like(first, zero=on_cuda)] * (num_slots - 1)
         self.versions: list[str | None] = [version] + [None] * (num_slots - 1)
         self.active = 0
-        self.device = first.embed_tokens.device
-        self.dtype = first.embed_tokens.dtype
+        self.device = first.norm.device
+        self.dtype = first.norm.dtype  # the activations' (a 16-bit embedding may differ)
+        self.fmt = fmt or ServingFormat(self.device, self.dtype)
+        self._restructured: set[int] = set()  # slots whose tensors moved since their graphs
         # CUDA staging copies: their stream and pinned buffers, made at the first copy.
         self._copy_stream: torch.cuda.Stream | None = None
         self._upload: PinnedUpload | None = None
@@ -152,6 +177,20 @@ class WeightSlots:
     def slot_nbytes(self) -> int:
         """Bytes one slot takes (the memory the second slot costs)."""
         return self._slots[0].nbytes
+
+    def nbytes(self, index: int) -> int:
+        """Bytes slot `index` holds now."""
+        return self._slots[index].nbytes
+
+    def precision(self, index: int) -> str:
+        """What runs in which bits in slot `index` (`LlamaWeights.precision`)."""
+        return self._slots[index].precision
+
+    def take_restructured(self, index: int) -> bool:
+        """Whether slot `index`'s tensors moved since its graphs were captured (cleared)."""
+        moved = index in self._restructured
+        self._restructured.discard(index)
+        return moved
 
     def weights(self, index: int) -> LlamaWeights:
         return self._slots[index]
@@ -203,24 +242,35 @@ class WeightSlots:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int:
         """Copy a checkpoint's Hugging Face-named tensors into slot `index`; returns the bytes.
 
-        Chunked by rows, so the memory a copy needs beyond the slot stays under `chunk_bytes`
-        (the source is memory-mapped: pages are read as they are copied; a dtype cast happens
-        per chunk). On CUDA the copies run on a side stream, synchronized before returning,
-        and their device time adds to `copy_seconds`. The slot must have been released
-        (`release`).
+        Dense fields the new version holds in the same dtype are copied chunk by chunk, by rows,
+        so the memory a copy needs beyond the slot stays under `chunk_bytes` (the source is
+        memory-mapped: pages are read as they are copied; a dtype cast happens per chunk); the
+        others are built on the device (`build_field`) and copied in, or take the new tensors
+        (see the module docstring). On CUDA the copies run on a side stream, synchronized
+        before returning, and their device time adds to `copy_seconds`. The slot must have been
+        released (`release`).
 
         Args:
             index: the slot.
             tensors: the checkpoint tensors (names and shapes already checked).
             chunk_bytes: the largest piece copied at once.
-            on_progress: called with (bytes copied, bytes total) after each chunk.
+            on_progress: called with (bytes copied, bytes total) after each chunk or field.
+            source: what the checkpoint stores quantized (`Checkpoint.quant`).
         """
         assert self.versions[index] is None, "copy only into a released slot"
-        plan = weight_copy_plan(self.arch, self._slots[index])
+        weights = self._slots[index]
+        dense16 = dense16_dtype(self.arch, tensors, source, self.fmt)
+        rebuilt = [f for f in slot_fields(self.arch) if not self._copies_in_place(
+            f, weights, tensors, source, dense16)]  # fmt: skip
+        skip = {name for f in rebuilt for name, _ in f.parts}
+        plan = [(dst, name) for dst, name in weight_copy_plan(self.arch, weights)
+                if name.removesuffix(".weight") not in skip and name not in skip]  # fmt: skip
         total = sum(dst.numel() * dst.element_size() for dst, _ in plan)
+        total += sum(weight_nbytes(getattr(f.owner(weights), f.field)) for f in rebuilt)
         done = 0
         stream, uploads = self._copy_path(chunk_bytes)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -234,6 +284,12 @@ class WeightSlots:
                     done += (rows.stop - rows.start) * dst[0:1].numel() * dst.element_size()
                     if on_progress is not None:
                         on_progress(done, total)
+            for f in rebuilt:
+                done += self._rebuild(index, f, tensors, source, dense16, uploads)
+                if on_progress is not None:
+                    on_progress(min(done, total), total)
+            if self.arch.tie_word_embeddings:
+                weights.lm_head = weights.embed_tokens
         if stream is not None and uploads is not None:
             uploads.wait()
             stream.synchronize()  # every later step (any stream) sees the whole version
@@ -248,3 +304,40 @@ class WeightSlots:
         if self._upload is None:
             self._upload = PinnedUpload(self.device, chunk_bytes)
         return self._copy_stream, self._upload
+
+    def _copies_in_place(
+        self,
+        f: SlotField,
+        weights: LlamaWeights,
+        tensors: Mapping[str, torch.Tensor],
+        source: QuantSource | None,
+        dense16: torch.dtype,
+    ) -> bool:
+        """Whether field `f` takes the new version chunk by chunk (dense, same dtype)."""
+        dst = getattr(f.owner(weights), f.field)
+        dtype = dense_copy_dtype(f, tensors, source, self.fmt, dense16)
+        return isinstance(dst, torch.Tensor) and dtype == dst.dtype
+
+    def _rebuild(
+        self,
+        index: int,
+        f: SlotField,
+        tensors: Mapping[str, torch.Tensor],
+        source: QuantSource | None,
+        dense16: torch.dtype,
+        uploads: PinnedUpload | None,
+    ) -> int:
+        """Build field `f` of slot `index` from the checkpoint on the device; copy it into the
+        field's tensors, or let it take the new ones. Returns the bytes."""
+        own: Mapping[str, torch.Tensor] = tensors
+        if uploads is not None:  # through pinned buffers: the driver must not read the mapping
+            own = {n: uploads.upload(tensors[n]) for n in field_tensor_names(f, tensors, source)}
+        new = build_field(f, own, source, self.fmt, dense16)
+        owner = f.owner(self._slots[index])
+        old = getattr(owner, f.field)
+        if same_structure(old, new):
+            copy_weight_into(old, new)
+        else:
+            setattr(owner, f.field, new)
+            self._restructured.add(index)
+        return weight_nbytes(new)

@@ -23,6 +23,8 @@ from sitsd.weights.tokenizer import Tokenizer
 if TYPE_CHECKING:  # torch is only imported by the loaders, so `import sitsd.weights` stays light
     import torch
 
+    from sitsd.quant.source import QuantSource
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -36,13 +38,16 @@ class Checkpoint:
 
     arch: LlamaArch
     # Hugging Face parameter names -> tensors, torch's [out, in] shapes; no "lm_head.weight"
-    # when embeddings are tied. safetensors: memory-mapped, original dtype; GGUF: float32.
+    # when embeddings are tied. safetensors: memory-mapped, original dtype (quantized modules'
+    # tensors as their format names them); GGUF: float32, or raw bytes for what `quant` keeps
     tensors: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str  # served model name derived from the path (directory name / file stem)
     path: Path
     format: str  # "hf" or "gguf"
     files: list[Path] = field(default_factory=list)  # every file of the checkpoint, weights too
+    # What the checkpoint stores quantized (None: nothing; `sitsd.quant.source.QuantSource`)
+    quant: QuantSource | None = None
 
 
 def find_pickles(directory: Path) -> list[Path]:
@@ -63,19 +68,23 @@ def pickle_refused(path: Path) -> CheckpointError:
 
 
 def check_tensor_shapes(
-    arch: LlamaArch, shapes: Mapping[str, tuple[int, ...]], source: Path
+    arch: LlamaArch,
+    shapes: Mapping[str, tuple[int, ...]],
+    source: Path,
+    quant: QuantSource | None = None,
 ) -> None:
-    """Raise CheckpointError unless `shapes` holds exactly the parameters `arch` needs."""
+    """Raise CheckpointError unless `shapes` holds exactly the parameters `arch` needs (the
+    tensors of modules `quant` says are quantized: by name; their converters check shapes)."""
     # Imported here: the model pulls in torch, which `import sitsd.weights` does not need.
-    from sitsd.model.llama import expected_shapes
+    from sitsd.model.llama import expected_tensors
 
-    expected = expected_shapes(arch)
-    missing = sorted(set(expected) - set(shapes))
+    expected = expected_tensors(arch, shapes, quant)
+    missing = sorted(n for n, shape in expected.items() if shape is not None and n not in shapes)
     unexpected = sorted(set(shapes) - set(expected))
     wrong = [
         f"{name} {tuple(shapes[name])} (expected {shape})"
         for name, shape in expected.items()
-        if name in shapes and tuple(shapes[name]) != shape
+        if shape is not None and name in shapes and tuple(shapes[name]) != shape
     ]
     problems = []
     if missing:

@@ -5,8 +5,10 @@ checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles
 `validate(loaded, serving)` checks, before any weight slot is touched, that the version can
 replace the serving one: the same architecture (every `LlamaArch` field but `extra`), the same
 tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer),
-every tensor's name, shape and floating dtype, and finite values in the serving dtype (read in
-chunks, so memory stays bounded; on CUDA on a side stream). A failure raises
+every dense tensor's name, shape and floating dtype, and finite values in the serving dtype
+(read in chunks, so memory stays bounded; on CUDA on a side stream), and every module the
+checkpoint stores quantized converted on the serving device with its format's checks (shapes
+against the config, scales finite and non-zero: the message names the tensor). A failure raises
 `VersionRejected` with the reason. Copying into the standby slot and the canary are
 `sitsd.weights.staging`'s; when to stage is `sitsd.weights.swap`'s.
 
@@ -24,7 +26,10 @@ from pathlib import Path
 import torch
 
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import WeightsError, check_tensors, expected_shapes
+from sitsd.model.llama import WeightsError, check_tensors, expected_tensors
+from sitsd.model.weights import slot_fields
+from sitsd.quant.errors import QuantFormatError
+from sitsd.quant.source import QuantSource
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 from sitsd.types import TokenizerLike
 from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
@@ -135,16 +140,40 @@ def validate(
             f"{list(serving.eos_token_ids)}"
         )
     try:
-        check_tensors(serving.arch, ckpt.tensors)
+        check_tensors(serving.arch, ckpt.tensors, ckpt.quant)
     except WeightsError as exc:
         raise VersionRejected(str(exc)) from None
+    expected = expected_tensors(serving.arch, ckpt.tensors, ckpt.quant)
     check_finite(
         ckpt.tensors,
-        list(expected_shapes(serving.arch)),
+        [name for name, shape in expected.items() if shape is not None],
         serving,
         chunk_bytes=chunk_bytes,
         on_progress=on_progress,
     )
+    if ckpt.quant is not None:
+        check_quantized(serving.arch, ckpt.tensors, ckpt.quant, serving.device)
+
+
+def check_quantized(
+    arch: LlamaArch, tensors: Mapping[str, torch.Tensor], source: QuantSource, device: torch.device
+) -> None:
+    """Convert every module the checkpoint stores quantized on `device` (a side stream on
+    CUDA), with its format's checks; nothing is kept.
+
+    Raises:
+        VersionRejected: naming the tensor that does not fit its format.
+    """
+    side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else None
+    with torch.inference_mode(), side or contextlib.nullcontext():
+        for f in slot_fields(arch):
+            for module, shape in f.parts if f.linear else ():
+                if not source.is_quantized(tensors, module):
+                    continue
+                try:
+                    source.convert(tensors, module, (shape[0], shape[1]), device)
+                except QuantFormatError as exc:
+                    raise VersionRejected(str(exc)) from None
 
 
 def check_finite(

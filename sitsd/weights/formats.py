@@ -24,13 +24,18 @@ from sitsd.weights.checkpoint import (
 from sitsd.weights.embedded import embedded_model_path
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, load_tensors: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike[str], *, load_tensors: bool = True, keep_quantized: bool = True
+) -> Checkpoint:
     """Load a checkpoint from a HF model directory, a `.gguf` file, or a directory with one.
 
     Args:
         path: Where the checkpoint is.
         load_tensors: False reads only the architecture and the tokenizer (fast); `tensors`
             is then empty.
+        keep_quantized: GGUF: keep the linear weights of the types sitsd serves quantized as
+            raw bytes (`Checkpoint.quant` says which); False dequantizes them to float32.
+            Hugging Face quantized modules are always kept as they are.
 
     Returns:
         The checkpoint.
@@ -47,7 +52,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, load_tensors: bool = True) 
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return gguf_file.load_gguf(path, load_tensors=load_tensors)
+            return gguf_file.load_gguf(
+                path, load_tensors=load_tensors, keep_quantized=keep_quantized
+            )
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise pickle_refused(path)
         if path.suffix.lower() == ".safetensors":
@@ -63,7 +70,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, load_tensors: bool = True) 
         return hf.load_hf_dir(path, load_tensors=load_tensors)
     ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
     if len(ggufs) == 1:
-        ckpt = gguf_file.load_gguf(ggufs[0], load_tensors=load_tensors)
+        ckpt = gguf_file.load_gguf(
+            ggufs[0], load_tensors=load_tensors, keep_quantized=keep_quantized
+        )
         ckpt.name, ckpt.path = path.name, path
         return ckpt
     if len(ggufs) > 1:

@@ -1,11 +1,16 @@
-"""GGUF files (llama.cpp): architecture, tokenizer and chat template from metadata; tensors
-dequantized to float32 under Hugging Face names.
+"""GGUF files (llama.cpp): architecture, tokenizer and chat template from metadata; tensors under
+Hugging Face names, the linear weights of types sitsd serves quantized (`sitsd.quant.from_gguf.
+GGUF_KEPT`: Q4_0, Q4_1, Q4_K, Q8_0) kept as their raw bytes, every other tensor dequantized to
+float32 (a log line names the types dequantized that way).
 
 The header is parsed here rather than by `gguf.GGUFReader`, which builds a numpy view per element
 of the 49k-entry token and merge arrays (2 s for SmolLM2); a plain struct walk over a memory map
 takes a few tens of milliseconds. Dequantization is `gguf.quants.dequantize`, the same code
 `transformers` uses. Tensors are renamed to HF names and llama.cpp's Q/K row permutation (made for
-its interleaved RoPE) is undone, so the model sees exactly what a HF checkpoint would give it.
+its interleaved RoPE) is undone, so the model sees exactly what a HF checkpoint would give it; a
+raw tensor is `[N, bytes per row]` uint8 (a copy-on-write map of the file), and the checkpoint's
+`QuantSource` names its type and, for Q/K, the head count its converter undoes the permutation
+with. The token embedding is always dequantized (a lookup table, not a linear layer).
 
 Building the `tokenizers` object from the vocabulary is `tokenizer.backend_from_gguf_vocab`'s job;
 choosing this loader for a path is `formats.load_checkpoint`'s.
@@ -13,6 +18,7 @@ choosing this loader for a path is `formats.load_checkpoint`'s.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import re
@@ -27,7 +33,11 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sitsd.model.arch import LlamaArch
+from sitsd.quant.from_gguf import GGUF_KEPT
+from sitsd.quant.source import QuantSource
+from sitsd.weights import gguf_rope
 from sitsd.weights.checkpoint import Checkpoint, CheckpointError, check_tensor_shapes
+from sitsd.weights.gguf_rope import llama3_freq_factors, llama3_scaling_from_freq_factors
 from sitsd.weights.tokenizer import (
     GgufVocab,
     Tokenizer,
@@ -35,14 +45,26 @@ from sitsd.weights.tokenizer import (
     end_of_generation_ids,
 )
 
+__all__ = [
+    "GgufHeader",
+    "GgufTensorInfo",
+    "llama3_freq_factors",
+    "llama3_scaling_from_freq_factors",
+    "load_gguf",
+    "load_gguf_tensors",
+    "read_gguf_header",
+    "unpermute_qk",
+]
+
+log = logging.getLogger(__name__)
+
+_T = GGMLQuantizationType
+# Read here: the float types, and every quantized type `gguf.quants` dequantizes (those not in
+# GGUF_KEPT are dequantized at load).
 SUPPORTED_TYPES = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-)
+    _T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q2_K, _T.Q3_K,
+    _T.Q4_K, _T.Q5_K, _T.Q6_K,
+)  # fmt: skip
 _GGUF_MAGIC = b"GGUF"
 # Scalar metadata value types of the GGUF spec -> struct format.
 _SCALARS = {
@@ -182,8 +204,8 @@ def _num_bytes(ggml_type: int, shape: tuple[int, ...], name: str, path: Path) ->
             type_name = f"unknown ggml type {ggml_type}"
         raise CheckpointError(
             f"{path}: tensor {name} is stored as {type_name}, which sitsd does not read; "
-            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (re-quantize with llama.cpp's "
-            "llama-quantize, e.g. to Q8_0)"
+            f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)} (re-quantize with "
+            "llama.cpp's llama-quantize, e.g. to Q4_K_M)"
         )
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if shape and shape[-1] % block_size:
@@ -191,12 +213,14 @@ def _num_bytes(ggml_type: int, shape: tuple[int, ...], name: str, path: Path) ->
     return math.prod(shape) // block_size * type_size
 
 
-def load_gguf(path: Path, *, load_tensors: bool = True) -> Checkpoint:
+def load_gguf(path: Path, *, load_tensors: bool = True, keep_quantized: bool = True) -> Checkpoint:
     """Load a `.gguf` file.
 
     Args:
         path: The file.
         load_tensors: False reads only metadata (architecture, tokenizer).
+        keep_quantized: Keep linear weights of the types in `GGUF_KEPT` as raw bytes (see the
+            module docstring); False dequantizes every tensor to float32.
 
     Raises:
         CheckpointError: Unreadable file, unsupported architecture, tensor type or tokenizer.
@@ -204,6 +228,7 @@ def load_gguf(path: Path, *, load_tensors: bool = True) -> Checkpoint:
     header = read_gguf_header(path)
     arch = arch_from_gguf(header)
     tensors: dict[str, torch.Tensor] = {}
+    quant = QuantSource()
     shapes = {
         hf_name(name, path): info.shape
         for name, info in header.tensors.items()
@@ -211,7 +236,7 @@ def load_gguf(path: Path, *, load_tensors: bool = True) -> Checkpoint:
     }
     check_tensor_shapes(arch, shapes, path)
     if load_tensors:
-        tensors = load_gguf_tensors(header, arch)
+        tensors, quant = load_gguf_tensors(header, arch, keep_quantized=keep_quantized)
     tokenizer = tokenizer_from_gguf(header, arch.vocab_size)
     return Checkpoint(
         arch=arch,
@@ -221,6 +246,7 @@ def load_gguf(path: Path, *, load_tensors: bool = True) -> Checkpoint:
         path=path,
         format="gguf",
         files=[path],
+        quant=quant,
     )
 
 
@@ -267,7 +293,9 @@ def arch_from_gguf(header: GgufHeader) -> LlamaArch:
         else int(get("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None))
     )
     rope_theta = _f32(get("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(header, rope_theta, head_dim)
+    freqs = header.tensors.get("rope_freqs.weight")
+    factors = None if freqs is None else _read_array(_map(path), freqs)  # [head_dim // 2]
+    rope_scaling = gguf_rope.rope_scaling(meta, factors, rope_theta, head_dim, path)
     try:
         return LlamaArch(
             vocab_size=vocab_size,
@@ -293,76 +321,11 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(header: GgufHeader, theta: float, head_dim: int) -> dict[str, Any] | None:
-    """HF-style `rope_scaling` from `llama.rope.scaling.*`, or from a Llama-3 `rope_freqs`."""
-    meta = header.metadata
-    kind = meta.get("llama.rope.scaling.type", "none")
-    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
-    if kind == "none" and factor is not None and factor != 1.0:
-        kind = "linear"  # older files: only rope.scale_linear
-    if kind in ("linear", "yarn"):
-        if factor is None:
-            raise CheckpointError(f"{header.path}: {kind} rope scaling without a factor")
-        scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
-        if kind == "yarn":
-            scaling["original_max_position_embeddings"] = int(
-                meta["llama.rope.scaling.original_context_length"]
-            )
-        return scaling
-    if kind != "none":
-        raise CheckpointError(f"{header.path}: rope scaling {kind!r} is not supported")
-    info = header.tensors.get("rope_freqs.weight")
-    if info is None:
-        return None
-    factors = _read_array(_map(header.path), info)  # [head_dim // 2]
-    return llama3_scaling_from_freq_factors(factors, theta, head_dim, header.path)
-
-
-def llama3_scaling_from_freq_factors(
-    factors: np.ndarray, theta: float, head_dim: int, path: Path
-) -> dict[str, Any]:
-    """Recover Llama-3 `rope_scaling` from llama.cpp's per-frequency divisors (`rope_freqs`).
-
-    The divisors depend on (original context, low/high freq factor) only through their ratios,
-    so the common Llama-3.1 values (8192, 1, 4) are tried first, then fitted.
-    """
-    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
-    factor = float(factors.max())
-    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)  # [head_dim // 2]
-    candidates = [(8192, 1.0, 4.0)]
-    medium = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
-    if medium.sum() >= 2:
-        # In the medium band 1/f = 1/F + s(1 - 1/F), s = (ctx / wavelen - low) / (high - low).
-        smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit(1 / wavelen[medium], smooth, 1)
-        if intercept < 0:
-            candidates.append((round(-slope / intercept), 1.0, 1.0 - 1.0 / intercept))
-    for ctx, low, high in candidates:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": _f32(factor),
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": int(ctx),
-        }
-        if np.allclose(llama3_freq_factors(scaling, theta, head_dim), factors, rtol=1e-3):
-            return scaling
-    raise CheckpointError(f"{path}: rope_freqs.weight does not match Llama-3 rope scaling")
-
-
-def llama3_freq_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
-    """llama.cpp's `rope_freqs` for HF Llama-3 `rope_scaling`: the divisor of each frequency."""
-    factor, ctx = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)  # [head_dim // 2]
-    smooth = (ctx / wavelen - low) / (high - low)
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < ctx / high, 1.0, np.where(wavelen > ctx / low, factor, medium))
-
-
 def _map(path: Path) -> np.ndarray:
     """The whole file as read-only bytes; pages are read when a tensor is dequantized."""
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    # Copy-on-write: the raw tensors kept quantized are torch views of it, which torch wants
+    # writable (nothing writes them; a page is copied only if something did).
+    return np.memmap(path, dtype=np.uint8, mode="c")
 
 
 def _read_array(blob: np.ndarray, info: GgufTensorInfo) -> np.ndarray:
@@ -378,19 +341,54 @@ def _read_array(blob: np.ndarray, info: GgufTensorInfo) -> np.ndarray:
     return values if values.flags.writeable else np.array(values)
 
 
-def load_gguf_tensors(header: GgufHeader, arch: LlamaArch) -> dict[str, torch.Tensor]:
-    """Every model tensor, float32, HF names, Q/K rows back in HF's rotate-half order."""
+def load_gguf_tensors(
+    header: GgufHeader, arch: LlamaArch, *, keep_quantized: bool = True
+) -> tuple[dict[str, torch.Tensor], QuantSource]:
+    """Every model tensor under HF names: linear weights of a `GGUF_KEPT` type as raw bytes
+    (with `keep_quantized`), the others float32 with Q/K rows back in HF's rotate-half order;
+    and the `QuantSource` that says which are raw."""
     blob, tensors = _map(header.path), {}
+    types: dict[str, int] = {}
+    qk_heads: dict[str, int] = {}
+    dequantized: set[str] = set()
     for name, info in header.tensors.items():
         if name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling
-        weight = _read_array(blob, info)
+        heads = 0
         if ".attn_q." in name:
-            weight = unpermute_qk(weight, arch.num_heads)
+            heads = arch.num_heads
         elif ".attn_k." in name:
-            weight = unpermute_qk(weight, arch.num_kv_heads)
-        tensors[hf_name(name, header.path)] = torch.from_numpy(weight)
-    return tensors
+            heads = arch.num_kv_heads
+        hf = hf_name(name, header.path)
+        kept = keep_quantized and info.ggml_type in GGUF_KEPT and _is_linear(name, info)
+        if kept:
+            raw = blob[info.offset : info.offset + info.num_bytes].reshape(info.shape[0], -1)
+            tensors[hf] = torch.from_numpy(raw)  # [N, bytes per row], copy-on-write
+            types[hf] = info.ggml_type
+            if heads:
+                qk_heads[hf] = heads
+            continue
+        weight = _read_array(blob, info)
+        if heads:
+            weight = unpermute_qk(weight, heads)
+        tensors[hf] = torch.from_numpy(weight)
+        if info.ggml_type not in _FLOAT_TYPES:
+            dequantized.add(GGMLQuantizationType(info.ggml_type).name)
+    if dequantized and keep_quantized:
+        log.info(
+            "%s: tensors of type %s dequantized to float32 at load (kept quantized: %s, "
+            "linear weights only)", header.path.name, ", ".join(sorted(dequantized)),
+            ", ".join(t.name for t in GGUF_KEPT),
+        )  # fmt: skip
+    return tensors, QuantSource(gguf_types=types, gguf_qk_heads=qk_heads)
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _is_linear(name: str, info: GgufTensorInfo) -> bool:
+    """A linear layer's weight (not the token embedding, a norm or a bias)."""
+    return len(info.shape) == 2 and name != "token_embd.weight" and name.endswith(".weight")
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:

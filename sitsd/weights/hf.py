@@ -1,9 +1,11 @@
 """Hugging Face model directories: `config.json`, `*.safetensors`, `tokenizer.json` and friends.
 
-Reads the architecture from `config.json`, memory-maps every safetensors shard (the index is
-optional), and builds the tokenizer from `tokenizer.json` plus the special tokens, BOS/EOS
-behaviour and chat template spread over `tokenizer_config.json`, `special_tokens_map.json`,
-`generation_config.json` and `chat_template.jinja`.
+Reads the architecture from `config.json` (and its `quantization_config`, or AutoAWQ's
+`quant_config.json`: the checkpoint's `QuantSource`, its quantized modules' tensors kept as they
+are), memory-maps every safetensors shard (the index is optional), and builds the tokenizer
+from `tokenizer.json` plus the special tokens, BOS/EOS behaviour and chat template spread over
+`tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json` and
+`chat_template.jinja`.
 
 Choosing between formats and refusing bare pickle paths is `formats.load_checkpoint`'s job;
 copying tensors to a device is the model's.
@@ -20,6 +22,9 @@ import torch
 from safetensors import safe_open
 
 from sitsd.model.arch import arch_from_hf_config
+from sitsd.quant.config import parse_quantization_config
+from sitsd.quant.errors import QuantFormatError
+from sitsd.quant.source import QuantSource
 from sitsd.weights.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -51,6 +56,7 @@ def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
         arch = arch_from_hf_config(config)
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{path / 'config.json'}: unsupported or incomplete: {exc}") from exc
+    quant = _quant_source(path, config, files)
     weight_files = _weight_files(path)
     tokenizer = _load_tokenizer(path, config, arch.vocab_size, files)
     files += weight_files
@@ -59,7 +65,8 @@ def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
         tensors = _load_safetensors(weight_files)
         if arch.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)  # a saved copy of the tied embedding
-        check_tensor_shapes(arch, {k: tuple(v.shape) for k, v in tensors.items()}, path)
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        check_tensor_shapes(arch, shapes, path, quant)
     return Checkpoint(
         arch=arch,
         tensors=tensors,
@@ -68,7 +75,26 @@ def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
         path=path,
         format="hf",
         files=files,
+        quant=quant,
     )
+
+
+def _quant_source(path: Path, config: dict[str, Any], files: list[Path]) -> QuantSource | None:
+    """The checkpoint's quantization scheme: `config.json`'s `quantization_config`, else
+    AutoAWQ's `quant_config.json`; None for a 16-bit checkpoint."""
+    qconfig = config.get("quantization_config")
+    where = "config.json"
+    if qconfig is None and (path / "quant_config.json").is_file():
+        qconfig, where = _read_json(path / "quant_config.json", files), "quant_config.json"
+        qconfig.setdefault("quant_method", "awq")
+    if qconfig is None:
+        return None
+    if not isinstance(qconfig, dict):
+        raise CheckpointError(f"{path / where}: quantization_config must be a JSON object")
+    try:
+        return QuantSource(scheme=parse_quantization_config(qconfig))
+    except QuantFormatError as exc:
+        raise CheckpointError(f"{path / where}: {exc}") from None
 
 
 def _read_json(file: Path, files: list[Path], *, required: bool = False) -> dict[str, Any]:

@@ -133,9 +133,12 @@ class StandbyStager:
         loop = asyncio.get_running_loop()
         on_bytes = ByteProgress(loop, progress, "stage", version, pace=self._copy_pacer())
         tensors, chunk = loaded.checkpoint.tensors, self.settings.copy_chunk_bytes
+        source = loaded.checkpoint.quant
         with trace.stage("stage"):
             await run_off_engine(
-                lambda: self.port.copy_into(index, tensors, chunk_bytes=chunk, on_progress=on_bytes)
+                lambda: self.port.copy_into(
+                    index, tensors, chunk_bytes=chunk, on_progress=on_bytes, source=source
+                )
             )
         await self.port.fill(index, version)
         if self.settings.canary_prompts:

@@ -282,7 +282,8 @@ class SwapManager:
                     "(--weight-slots): use migrate or restart"
                 )
             loaded = self._in_place.pop(version)
-            in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes)
+            in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes,
+                                   loaded.checkpoint.quant)  # fmt: skip
         with trace.stage("commit"):
             event = await self._follow_commit(version, policy, in_place, progress, trace)
         update = _progress_of(event)

@@ -99,9 +99,23 @@ def test_noise_bits_are_splitmix64_of_the_seed_and_token():
     noise = exponential_noise(seeds, vocab, torch.device("cpu"))
     for row, seed in enumerate(seeds):
         for j in (0, 1, 499, vocab - 1):
-            top = splitmix_reference(seed, j + 1) >> 40
+            top = splitmix_reference(seed, j + 1) >> 41
             assert bits[row, j].item() == top
-            assert noise[row, j].item() == pytest.approx(-math.log((top + 0.5) / 2**24), abs=1e-6)
+            assert noise[row, j].item() == pytest.approx(-math.log((top + 0.5) / 2**23), abs=1e-6)
+
+
+def test_no_noise_is_zero_so_a_token_of_probability_zero_is_never_drawn():
+    # 64 draws over a 2**20 vocabulary: 2**26 uniforms, so the largest one (all top bits set)
+    # comes up several times. A noise of 0 there would make that token win the exponential race
+    # whatever its probability (and a masked token's 0 / 0 is NaN, which argmax picks).
+    vocab, one = 1 << 20, 7
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, one] = 0.0
+    p = SamplingParams(temperature=1.0)
+    for draw in range(64):
+        noise = exponential_noise([mix_seed(3, draw)], vocab, torch.device("cpu"))
+        assert noise.min().item() > 0
+        assert sample(logits, [p], [3], [draw]) == [one]
 
 
 def test_noise_is_exponential_and_rows_are_independent():

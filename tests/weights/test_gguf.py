@@ -32,7 +32,7 @@ def test_dequantized_tensors_match_the_source_within_the_type_tolerance(
 ):
     path, source = write_tiny_gguf(tmp_path / "m.gguf", tensor_type=tensor_type, seed=seed)
 
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, keep_quantized=False)
 
     assert set(ckpt.tensors) == set(source)
     for name, want in source.items():
@@ -47,7 +47,7 @@ def test_dequantized_tensors_match_the_source_within_the_type_tolerance(
 def test_dequantization_is_exactly_ggufs_round_trip(tmp_path, seed, tensor_type):
     path, source = write_tiny_gguf(tmp_path / "m.gguf", tensor_type=tensor_type, seed=seed)
 
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, keep_quantized=False)
 
     for name in (
         "model.embed_tokens.weight",
@@ -90,7 +90,7 @@ def test_tensors_equal_what_transformers_loads_from_the_same_gguf(tmp_path, seed
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     want = hf.state_dict()
 
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, keep_quantized=False)
 
     for name, tensor in ckpt.tensors.items():
         assert torch.equal(tensor, want[name]), name
@@ -223,10 +223,51 @@ def test_header_parser_agrees_with_gguf_reader(tmp_path, seed):
         assert (info.offset, info.num_bytes) == (tensor.data_offset, tensor.n_bytes)
 
 
-def test_unsupported_tensor_type_is_named(tmp_path, seed):
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_linear_weights_of_served_types_stay_raw_bytes_and_the_embedding_is_dequantized(
+    tmp_path, seed, tensor_type
+):
+    path, source = write_tiny_gguf(tmp_path / "m.gguf", tensor_type=tensor_type, seed=seed)
+
+    ckpt = load_checkpoint(path)
+
+    assert ckpt.quant is not None
+    linear = {n for n, t in source.items() if t.ndim == 2 and "embed_tokens" not in n}
+    assert set(ckpt.quant.gguf_types) == linear
+    assert set(ckpt.quant.gguf_qk_heads) == {n for n in linear if "q_proj" in n or "k_proj" in n}
+    for name in linear:
+        raw = ckpt.tensors[name]
+        data, _ = encode_gguf_tensor(source[name].numpy(), tensor_type)
+        assert raw.dtype == torch.uint8
+        assert raw.shape[0] == source[name].shape[0], name
+        if "q_proj" not in name and "k_proj" not in name:
+            assert np.array_equal(raw.numpy(), data.reshape(raw.shape)), name
+    assert ckpt.tensors["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_other_quantized_types_are_dequantized_with_a_log_line(tmp_path, seed, caplog):
     path, _ = write_tiny_gguf(tmp_path / "m.gguf", tensor_type="Q5_1", seed=seed)
 
-    with pytest.raises(CheckpointError, match=r"Q5_1.*supported: F32, F16, BF16, Q8_0"):
+    with caplog.at_level("INFO", logger="sitsd.weights.gguf_file"):
+        ckpt = load_checkpoint(path)
+
+    assert ckpt.quant is not None
+    assert not ckpt.quant.gguf_types
+    assert ckpt.tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    assert "tensors of type Q5_1 dequantized to float32" in caplog.text
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, seed):
+    path, _ = write_tiny_gguf(tmp_path / "m.gguf", tensor_type="Q4_0", seed=seed)
+    # IQ4_NL has Q4_0's block size (32 weights, 18 bytes), so only the type id changes.
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # after the name, n_dims, two dims
+    assert int.from_bytes(data[at : at + 4], "little") == gguf.GGMLQuantizationType.Q4_0
+    data[at : at + 4] = int(gguf.GGMLQuantizationType.IQ4_NL).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match=r"blk.0.ffn_up.weight is stored as IQ4_NL.*Q4_K"):
         load_checkpoint(path)
 
 

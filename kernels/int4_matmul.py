@@ -1,0 +1,294 @@
+"""Triton kernel: W4A16 GEMM, `y = x @ W.T` with W an INT4 group-quantized weight, for 1 to a
+few hundred rows of x (decode batches and prefill chunks).
+
+W stays packed in memory (`sitsd.kernels.quant_layout`: int32 words of 8 codes along K, `[G, N]`
+scales, optional offsets, optional act-order permutation); each program dequantizes the tiles it
+needs in registers, in float32 (`q * scale + offset`, or `(q - 8) * scale`), and multiplies them
+right away, so a decode step reads 4 bits per weight instead of 16 (`quant_reference.
+int4_matmul_ref` defines the result). Three ways to multiply a tile (`mode`):
+
+* `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
+  the loop (gemv's one-row path): for one or two rows, where a padded MMA would waste most of
+  itself. The weight stays float32.
+* `dot_swapped`: `tl.dot(W_tile [BLOCK_N, BLOCK_K], x_tile^T [BLOCK_K, BLOCK_M])`, the weight rows
+  on the MMA's M side (64 or 128 on Hopper's warp-group MMA) and the few rows of x on its N side
+  (skinny_gemm's trick): for up to 64 rows.
+* `dot`: `tl.dot(x_tile, W_tile^T)`, the tiled GEMM on the tensor cores, for prefill.
+
+In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
+1` the programs along K write float32 partials `[split_k, M, N]` that a second small kernel sums
+in a fixed order (deterministic) and rounds to x's dtype. act-order (`perm`) gathers the columns
+of x as each chunk loads them, so the weight keeps contiguous groups.
+
+Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which configuration, is
+the model's decision; `choose_int4_config` gives defaults that the GPU benchmark
+(`bench/bench_quant_kernels.py`) has yet to confirm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sitsd.kernels._int4_tile import dequant_tile
+from sitsd.kernels._pdl import pdl_enter
+from sitsd.kernels._utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_out,
+    check_pdl,
+    next_power_of_2,
+    num_sms,
+    runs_in_interpreter,
+)
+from sitsd.kernels.quant_layout import check_int4_layout
+
+__all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
+
+MODES = ("fma", "dot_swapped", "dot")
+_MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
+_SUM_BLOCK = 1024  # elements per program of the split-sum kernel
+
+
+@dataclass(frozen=True)
+class Int4MatmulConfig:
+    """Launch configuration of one `int4_matmul` call."""
+
+    mode: str = "dot"  # one of MODES
+    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes)
+    block_n: int = 64  # rows of W (output columns) per program, a power of two
+    block_k: int = 64  # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes)
+    split_k: int = 1  # programs along K; their partials are summed by a second kernel
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of the chunk loads
+
+
+@triton.jit
+def _load_x(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K: tl.constexpr,
+            BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """x at the chunk's layout columns (gathered through perm): [BLOCK_M, BLOCK_K]."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    cols = offs_k
+    if EVEN_K:  # a mask constant along K: the loads stay 16-byte vectors
+        mask = m_mask[:, None]  # broadcast by the load
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k)
+    else:
+        mask = m_mask[:, None] & (offs_k < K)[None, :]
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+# One compiled variant per (K, group, tile, flags): M changes with the batch, and layers that
+# share K share variants whatever their N.
+@triton.jit(do_not_specialize=["M"])
+def _int4_matmul_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,  # offsets, or any pointer without HAS_OFFSETS
+    perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
+    out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    stride_xm,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,  # K elements per split, a multiple of BLOCK_K
+    MODE: tl.constexpr,  # 0 fma, 1 dot_swapped, 2 dot
+    HAS_OFFSETS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * BLOCK_K divides K: no weight masks
+    EVEN_K: tl.constexpr,  # SPLIT_K * BLOCK_K divides K: no K mask on x
+    UPCAST: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    if MODE == 0:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BLOCK_K):
+        w = dequant_tile(qw_ptr, s_ptr, o_ptr, offs_n, n_mask, k0, N, K, GROUP,
+                         BLOCK_N, BLOCK_K, HAS_OFFSETS, EVEN)  # fmt: skip
+        a = _load_x(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K, BLOCK_K, HAS_PERM, EVEN_K)
+        if MODE == 0:
+            acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
+        elif UPCAST:
+            if MODE == 1:
+                acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        elif MODE == 1:
+            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
+    if MODE == 0:
+        y = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+    elif MODE == 1:
+        y = tl.trans(acc)
+    else:
+        y = acc
+    offs = offs_m[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] into row-major [M, N]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split * M * N + offs, y, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):  # a fixed order: the same bits every time
+        acc += tl.load(part_ptr + split * size + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_int4_config(
+    num_rows: int, n: int, k: int, group_size: int, *, num_sms: int = 132
+) -> Int4MatmulConfig:
+    """A default configuration for `x [num_rows, k] @ W[n, k].T` (not yet measured on a GPU).
+
+    One or two rows: `fma` on 8 weight rows per program and chunks of up to 512 columns: one
+    16-byte vector of codes per thread of 4 warps, as in gemv's winning one-row tiling, with
+    twice gemv's rows because 4-bit rows are a quarter as long while each program still reloads
+    its chunk of x (with 8 rows, x is half the weight bytes a program reads). Up to 64 rows:
+    `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x 128 past
+    128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8, into
+    whole chunks) until the grid has two programs per SM.
+    """
+    del group_size  # the tiles work for every group size; the kernel adapts its scale loads
+    k_pow2 = next_power_of_2(k)
+    if num_rows <= 2:
+        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 8, max(8, min(512, k_pow2)))
+    if num_rows <= 64:
+        config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
+                                  max(16, min(128, k_pow2)))  # fmt: skip
+    elif num_rows <= 128:
+        config = Int4MatmulConfig("dot", 64, 128, max(16, min(64, k_pow2)))
+    else:
+        config = Int4MatmulConfig("dot", 128, 128, max(16, min(64, k_pow2)), num_warps=8)
+    tiles = cdiv(n, config.block_n) * cdiv(num_rows, config.block_m)
+    split_k = 1
+    while tiles * split_k < 2 * num_sms and split_k < 8 and k % (2 * split_k * config.block_k) == 0:
+        split_k *= 2
+    return Int4MatmulConfig(config.mode, config.block_m, config.block_n, config.block_k, split_k,
+                            config.num_warps, config.num_stages)  # fmt: skip
+
+
+def _check_config(config: Int4MatmulConfig) -> None:
+    if config.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+    dot = config.mode != "fma"  # tl.dot needs every side >= 16
+    least = {"block_m": 16 if dot else 1, "block_n": 16 if dot else 1, "block_k": 16 if dot else 8}
+    for name, minimum in least.items():
+        value = getattr(config, name)
+        if value < minimum or value & (value - 1):
+            raise ValueError(
+                f"{name} must be a power of two >= {minimum} in mode {config.mode!r}, got {value}"
+            )
+    if config.split_k < 1 or config.split_k & (config.split_k - 1):
+        raise ValueError(f"split_k must be a power of two, got {config.split_k}")
+
+
+def int4_matmul(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K // 8] int32
+    scales: torch.Tensor,  # [G, N]
+    offsets: torch.Tensor | None,  # [G, N]
+    group_size: int,
+    perm: torch.Tensor | None = None,  # [K] int32
+    *,
+    config: Int4MatmulConfig | None = None,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
+
+    Host-sync free and shape-deterministic (split-K partials come from torch's caching
+    allocator), so it can be captured in a CUDA graph.
+
+    Args:
+        x: Activations, fp32/fp16/bf16, last dimension contiguous, `[M, K]`.
+        qweight: `[N, K // 8]` int32 codes.
+        scales: `[ceil(K / group_size), N]`, float16/bfloat16/float32.
+        offsets: Same shape and dtypes as scales, or None (symmetric: zero point 8).
+        group_size: 32, 64 or 128.
+        perm: act-order permutation `[K]` int32, or None.
+        config: Launch configuration; `choose_int4_config` by default.
+        out: Optional preallocated contiguous output, `[M, N]` in x's dtype.
+        pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
+
+    Returns:
+        `[M, N]` in x's dtype (`out` when given).
+
+    Raises:
+        ValueError: Shapes, strides, devices or configurations that do not fit.
+        TypeError: Unsupported dtypes.
+    """
+    n, k = check_int4_layout(qweight, scales, offsets, group_size, perm)
+    check_ndim("x", x, 2, "[M, K]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    if x.shape[1] != k:
+        raise ValueError(f"x must have shape [M, K] with K = {k} (qweight's), got {tuple(x.shape)}")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device}, the weight on {qweight.device}")
+    num_rows = x.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    check_out("out", out, (num_rows, n), x.dtype, x.device)
+    check_pdl(pdl, x)
+    config = config or choose_int4_config(num_rows, n, k, group_size, num_sms=num_sms(x.device))
+    _check_config(config)
+    if num_rows == 0 or n == 0:
+        return out
+    k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    even_k = k % (config.split_k * config.block_k) == 0
+    even = even_k and n % config.block_n == 0
+    target = out
+    if config.split_k > 1:
+        target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
+    # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
+    upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
+    grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
+    _int4_matmul_kernel[grid](
+        x, qweight, scales, scales if offsets is None else offsets,
+        qweight if perm is None else perm, target, num_rows, n, x.stride(0),
+        K=k, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SPLIT_K=config.split_k, K_SPLIT=k_split,
+        MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None,
+        EVEN=even, EVEN_K=even_k, UPCAST=upcast, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
+    )  # fmt: skip
+    if config.split_k > 1:
+        size = num_rows * n
+        _split_sum_kernel[(cdiv(size, _SUM_BLOCK),)](
+            target, out, size, SPLIT_K=config.split_k, BLOCK=_SUM_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,115 @@
+"""The model's linear layers over any weight: dense tensors to the kernel set's 16-bit linears,
+quantized layouts to their kernels, by row count.
+
+`any_linear`, `any_swiglu_linear` and `any_norm_linear` wrap the kernel set's dense functions:
+a dense weight in the activations' dtype goes to them unchanged (the 16-bit path: the same
+kernels, the same CUDA graphs; on the host one `isinstance` per call while a graph is captured
+or a step runs eagerly); a dense weight in another dtype (the bfloat16 lm_head of a CPU serving
+float32 activations) gets x cast to its dtype and back; a quantized one goes to
+`QuantizedLinears`, with the pre-norm and SwiGLU unfused (the fused 16-bit kernels read 16-bit
+weights only).
+
+`QuantizedLinears` picks the kernel of a layout: on CUDA an INT4 weight runs `int4_matmul` up to
+`INT4_DEQUANT_FROM_ROWS` rows of x (decode, short chunks) and, past it, `int4_dequantize` into one
+runner-owned workspace, then cuBLAS (long prefill chunks: the GEMM is compute-bound there and
+cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device takes
+`sitsd.quant.linear.quantized_linear`'s route. The threshold is a default until the GPU
+benchmark (`bench/bench_quant_kernels.py`) measures it per shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sitsd.quant.layout import Int4Weight
+from sitsd.quant.linear import LinearWeight, ServingWeight, quantized_linear
+
+__all__ = [
+    "INT4_DEQUANT_FROM_ROWS",
+    "QuantizedLinears",
+    "any_linear",
+    "any_norm_linear",
+    "any_swiglu_linear",
+]
+
+INT4_DEQUANT_FROM_ROWS = 256  # rows of x from which INT4 runs dequantize + cuBLAS (unmeasured)
+
+DenseLinear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y
+
+
+@dataclass(frozen=True)
+class QuantizedLinears:
+    """`x @ W.T` for quantized layouts on one runner's device (see the module docstring)."""
+
+    # [numel] in the activations' dtype, for `int4_dequantize` on CUDA; None: int4_matmul always
+    workspace: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
+        if (
+            isinstance(weight, Int4Weight)
+            and x.device.type == "cuda"
+            and x.shape[0] >= INT4_DEQUANT_FROM_ROWS
+            and self.workspace is not None
+            and self.workspace.numel() >= weight.shape[0] * weight.shape[1]
+            and self.workspace.dtype == x.dtype
+        ):
+            from sitsd.kernels.int4_dequant import int4_dequantize  # triton: CUDA hosts only
+
+            n, k = weight.shape
+            w = weight
+            deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm,
+                                  out=self.workspace[: n * k].view(n, k))  # fmt: skip
+            return F.linear(x, deq)
+        return quantized_linear(x, weight)
+
+
+def any_linear(
+    dense: DenseLinear,
+    quantized: QuantizedLinears,
+    x: torch.Tensor,
+    weight: LinearWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for a weight in any form, in x's dtype."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == x.dtype:
+            return dense(x, weight, bias)
+        b = None if bias is None else bias.to(weight.dtype)
+        return dense(x.to(weight.dtype), weight, b).to(x.dtype)
+    out = quantized(x, weight)
+    return out if bias is None else out + bias
+
+
+def any_swiglu_linear(
+    dense_swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    linear: Callable[..., torch.Tensor],
+    gate_up: torch.Tensor,
+    weight: LinearWeight,
+) -> torch.Tensor:
+    """The down projection of SwiGLU(gate_up): the kernel set's (maybe fused) path for a dense
+    weight in gate_up's dtype, else the activation and then `linear` (`any_linear`)."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == gate_up.dtype:
+        return dense_swiglu(gate_up, weight)
+    return linear(silu_and_mul(gate_up), weight)
+
+
+def any_norm_linear(
+    dense_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    unfused_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: LinearWeight,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm projection: the kernel set's (maybe fused) path for a dense weight in
+    hidden's dtype, else `unfused_norm_linear` (its linear is `any_linear`)."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == hidden.dtype:
+        return dense_norm_linear(hidden, residual, norm_weight, eps, weight, bias)
+    return unfused_norm_linear(hidden, residual, norm_weight, eps, weight, bias)

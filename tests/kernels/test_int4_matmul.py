@@ -1,0 +1,190 @@
+"""int4_matmul (Triton) against int4_matmul_ref: every mode, group size, zero points or none,
+act-order, split-K, ragged N and K, SmolLM2's GQA shapes, argument checks; the Llama-3-8B grid,
+M = 1..512, and CUDA-graph replay on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # make test installs it: no kernel test may skip for want of it
+
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
+from sitsd.kernels.quant_reference import int4_matmul_ref
+from tests.kernels.helpers import assert_close
+from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_int4
+
+# Small tilings per mode, so that the odd shapes below leave partial tiles everywhere.
+CONFIGS = {
+    "fma": Int4MatmulConfig("fma", block_m=2, block_n=8, block_k=64),
+    "dot_swapped": Int4MatmulConfig("dot_swapped", block_m=16, block_n=16, block_k=32),
+    "dot": Int4MatmulConfig("dot", block_m=16, block_n=32, block_k=128),
+}
+
+
+def _x(num_rows, k, dtype, device):
+    return torch.randn(num_rows, k, device=device).to(dtype)
+
+
+@pytest.mark.parametrize("mode", sorted(CONFIGS))
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_matches_reference_with_ragged_tiles_and_a_short_last_group(
+    mode, group_size, offsets, device
+):
+    # N = 37: the last tile's rows are masked; K = 2 * group + 32: the last chunk is partial and
+    # the last group short (for 64 and 128), as GPTQ writes K % group != 0.
+    k = 2 * group_size + 32
+    weight = random_int4(37, k, group_size, offsets=offsets, device=device)
+    num_rows = 2 if mode == "fma" else 5
+    x = _x(num_rows, k, torch.bfloat16, device)
+    out = int4_matmul(x, *weight.args, config=CONFIGS[mode])
+    assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_act_order_gathers_x_through_the_permutation(mode, dtype, device):
+    weight = random_int4(24, 160, 32, offsets=True, perm=True, device=device)
+    x = _x(3, 160, dtype, device)
+    out = int4_matmul(x, *weight.args, config=CONFIGS[mode])
+    assert_close(out, int4_matmul_ref(x, *weight.args), dtype)
+    # The same weight without perm gives another product: perm is really applied.
+    unpermuted = int4_matmul_ref(x, weight.qweight, weight.scales, weight.offsets, 32)
+    assert not torch.allclose(out.float(), unpermuted.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_scales_and_offsets_of_any_float_dtype(scale_dtype, device):
+    weight = random_int4(40, 128, 64, offsets=True, scale_dtype=scale_dtype, device=device)
+    x = _x(4, 128, torch.float16, device)
+    out = int4_matmul(x, *weight.args, config=CONFIGS["dot"])
+    assert_close(out, int4_matmul_ref(x, *weight.args), torch.float16)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_sums_the_same_bits_each_time(split_k, device):
+    weight = random_int4(48, 256, 32, offsets=True, device=device)
+    x = _x(6, 256, torch.float16, device)
+    config = Int4MatmulConfig("dot_swapped", 16, 16, 32, split_k=split_k)
+    first = int4_matmul(x, *weight.args, config=config)
+    assert torch.equal(int4_matmul(x, *weight.args, config=config), first)
+    assert_close(first, int4_matmul_ref(x, *weight.args), torch.float16)
+
+
+@pytest.mark.parametrize(("name", "num_rows"), [("kv", 1), ("o", 5)])
+def test_smollm2_shapes_with_the_default_config(name, num_rows, device):
+    n, k = SMOLLM2_SHAPES[name]
+    weight = random_int4(n, k, 64, offsets=True, device=device)
+    x = _x(num_rows, k, torch.bfloat16, device)
+    assert_close(int4_matmul(x, *weight.args), int4_matmul_ref(x, *weight.args), torch.bfloat16)
+
+
+def test_writes_into_a_given_out_takes_strided_rows_and_empty_inputs(device):
+    weight = random_int4(32, 64, 32, offsets=False, device=device)
+    x = _x(6, 128, torch.float32, device)[::2, :64]  # row stride 256, last dimension contiguous
+    out = torch.full((3, 32), float("nan"), device=device)
+    assert int4_matmul(x, *weight.args, config=CONFIGS["dot"], out=out) is out
+    assert_close(out, int4_matmul_ref(x, *weight.args), torch.float32)
+    assert int4_matmul(x[:0], *weight.args).shape == (0, 32)
+
+
+def test_rejects_bad_arguments_with_messages(device):
+    w = random_int4(32, 64, 32, offsets=True, device=device)
+    x = _x(2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        int4_matmul(x, w.qweight, w.scales, w.offsets, 16)
+    with pytest.raises(ValueError, match=r"scales must have shape \[ceil\(K / group_size\), N\]"):
+        int4_matmul(x, w.qweight, w.scales, w.offsets, 64)
+    with pytest.raises(TypeError, match="qweight must have dtype in"):
+        int4_matmul(x, w.qweight.to(torch.int64), w.scales, w.offsets, 32)
+    with pytest.raises(ValueError, match=r"x must have shape \[M, K\] with K = 64"):
+        int4_matmul(_x(2, 72, torch.float32, device), *w.args)
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        int4_matmul(x, w.qweight, w.scales, w.offsets[:1], 32)
+    with pytest.raises(ValueError, match=r"perm must have shape \[K\]"):
+        int4_matmul(x, *w.args[:4], torch.arange(8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16 in mode 'dot'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 8, 32))
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16 in mode 'dot_sw"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("dot_swapped", 48, 64, 128))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("wmma"))
+    with pytest.raises(ValueError, match="split_k must be a power of two"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", split_k=3))
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
+@pytest.mark.parametrize("num_rows", [1, 8, 32, 128, 512])
+def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows):
+    n, k = LLAMA3_8B_SHAPES[name]
+    config = choose_int4_config(num_rows, n, k, 128, num_sms=132)
+    if config.mode != "fma":
+        assert k % (config.split_k * config.block_k) == 0
+    programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
+    assert programs * config.split_k >= 2 * 132 or config.split_k == 8
+
+
+def _other_modes(num_rows: int) -> list[Int4MatmulConfig]:
+    """A tiling of each mode that can serve `num_rows` besides the default's."""
+    configs = [Int4MatmulConfig("dot", 64, 128, 64)]
+    if num_rows <= 64:
+        block_m = max(16, triton.next_power_of_2(num_rows))
+        configs.append(Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k=2))
+    if num_rows <= 2:
+        configs.append(Int4MatmulConfig("fma", triton.next_power_of_2(num_rows), 4, 1024))
+    return configs
+
+
+# Llama-3-8B's layers, SmolLM2's (K = 576: a short last group of 128), and odd N with a K that
+# is no power of two.
+GPU_SHAPES = {**LLAMA3_8B_SHAPES, "smollm2_qkv": SMOLLM2_SHAPES["qkv"],
+              "smollm2_down": SMOLLM2_SHAPES["down"], "odd": (4099, 4128)}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_gpu_model_shapes_match_reference_from_1_to_512_rows(name, group_size, offsets, device):
+    # Every row count with the default configuration; the other modes at a few (each distinct
+    # configuration is a compile per K: the grid is kept to what the H200 run can afford).
+    n, k = GPU_SHAPES[name]
+    weight = random_int4(n, k, group_size, offsets=offsets, device=device)
+    for num_rows in (1, 2, 3, 8, 17, 32, 64, 65, 128, 200, 512):
+        x = _x(num_rows, k, torch.bfloat16, device)
+        ref = int4_matmul_ref(x, *weight.args)
+        assert_close(int4_matmul(x, *weight.args), ref, torch.bfloat16)
+        for config in _other_modes(num_rows) if num_rows in (1, 17, 200) else []:
+            assert_close(int4_matmul(x, *weight.args, config=config), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_act_order_and_split_k_on_llama_down(dtype, device):
+    n, k = LLAMA3_8B_SHAPES["down"]
+    weight = random_int4(n, k, 128, offsets=True, perm=True, device=device)
+    for num_rows in (1, 16, 48):
+        x = _x(num_rows, k, dtype, device)
+        ref = int4_matmul_ref(x, *weight.args)
+        for split_k in (1, 2, 4, 8):
+            block_m = max(16, 1 << (num_rows - 1).bit_length())  # a power of two
+            config = Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k)
+            assert_close(int4_matmul(x, *weight.args, config=config), ref, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_replays_in_a_cuda_graph(device):
+    n, k = LLAMA3_8B_SHAPES["o"]
+    weight = random_int4(n, k, 128, offsets=True, device=device)
+    for num_rows in (1, 24):
+        x = _x(num_rows, k, torch.bfloat16, device)
+        out = torch.empty(num_rows, n, device=device, dtype=torch.bfloat16)
+        int4_matmul(x, *weight.args, out=out)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            int4_matmul(x, *weight.args, out=out)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
