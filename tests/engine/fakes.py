@@ -9,6 +9,7 @@ import torch
 
 from sitsd.model.arch import LlamaArch
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
+from sitsd.quant.source import QuantSource
 
 FAKE_ARCH = LlamaArch(
     vocab_size=1000, hidden_size=8, intermediate_size=16,
@@ -72,11 +73,15 @@ class FakeSlots:
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int:
         assert self.versions[index] is None, "copy only into a released slot"
         name = threading.current_thread().name
         self.copies.append((name, index, list(self.versions), sorted(tensors), chunk_bytes))
         return 0
+
+    def take_restructured(self, index: int) -> bool:
+        return False  # a fake copy moves no tensor: no graph to capture again
 
     def load(self, version: str) -> None:
         """Test helper: put `version` in the standby slot, as staging would."""

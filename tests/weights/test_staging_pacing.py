@@ -58,7 +58,7 @@ class LinkPort:
         assert threading.current_thread().name == "sitsd-stager", "read on the copying thread"
         return self.link_s
 
-    def copy_into(self, index, tensors, *, chunk_bytes, on_progress=None) -> int:
+    def copy_into(self, index, tensors, *, chunk_bytes, on_progress=None, source=None) -> int:
         self.sleeps.stage = "copy"
         for i in range(self.num_chunks):
             self.link_s += CHUNK_LINK_S
