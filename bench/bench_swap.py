@@ -74,7 +74,8 @@ def write_cpu_versions(work: Path) -> tuple[Path, Path]:
     from sitsd.weights import load_checkpoint, resolve_model_path
     from sitsd.weights.export import perturbed, write_version
 
-    ckpt = load_checkpoint(resolve_model_path("default"))
+    # Dequantized: a version is a float32 Hugging Face directory (the GGUF's Q4_1 bytes are not).
+    ckpt = load_checkpoint(resolve_model_path("default"), keep_quantized=False)
     write_version(ckpt, work / "v1")
     write_version(ckpt, work / "v2", perturbed(ckpt.tensors, 0.01, seed=1))
     return work / "v1", work / "v2"
