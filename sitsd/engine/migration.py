@@ -7,9 +7,11 @@ the new slot, under the per-step allowance of a swap's work (`sitsd.engine.pacin
 the decodes that go on on the old slot; a shadow never samples. The migration ends in bounded
 time: `tokens_to_finish` says how many tokens a step must give shadows for every one that
 will still be needed then to have caught up by a deadline, which the scheduler's allowance
-never goes below. A shadow's target in a step is every known token when its original
-computes its last token in the same step, else all but the last one: a flipped request always
-has a token left to compute, and so samples at once.
+never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
+migration takes longer than its deadline rather than stall the streams). A shadow's target in
+a step is every known token when its original computes its last token in the same step, else
+all but the last one: a flipped request always has a token left to compute, and so samples at
+once.
 
 When, at the start of a step, every shadow has computed at least as many tokens as its
 original, all migrating requests flip in that step: each takes its shadow's blocks, computed

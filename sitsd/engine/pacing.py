@@ -18,9 +18,13 @@ the engine's time on average.
                twice the largest piece measured: noise must not turn into a huge step). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
                pieces are spaced instead: each is as large as one steady step of extra time
-               allows, and waits until the credit the share earns every step covers that, so
-               the share still holds on average, no step more than doubles, and the fixed part
-               is paid as seldom as it can be.
+               allows (at most twice the largest measured), and waits until the credit the
+               share earns every step covers that, so the share still holds on average, no
+               step more than doubles, and the fixed part is paid as seldom as it can be.
+               Each step with swap work is charged what it measured, either way (a noisy
+               machine's slow and fast steps average out), at most one spaced piece.
+    most       what one steady step of extra time buys: a migration behind its deadline may
+               take more than the allowance, never more than that.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -75,7 +79,8 @@ class _Cost:
 
     def __init__(self) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
-        self._fitted: tuple[float, float] | None = None  # `fit()` of the samples as they are
+        # `fit()` of the samples as they are, and whether least squares gave it.
+        self._fitted: tuple[float, float, bool] | None = None
 
     def add(self, num_tokens: int, extra_s: float) -> None:
         self._samples.append((num_tokens, extra_s))
@@ -96,13 +101,20 @@ class _Cost:
         return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
 
     def fit(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token): least squares once `separable`, else all of it
-        per token."""
+        """(fixed seconds, seconds per token): least squares once `separable`; else, or when
+        the steps' noise hides the per-token part, all of it per token (`resolved` False)."""
         if self._fitted is None:
             self._fitted = self._fit()
-        return self._fitted
+        return self._fitted[:2]
 
-    def _fit(self) -> tuple[float, float]:
+    @property
+    def resolved(self) -> bool:
+        """The fit told the fixed part from the per-token one (least squares)."""
+        self.fit()
+        assert self._fitted is not None
+        return self._fitted[2]
+
+    def _fit(self) -> tuple[float, float, bool]:
         samples = self._samples
         sizes = [n for n, _ in samples]
         if self.separable:
@@ -113,9 +125,9 @@ class _Cost:
             per_token = cov / var
             fixed = mean_e - per_token * mean_n
             if per_token >= _MIN_PER_TOKEN_S and fixed >= 0.0:
-                return fixed, per_token
+                return fixed, per_token, True
         through_origin = sum(n * e for n, e in samples) / sum(n * n for n in sizes)
-        return 0.0, max(_MIN_PER_TOKEN_S, through_origin)
+        return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
 
 
 class StepPacer:
@@ -159,14 +171,28 @@ class StepPacer:
         if smallest <= share_s:  # fits in every step; at most twice what was measured so far
             return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
-        # (fewer, fuller pieces: each pays the fixed part once). Until pieces of different
-        # sizes have told the fixed part from the per-token one, each is twice the largest.
+        # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
+        # measured. Until the fit tells the fixed part from the per-token one (pieces of
+        # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
+        # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = _credit_cap(steady, smallest)
         if self._credit < cap:
             return 0
-        if not cost.separable:
-            return 2 * cost.largest
-        return max(1, int((cap - fixed) / per_token))
+        grown = 2 * cost.largest + 2
+        if not cost.resolved:
+            return grown
+        return max(1, min(int((cap - fixed) / per_token), grown))
+
+    def most_tokens(self, num_serving_versions: int, alone: bool) -> int:
+        """The most tokens of swap work a step may take even when more presses (a migration
+        behind its deadline): what one steady step of extra time buys, so that no step more
+        than doubles; 0 until that work's cost has been measured."""
+        steady = self.steady_s(num_serving_versions)
+        cost = self._cost[alone]
+        if self.settings.fixed_tokens or steady is None or not cost.known:
+            return 0
+        fixed, per_token = cost.fit()
+        return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is
@@ -206,7 +232,10 @@ class StepPacer:
             return
         extra = period - steady
         self._cost[work.alone].add(work.num_tokens, extra)
-        self._credit -= max(0.0, extra)
+        # Signed: a step's noise either way averages out (charging only the slow ones would
+        # spend more than the share earns on a noisy machine); one outlier costs at most what
+        # a spaced piece may.
+        self._credit -= min(extra, self._cap(steady))
         self._earn(work.num_serving_versions)
 
     # ------------------------------------------------------------------------------ internal
@@ -217,10 +246,12 @@ class StepPacer:
         steady = self.steady_s(key)
         if steady is None:
             return
+        self._credit = min(self._cap(steady), self._credit + self.settings.share * steady)
+
+    def _cap(self, steady: float) -> float:
+        """The most a spaced piece may cost, in steps `steady` long."""
         alone = self._cost[True]
-        smallest = sum(alone.fit()) if alone.known else 0.0
-        cap = _credit_cap(steady, smallest)
-        self._credit = min(cap, self._credit + self.settings.share * steady)
+        return _credit_cap(steady, sum(alone.fit()) if alone.known else 0.0)
 
 
 def _credit_cap(steady: float, smallest: float) -> float:

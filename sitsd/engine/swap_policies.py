@@ -120,16 +120,19 @@ class SwapPolicies:
         migration.flip_s = time.perf_counter() - started
         self.last_migration, self.migration = migration, None
 
-    def schedule_shadows(self, out: SchedulerOutput, allowance: int, step_s: float | None) -> int:
+    def schedule_shadows(
+        self, out: SchedulerOutput, allowance: int, step_s: float | None, most: int
+    ) -> int:
         """Last phase: shadow chunks within `allowance` tokens, or what the deadline needs
-        (`Migration.tokens_to_finish`, steps `step_s` apart; None: no floor) when more; a
-        shadow without blocks: its request is recomputed. Returns the shadows' tokens."""
+        (`Migration.tokens_to_finish`, steps `step_s` apart; None: no floor) when more, up
+        to `most`; a shadow without blocks: its request is recomputed. Returns the shadows'
+        tokens."""
         migration = self.migration
         if migration is None:
             return 0
         batch = self._batch
         needed = migration.tokens_to_finish(batch.now(), self.migration_deadline_s, step_s)
-        allowance = max(allowance, needed)
+        allowance = max(allowance, min(needed, most))
         starved, used = migration.schedule(out, min(allowance, batch.budget(out)), batch.kv_cache)
         for request in starved:
             batch.unschedule(request.req_id, out)

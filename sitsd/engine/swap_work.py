@@ -66,5 +66,6 @@ class SwapWorkPhase:
         if migration is not None and migration.to_version in versions:
             # The deadline's floor everywhere but in the steps that keep the pacing measured.
             step_s = None if pacer.measuring(num_serving) else pacer.steady_s(num_serving)
-            used = self._swaps.schedule_shadows(out, allowance, step_s)
+            most = pacer.most_tokens(num_serving, alone) if num_serving else allowance
+            used = self._swaps.schedule_shadows(out, allowance, step_s, most)
         return used + self._probes.schedule(out, allowance - used, versions)

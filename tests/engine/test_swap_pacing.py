@@ -192,6 +192,24 @@ def test_a_migration_too_slow_for_its_share_still_ends_by_its_deadline():
     assert sim.sched.swaps.last_migration.num_restarted == 0
 
 
+def test_a_migration_behind_its_deadline_never_more_than_doubles_a_step():
+    # Steps of a second against a 2 s deadline: catching up in time would take every
+    # shadow's whole context in one step; the deadline's push stops at one steady step.
+    sim = SimEngine(share=0.2, base_s=1.0, token_s=0.02, deadline_s=2.0)
+    steady = sim.steady(num_requests=8, max_tokens=100_000, num_steps=30)
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    first = len(sim.steps)
+    sim.sched.swaps.switch(V1, "migrate")
+    while sim.sched.swaps.migration is not None:
+        sim.step()
+        assert len(sim.steps) - first < 2000, "the migration never ended"
+    added = [a for _, n, a, _ in sim.steps[first:] if n]
+    assert max(added) > 0.2 * steady + sim.token_s, "the deadline pushed past the share"
+    assert max(added) <= steady + sim.token_s + 1e-9, "a step at most doubles"
+    assert sim.sched.swaps.last_migration.num_restarted == 0
+
+
 @pytest.mark.parametrize("fixed", [3, 11])
 def test_a_fixed_allowance_is_never_exceeded(fixed):
     sim = SimEngine(fixed_tokens=fixed, deadline_s=1e6)
