@@ -22,8 +22,9 @@ Layers, lowest first; a package may import its own layer and the layers below it
     weights    hot-swap management (swap manager, stager, canary, versions, watcher)
     api        gRPC servicers and interceptors
     http       the OpenAI-compatible HTTP front end
+    client     the trainers' client (`sitsd.client`: pushes weights over the Admin API)
     ctl        sitsctl
-    app        the composition root, the daemon, the `sitsd` command
+    app        the composition root, the daemon and its start-up checks, the `sitsd` command
     testing    test doubles and in-process peers shared by the tests and the benchmarks
 
 Exit status 1 when there is a loop or an upward import (`make lint` runs it, and
@@ -80,6 +81,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weights", ("sitsd.weights.",)),  # every other module of sitsd.weights
     ("api", ("sitsd.api",)),
     ("http", ("sitsd.http",)),
+    ("client", ("sitsd.client",)),
     ("ctl", ("sitsd.ctl",)),
     (
         "app",
@@ -90,6 +92,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.daemon",
             "sitsd.__main__",
             "sitsd.builder",
+            "sitsd.preflight",
         ),
     ),
     ("testing", ("sitsd.testing",)),

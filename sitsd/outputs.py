@@ -115,6 +115,14 @@ class ModelInfo:
     dtype: str
     device: str
     path: str
+    # UTF-8 bytes of text one token stands for at most (the longest vocabulary entry): a text
+    # prompt longer than the context times this cannot fit, and is refused before tokenizing.
+    max_token_bytes: int = 128
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The longest prompt text, in UTF-8 bytes, that can fit the context."""
+        return self.max_model_len * self.max_token_bytes
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Authentication is `interceptors.AdminAuthInterceptor`'s job: a call reaching thi
 authorized. The engine's counters come from `EngineStatus`; Deploy, Swap, Rollback and
 ListVersions are the swap manager's (`sitsd.weights.swap.SwapManager`): this module streams its
 progress as `SwapProgress` messages. A weight operation keeps running when its client goes
-away (a half-done swap helps nobody); exceptions become statuses in `interceptors`.
+away (a half-done swap helps nobody); exceptions become statuses in `interceptors`. The live
+pushes (UpdateWeights, UpdateWeightsIpc, JoinWeightGroup, UpdateWeightsFromGroup) are
+`sitsd.api.push`'s, imported on the first one (it needs torch, which loading the model brings).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc.aio
 
@@ -23,6 +25,9 @@ from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
 from sitsd.weights.progress import ProgressSink, SwapProgress
 from sitsd.weights.versions import VersionsView
+
+if TYPE_CHECKING:
+    from sitsd.api.push import PushRpcs
 
 
 class SwapManagerLike(Protocol):
@@ -46,17 +51,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, engines: EngineRef) -> None:
         self._engines = engines
         self._operations: set[asyncio.Task[Any]] = set()  # running, whoever still listens
+        self._push_rpcs: PushRpcs | None = None
 
     async def Status(
         self, request: admin_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.StatusResponse:
         engine = self._engines.engine
-        return convert.status_response(
+        response = convert.status_response(
             None if engine is None else engine.status(),
             state=self._engines.state,
             uptime_s=time.monotonic() - self._engines.started_at,
             version=sitsd.__version__,
         )
+        if self._engines.pushes is not None:
+            from sitsd.api.push import push_status
+
+            response.weight_push.CopyFrom(push_status(self._engines.pushes))
+        return response
 
     async def Deploy(
         self, request: admin_pb2.DeployRequest, context: grpc.aio.ServicerContext
@@ -101,7 +112,38 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             operation_in_progress=swaps.busy,
         )
 
+    async def UpdateWeights(
+        self,
+        request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> admin_pb2.WeightUpdate:
+        return await self._pushes().update_weights(request_iterator, context)
+
+    async def UpdateWeightsIpc(
+        self, request: admin_pb2.UpdateWeightsIpcRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.PushEvent]:
+        async for event in self._pushes().update_weights_ipc(request, context):
+            yield event
+
+    async def JoinWeightGroup(
+        self, request: admin_pb2.JoinWeightGroupRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.JoinWeightGroupResponse:
+        return await self._pushes().join_weight_group(request, context)
+
+    async def UpdateWeightsFromGroup(
+        self, request: admin_pb2.UpdateWeightsFromGroupRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.PushEvent]:
+        async for event in self._pushes().update_weights_from_group(request, context):
+            yield event
+
     # ------------------------------------------------------------------------------ helpers
+
+    def _pushes(self) -> PushRpcs:
+        if self._push_rpcs is None:
+            from sitsd.api.push import PushRpcs
+
+            self._push_rpcs = PushRpcs(self._engines)
+        return self._push_rpcs
 
     def _swaps(self) -> SwapManagerLike:
         swaps = self._engines.swaps

@@ -9,12 +9,14 @@ a failure) aborts the request in the engine, so its KV blocks are freed at once.
 and the daemon attaches the engine once it is warm. The rules a request must meet are
 `sitsd.engine.validation`'s: this module calls the ones that need the request's own fields
 (the model name, a text prompt, the `token_ids` field) and leaves the rest to the engine, which
-checks every request it takes. Scheduling and sampling are the engine's; exception -> status
-mapping is `interceptors`'.
+checks every request it takes. Text is checked before it is tokenized, and a long one is
+tokenized off the event loop (`encode_text`), which streams every other request's tokens.
+Scheduling and sampling are the engine's; exception -> status mapping is `interceptors`'.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -25,7 +27,13 @@ from sitsd.api import convert
 from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
-from sitsd.engine.validation import check_model, check_prompt_text, check_token_ids
+from sitsd.engine.validation import (
+    check_model,
+    check_prompt_length,
+    check_prompt_text,
+    check_text_fits,
+    check_token_ids,
+)
 from sitsd.observability.tracing import current_request_span
 from sitsd.outputs import EngineStatus, ModelInfo
 from sitsd.types import RequestDelta, SamplingParams, Tier
@@ -86,12 +94,17 @@ class EngineRef:
         self.started_at = time.monotonic()
         self._engine: EngineLike | None = None
         self.swaps: Any | None = None  # the weight-version manager, once the engine serves
+        self.pushes: Any | None = None  # live weight pushes (`sitsd.weights.push.WeightPushes`)
         self._draining = False
 
-    def attach(self, engine: EngineLike, swaps: Any | None = None) -> None:
-        """Serve requests with `engine` (and weight operations with `swaps`) from now on."""
+    def attach(
+        self, engine: EngineLike, swaps: Any | None = None, pushes: Any | None = None
+    ) -> None:
+        """Serve requests with `engine` (weight operations with `swaps`, pushes with `pushes`)
+        from now on."""
         self._engine = engine
         self.swaps = swaps
+        self.pushes = pushes
 
     def drain(self) -> None:
         """Refuse new requests from now on (UNAVAILABLE); in-flight ones continue."""
@@ -125,44 +138,66 @@ class EngineRef:
         return self._engine
 
 
-def encode_chat(tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages) -> list[int]:
+# Texts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones on a worker thread, where `sitsd.weights.Tokenizer.encode` runs without the GIL.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+async def encode_text(
+    tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool
+) -> list[int]:
+    """`tokenizer.encode(text)`, off the event loop unless the text is short.
+
+    Check the text first (`check_prompt_text`, `check_text_fits`): this tokenizes anything.
+    """
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
+async def encode_chat(
+    tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages, info: ModelInfo
+) -> list[int]:
     """Render `chat` with the model's template (plus the assistant prompt) and tokenize it."""
     if not chat.messages:
         raise InvalidRequestError("chat", "at least one message is needed")
     if not tokenizer.has_chat_template:
         raise InvalidRequestError("chat", "the model has no chat template; send a text prompt")
+    messages = convert.chat_messages_from_proto(chat)
+    check_text_fits("chat", [m["content"] for m in messages], info)  # before rendering them
     try:
-        text = tokenizer.apply_chat_template(
-            convert.chat_messages_from_proto(chat), add_generation_prompt=True
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:  # sitsd.weights.ChatTemplateError: the template refused them
         raise InvalidRequestError("chat", str(exc)) from exc
+    check_text_fits("chat", [text], info)
     # The template writes the special tokens (BOS, role markers) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return await encode_text(tokenizer, text, add_special_tokens=False)
 
 
-def encode_prompt(
+async def encode_prompt(
     tokenizer: TokenizerLike,
     kind: str | None,
     message: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
-    vocab_size: int,
+    info: ModelInfo,
 ) -> list[int]:
     """Token ids of the prompt oneof `kind` ("text", "token_ids" or "chat") of `message`.
 
     Raises:
-        InvalidRequestError: the prompt is missing, the text is empty, a `token_ids` id is out
-            of range, or the chat cannot be rendered. The rest of the prompt's rules are the
-            engine's (`sitsd.engine.validation.validate_request`).
+        InvalidRequestError: the prompt is missing, the text is empty or cannot fit the
+            context, a `token_ids` id is out of range, or the chat cannot be rendered. The
+            rest of the prompt's rules are the engine's
+            (`sitsd.engine.validation.validate_request`).
     """
     if kind == "text":
-        check_prompt_text(message.text)
-        return tokenizer.encode(message.text, add_special_tokens=True)
+        check_prompt_text(message.text, info)
+        return await encode_text(tokenizer, message.text, add_special_tokens=True)
     if kind == "token_ids" and isinstance(message, inference_pb2.GenerateRequest):
         ids = list(message.token_ids.ids)
-        check_token_ids("token_ids", ids, vocab_size)
+        check_prompt_length(len(ids), info)
+        check_token_ids("token_ids", ids, info.vocab_size)
         return ids
     if kind == "chat":
-        return encode_chat(tokenizer, message.chat)
+        return await encode_chat(tokenizer, message.chat, info)
     raise InvalidRequestError("prompt", "the request has no prompt")
 
 
@@ -183,8 +218,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         engine = self._engines.get()
         info = engine.model_info
         check_model(request.model, info)
-        prompt_ids = encode_prompt(
-            engine.tokenizer, request.WhichOneof("prompt"), request, info.vocab_size
+        prompt_ids = await encode_prompt(
+            engine.tokenizer, request.WhichOneof("prompt"), request, info
         )
         params = convert.sampling_params_from_proto(
             request,
@@ -222,8 +257,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         engine = self._engines.get()
         info = engine.model_info
         check_model(request.model, info)
-        token_ids = encode_prompt(
-            engine.tokenizer, request.WhichOneof("input"), request, info.vocab_size
+        token_ids = await encode_prompt(
+            engine.tokenizer, request.WhichOneof("input"), request, info
         )
         return inference_pb2.TokenizeResponse(
             token_ids=token_ids, num_tokens=len(token_ids), model=info.name

@@ -8,7 +8,8 @@
 - maps the call's outcome to an error class (`error_class`): invalid_argument, not_found,
   resource_exhausted, deadline, cancelled, unavailable, unauthenticated, aborted, internal, ...;
 - counts it (`sitsd_requests_total`, `sitsd_request_errors_total{error_class}`), logs a failure
-  inside the span (so the log line carries its trace id) and sets the span's status.
+  inside the span (so the log line carries its trace id; failures a client can cause at a
+  bounded rate per method and class) and sets the span's status.
 
 Which status a failure becomes is `sitsd.api.interceptors`' decision; this module only watches.
 What is recorded where is observability's: the daemon hands in its `Metrics` and tracer.
@@ -32,6 +33,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from sitsd.api.interceptors import SITSD_METHOD_PREFIX, Behavior, replace_behavior
 from sitsd.api.v1 import inference_pb2
+from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.observability.metrics import Metrics
 from sitsd.types import Tier
 
@@ -89,6 +91,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics, tracer: trace.Tracer | None = None) -> None:
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
+        self._limited = RateLimitedLog(log)
         self._propagator = TraceContextTextMapPropagator()
 
     async def intercept_service(
@@ -141,17 +144,17 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
             if error_class not in CLIENT_ERROR_CLASSES:
                 span.set_status(Status(StatusCode.ERROR, message))
             level = logging.INFO if error_class in CLIENT_ERROR_CLASSES else logging.WARNING
-            log.log(
-                level,
-                "rpc failed",
-                extra={
-                    "rpc_method": short_name,
-                    "error_class": error_class,
-                    "grpc_code": code.name if code is not None else "UNKNOWN",
-                    "grpc_message": message,
-                    "tier": tier,
-                },
-            )
+            fields = {
+                "rpc_method": short_name,
+                "error_class": error_class,
+                "grpc_code": code.name if code is not None else "UNKNOWN",
+                "grpc_message": message,
+                "tier": tier,
+            }
+            if error_class == "internal":
+                log.log(level, "rpc failed", extra=fields)
+            else:  # a failure a client can cause (or repeat at will): at a bounded rate
+                self._limited.log(level, (short_name, error_class), "rpc failed", extra=fields)
         span.end()
 
 

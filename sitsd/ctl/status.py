@@ -51,6 +51,7 @@ def format_status(status: admin_pb2.StatusResponse) -> str:
         ("preemptions", str(status.num_preemptions)),
         ("scheduling", status.scheduling_policy or "-"),
         *(_tier_row(tier) for tier in status.tiers),
+        *_push_rows(status.weight_push),
         ("engine steps", str(status.num_steps)),
         ("uptime", _duration(status.uptime_s)),
         ("sitsd version", status.version),
@@ -73,6 +74,19 @@ def _tier_row(tier: admin_pb2.TierStatus) -> tuple[str, str]:
         f"ITL P99 {p99('itl_p99_s', tier.itl_p99_target_s)}, "
         f"refused {tier.num_refused}, shed {tier.num_shed}, preempted {tier.num_preempted}",
     )
+
+
+def _push_rows(push: admin_pb2.WeightPushStatus) -> list[tuple[str, str]]:
+    """`last weight push  step-9 over grpc: committed in 3.41 s (receive 2.9 s, ...)`."""
+    if not push.HasField("last_update"):
+        return []
+    u = push.last_update
+    stages = ", ".join(f"{name} {getattr(u, name + '_s'):.2f} s"
+                       for name in ("receive", "validate", "canary", "commit"))  # fmt: skip
+    outcome = f"{u.outcome}: {u.message}" if u.message else u.outcome
+    pause = f", pause {u.pause_ms:.2f} ms" if u.outcome == "committed" else ""
+    return [("last weight push", f"{u.version} over {u.transport}: {outcome} in {u.total_s:.2f} s "
+                                 f"({stages}{pause})")]  # fmt: skip
 
 
 def _percent(part: int, whole: int) -> str:

@@ -117,5 +117,13 @@ def refusal_reason(snapshot: QueueSnapshot, tier: Tier, key: float, limit_s: flo
         return None
     return (
         f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the {tier.value} "
-        f"tier's {limit_s * 1000:.0f} ms; retry later"
+        f"tier's {limit_s * 1000:.0f} ms; {what_to_change(tier)}"
+    )
+
+
+def what_to_change(tier: Tier) -> str:
+    """The end of a refusal's message: what the client, or the operator, can do about it."""
+    return (
+        "retry later, send it at a tier that may wait longer, or raise "
+        f"tiers.{tier.value}.max_queue_wait_ms in the daemon's --tiers file"
     )

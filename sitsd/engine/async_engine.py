@@ -150,7 +150,8 @@ class AsyncEngine:
 
         Args:
             prompt_token_ids: the tokenized prompt (chat template already applied).
-            params: sampling parameters; validated here.
+            params: sampling parameters; validated here (`validate_request`, which may
+                normalize them: a top_k past the vocabulary runs as no top_k).
             req_id: the caller's id; must be unique among live requests. Generated if None.
             tier: SLA tier; None = the configured default.
             deadline: `time.monotonic()` after which the request is aborted.
@@ -164,7 +165,7 @@ class AsyncEngine:
         """
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests")
-        validate_request(prompt_token_ids, params, self.model_info)
+        params = validate_request(prompt_token_ids, params, self.model_info)
         if len(self._streams) >= self.core.max_num_live_requests:
             raise QueueFullError(
                 f"{len(self._streams)} requests are in flight, the limit is "

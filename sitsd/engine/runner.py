@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from sitsd.model.arch import LlamaArch
+    from sitsd.model.llama import LlamaWeights
     from sitsd.quant.source import QuantSource
 
 
@@ -59,6 +60,8 @@ class WeightSlotsLike(Protocol):
         ...
 
     def index_of(self, version: str) -> int | None: ...
+
+    def weights(self, index: int) -> LlamaWeights: ...
 
     def activate(self, version: str) -> None: ...
 

@@ -8,6 +8,7 @@ controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
                                    `StandbyBusy` while requests still run on its version)
     copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
                                    (`copy_seconds`: the device time its transfers took)
+    slot_writer(index)             or writes a pushed one into it, piece by piece (`SlotWriter`)
     fill(index, version)           the copy is complete: the slot holds `version`
     release(index)                 give the slot back empty (a rejected version)
     prompt_logprobs(ids, version)  a canary prompt on that version, computed as low-priority
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
     from sitsd.model.arch import LlamaArch
     from sitsd.quant.source import QuantSource
+    from sitsd.runtime.slot_writer import SlotWriter
 
 T = TypeVar("T")
 
@@ -133,6 +135,24 @@ class SwapPort:
         """Device seconds the copies' host-to-device transfers took so far (0 on a CPU): the
         clock staging paces a copy to a GPU on. Read it on the copying thread."""
         return self._slots.copy_seconds
+
+    def slot_writer(self, index: int, *, chunk_bytes: int) -> SlotWriter:
+        """A writer into reserved slot `index` for a pushed version; what the push leaves out
+        it copies from the active slot. Used on the caller's threads (never the engine's or the
+        loop's: copies take seconds)."""
+        from sitsd.runtime.slot_writer import SlotWriter  # torch, only once a push arrives
+
+        slots = self._slots
+        active = slots.weights(slots.active)
+        return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes)
+
+    def quantized_tensors(self) -> list[str]:
+        """Tensors a weight slot holds in a quantized layout (a push writes 16-bit ones only)."""
+        from sitsd.runtime.slot_writer import quantized_tensors
+
+        slots = self._slots
+        held = (quantized_tensors(slots.arch, slots.weights(i)) for i in range(slots.num_slots))
+        return [name for names in held for name in names]
 
     async def commit(
         self, version: str, policy: str, in_place: InPlaceCopy | None = None

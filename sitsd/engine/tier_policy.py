@@ -24,7 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sitsd.config import TiersConfig
-from sitsd.engine.admission import QueueSnapshot, refusal_reason, running_entry, waiting_entry
+from sitsd.engine.admission import (
+    QueueSnapshot,
+    refusal_reason,
+    running_entry,
+    waiting_entry,
+    what_to_change,
+)
 from sitsd.engine.batch import Batch, WaitingQueue
 from sitsd.engine.request import Request
 from sitsd.engine.tiers import (
@@ -190,7 +196,8 @@ class TierPolicy:
                     (
                         request.req_id,
                         f"overloaded: waited {waited * 1000:.0f} ms in the queue, over the "
-                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later",
+                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; "
+                        f"{what_to_change(request.tier)}",
                     )
                 )
         return overdue

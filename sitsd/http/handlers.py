@@ -23,7 +23,13 @@ from starlette.responses import Response
 
 from sitsd.api.inference import EngineLike, EngineRef, check_model
 from sitsd.http import prompts, sampling
-from sitsd.http.errors import HttpError, bad_request, error_for_exception, error_for_finish
+from sitsd.http.errors import (
+    HttpError,
+    bad_request,
+    client_closed,
+    error_for_exception,
+    error_for_finish,
+)
 from sitsd.http.generation import Generation, RequestOptions
 from sitsd.http.protocol import (
     ChatCompletionChunk,
@@ -45,7 +51,6 @@ from sitsd.types import GrammarSpec, RequestDelta, SamplingParams, Tier
 
 TIER_HEADER = "x-sitsd-tier"
 TIMEOUT_HEADER = "x-sitsd-timeout-ms"  # the request's deadline, in ms from its arrival
-CLIENT_CLOSED = HttpError(499, "the client closed the connection", code="cancelled")
 
 GrammarCheck = Callable[[EngineLike, GrammarSpec], None]
 
@@ -96,8 +101,8 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids, prompt_texts = prompts.completion_prompts(
-                body, engine.tokenizer, info.vocab_size
+            prompt_ids, prompt_texts = await prompts.completion_prompts(
+                body, engine.tokenizer, info
             )
             params = [
                 sampling.completion_params(
@@ -127,7 +132,7 @@ class GenerationHandlers:
             info = engine.model_info
             check_model(body.model, info)
             sampling.check_choices(body.n)
-            prompt_ids = prompts.chat_prompt(body, engine.tokenizer)
+            prompt_ids = await prompts.chat_prompt(body, engine.tokenizer, info)
             params = sampling.chat_params(
                 body, num_prompt_tokens=len(prompt_ids), max_model_len=info.max_model_len,
                 max_tokens_default=self._max_tokens_default, vocab_size=info.vocab_size,
@@ -200,7 +205,7 @@ class GenerationHandlers:
         try:
             error = await until_disconnect(self._gather(call), call.request.receive)
         except ClientGone:
-            error = CLIENT_CLOSED
+            error = client_closed()
         except Exception as exc:
             error = error_for_exception(exc, self._retry_after_s)
         finally:
@@ -259,7 +264,7 @@ class GenerationHandlers:
                 yield event(self._usage_chunk(call))
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):
-            error = error or CLIENT_CLOSED
+            error = error or client_closed()
             raise
         except HttpError as exc:
             error = exc
@@ -293,8 +298,9 @@ class GenerationHandlers:
             if echo is not None and index not in echoed:
                 echoed.add(index)
                 prefix = echo[index // n] or ""
-            out = completion_chunk(call.header, index, delta, call.texts, prefix)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = completion_chunk(call.header, index, delta, call.texts, prefix, versions)
+            return None if out is None else _sent(call, index, out)
 
         return self._events(call, chunk)
 
@@ -312,10 +318,17 @@ class GenerationHandlers:
                 await inner.aclose()
 
         def chunk(index: int, delta: RequestDelta) -> str | None:
-            out = chat_chunk(call.header, index, delta, call.texts, logprobs)
-            return None if out is None else out.model_dump_json()
+            versions = call.collected.unsent_versions(index)
+            out = chat_chunk(call.header, index, delta, call.texts, logprobs, versions)
+            return None if out is None else _sent(call, index, out)
 
         return with_role()
+
+
+def _sent(call: _Call, index: int, chunk: BaseModel) -> str:
+    """`chunk` as JSON, its choice's token versions accounted for."""
+    call.collected.mark_sent(index)
+    return chunk.model_dump_json()
 
 
 def _tier(body_tier: str | None, request: Request) -> str:

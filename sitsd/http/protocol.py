@@ -149,6 +149,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class WeightsRun(BaseModel):
+    """extra: consecutive tokens of a choice computed by one weights version (a trainer tells
+    on-policy from off-policy tokens by it; the versions change only at a commit)."""
+
+    version: str
+    num_tokens: int
+
+
 class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per token."""
 
@@ -163,6 +171,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # extra: the weights versions of its tokens, in order (a chunk: those since the last one)
+    weights_versions: list[WeightsRun] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -199,6 +209,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    weights_versions: list[WeightsRun] | None = None  # extra: its tokens' weights versions
 
 
 class ChatCompletionResponse(BaseModel):
@@ -221,6 +232,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # extra: the weights versions of the tokens since the choice's last chunk, in order
+    weights_versions: list[WeightsRun] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

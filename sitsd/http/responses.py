@@ -4,7 +4,10 @@
 and `chat_chunk` turn one delta into one chunk, in the format the `openai` client parses:
 text and logprobs as they come, `finish_reason` only on a choice's last chunk, and (with
 `stream_options.include_usage`) a last chunk with `choices == []` and the usage. Logprobs are
-the engine's (`TokenLogprob`), with each token's text as it decodes alone. Error answers are
+the engine's (`TokenLogprob`), with each token's text as it decodes alone. Every choice says
+which weights version computed its tokens (the extra `weights_versions`: runs of tokens per
+version, in order; a chunk's are the tokens since the choice's last chunk, so text held back
+by the detokenizer keeps its tokens' versions). Error answers are
 `sitsd.http.errors`'; the SSE framing is `sitsd.http.sse`'.
 """
 
@@ -29,6 +32,7 @@ from sitsd.http.protocol import (
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
+    WeightsRun,
 )
 from sitsd.types import RequestDelta, TokenLogprob
 
@@ -67,6 +71,15 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    runs: list[WeightsRun] = field(default_factory=list)  # every token's weights version
+    unsent: list[WeightsRun] = field(default_factory=list)  # streamed: not in a chunk yet
+
+
+def _extend(runs: list[WeightsRun], version: str, num_tokens: int) -> None:
+    if runs and runs[-1].version == version:
+        runs[-1].num_tokens += num_tokens
+    else:
+        runs.append(WeightsRun(version=version, num_tokens=num_tokens))
 
 
 @dataclass
@@ -88,12 +101,23 @@ class Collected:
         choice.texts.append(delta.text)
         choice.logprobs += delta.logprobs or ()
         self.weights_version = delta.weights_version or self.weights_version
+        if delta.new_token_ids:
+            _extend(choice.runs, delta.weights_version, len(delta.new_token_ids))
+            _extend(choice.unsent, delta.weights_version, len(delta.new_token_ids))
         if delta.finished:
             choice.finish_reason = delta.finish_reason.value if delta.finish_reason else None
             if delta.usage is not None:
                 choice.completion_tokens = delta.usage.completion_tokens
                 if index % self.n == 0:
                     self.cached_tokens += delta.usage.cached_tokens
+
+    def unsent_versions(self, index: int) -> list[WeightsRun]:
+        """The versions of choice `index`'s tokens no chunk has carried yet."""
+        return list(self.choices[index].unsent)
+
+    def mark_sent(self, index: int) -> None:
+        """A chunk carried them."""
+        self.choices[index].unsent.clear()
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_lengths)
@@ -117,6 +141,7 @@ class Collected:
                     text=prefix + "".join(choice.texts),
                     logprobs=completion_logprobs(choice.logprobs, texts, len(prefix)),
                     finish_reason=choice.finish_reason,
+                    weights_versions=choice.runs,
                 )
             )
         return CompletionResponse(
@@ -131,6 +156,7 @@ class Collected:
                 message=ChatResponseMessage(content="".join(choice.texts)),
                 logprobs=chat_logprobs(choice.logprobs, texts) if logprobs else None,
                 finish_reason=choice.finish_reason,
+                weights_versions=choice.runs,
             )
             for index, choice in enumerate(self.choices)
         ]
@@ -179,9 +205,15 @@ def finish_name(delta: RequestDelta) -> str | None:
 
 
 def completion_chunk(
-    header: Header, index: int, delta: RequestDelta, texts: TokenTexts, prefix: str = ""
+    header: Header,
+    index: int,
+    delta: RequestDelta,
+    texts: TokenTexts,
+    prefix: str = "",
+    versions: list[WeightsRun] | None = None,
 ) -> CompletionResponse | None:
-    """The chunk of one delta; None when it carries nothing a client sees (text held back)."""
+    """The chunk of one delta; None when it carries nothing a client sees (text held back).
+    `versions`: of the tokens since the choice's last chunk."""
     if not (delta.text or prefix or delta.logprobs or delta.finished):
         return None
     choice = CompletionChoice(
@@ -189,6 +221,7 @@ def completion_chunk(
         text=prefix + delta.text,
         logprobs=completion_logprobs(delta.logprobs or (), texts, len(prefix)),
         finish_reason=finish_name(delta),
+        weights_versions=versions,
     )
     return CompletionResponse(
         id=header.id, created=header.created, model=header.model, choices=[choice],
@@ -202,8 +235,10 @@ def chat_chunk(
     delta: RequestDelta,
     texts: TokenTexts,
     logprobs: bool,
+    versions: list[WeightsRun] | None = None,
 ) -> ChatCompletionChunk | None:
-    """The chunk of one delta; None when it carries nothing a client sees."""
+    """The chunk of one delta; None when it carries nothing a client sees. `versions`: of
+    the tokens since the choice's last chunk."""
     if not (delta.text or delta.logprobs or delta.finished):
         return None
     choice = ChatChunkChoice(
@@ -211,6 +246,7 @@ def chat_chunk(
         delta=ChatDelta(content=delta.text or None),
         logprobs=chat_logprobs(delta.logprobs or (), texts) if logprobs else None,
         finish_reason=finish_name(delta),
+        weights_versions=versions,
     )
     return ChatCompletionChunk(
         id=header.id, created=header.created, model=header.model, choices=[choice],

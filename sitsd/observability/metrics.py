@@ -232,6 +232,25 @@ class Metrics:
             ("model", "outcome"),
             registry=r,
         )
+        self.weight_updates = Counter(
+            "sitsd_weight_updates",
+            "Weight pushes from trainers by transport (grpc, ipc, dist) and outcome (committed, "
+            "staged, rejected, refused, failed).",
+            ("model", "transport", "outcome"),
+            registry=r,
+        )
+        self.weight_update_bytes = Counter(
+            "sitsd_weight_update_bytes",
+            "Bytes of tensors received from trainers' pushes, by transport.",
+            ("model", "transport"),
+            registry=r,
+        )
+        self.last_weight_update = Gauge(
+            "sitsd_last_weight_update_seconds",
+            "The last weight push's time per stage (receive, validate, canary, commit, total).",
+            ("model", "stage"),
+            registry=r,
+        )
         self.version_events = Counter(
             "sitsd_weight_versions",
             "Weight versions seen in the watched directory, by event (detected, rejected, "
@@ -272,6 +291,15 @@ class Metrics:
     def record_swap(self, outcome: str) -> None:
         """Count a finished weight swap by its outcome."""
         self.swaps.labels(self.model, outcome).inc()
+
+    def record_weight_update(
+        self, transport: str, outcome: str, num_bytes: int, stage_seconds: dict[str, float]
+    ) -> None:
+        """Count a finished weight push; its stages' times become the last update's."""
+        self.weight_updates.labels(self.model, transport, outcome).inc()
+        self.weight_update_bytes.labels(self.model, transport).inc(num_bytes)
+        for stage, seconds in stage_seconds.items():
+            self.last_weight_update.labels(self.model, stage).set(seconds)
 
     def record_version_event(self, event: str) -> None:
         """Count what the watcher did with a version it saw."""

@@ -46,6 +46,7 @@ from sitsd.weights.checks import (
 from sitsd.weights.errors import SwapRefusedError
 from sitsd.weights.offthread import run_off_engine
 from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress, SwapTraceLike
+from sitsd.weights.push_plan import PushSource, check_plan, check_received
 from sitsd.weights.versions import WeightVersion
 
 log = logging.getLogger("sitsd.swap")
@@ -104,6 +105,47 @@ class StandbyStager:
         if self.port.num_slots == 2:
             await self._copy_to_standby(loaded, record.version, progress, trace)
         return loaded
+
+    async def stage_pushed(
+        self, version: str, push: PushSource, progress: ProgressSink, trace: SwapTraceLike
+    ) -> None:
+        """Stage a pushed version into the standby slot (see the module docstring).
+
+        Raises:
+            VersionRejected: its table, its bytes, a value or the canary (the reason says).
+            SwapRefusedError: the standby slot did not drain in time.
+        """
+        check_plan(push.plan, self.serving)  # before any slot is touched
+        push.check()
+        index = await self._reserve_standby(version, progress)
+        writer = self.port.slot_writer(index, chunk_bytes=self.settings.chunk_bytes)
+        try:
+            with trace.stage("receive"):
+                await push.receive(writer, version, progress, self._host_pacer().share)
+                check_received(push.plan, writer)
+                on_bytes = self._bytes(progress, "receive", version)
+                await run_off_engine(lambda: writer.copy_rest(on_bytes))
+            with trace.stage("validate"):
+                on_bytes = self._bytes(progress, "validate", version)
+                bad = await run_off_engine(
+                    lambda: writer.first_nonfinite(push.plan.names, on_bytes)
+                )
+        finally:
+            await run_off_engine(writer.sync)  # no copy may land in the slot after this
+        if bad is not None:
+            dtype = str(writer.dtype).removeprefix("torch.")
+            raise VersionRejected(f"{bad} holds NaN or Inf values (in {dtype})")
+        await self.port.fill(index, version)
+        if self.settings.canary_prompts:
+            with trace.stage("canary"):
+                result = await self._run_canary(version, progress)
+            if not result.passed:  # nothing may run on rejected weights
+                await self.port.release(index)
+                raise VersionRejected(result.describe())
+
+    def _bytes(self, progress: ProgressSink, stage: str, version: str) -> ByteProgress:
+        loop = asyncio.get_running_loop()
+        return ByteProgress(loop, progress, stage, version, pace=self._host_pacer())
 
     def _load(
         self, record: WeightVersion, loop: asyncio.AbstractEventLoop, progress: ProgressSink

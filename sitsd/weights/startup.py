@@ -6,7 +6,8 @@ directory still holds the manifest recorded at commit (files are hashed again on
 to), else the `--model` checkpoint, saying why. The served model keeps the name `--model` gives
 it (or `--served-model-name`), whatever version serves. `create_swap_manager` then registers
 what serves as the active version and the persisted previous one as the rollback target, reads
-the canary prompts, and builds the `SwapManager`.
+the canary prompts, and builds the `SwapManager`; `create_weight_pushes` the receiving side of
+trainers' pushes on top of it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from sitsd.weights.versions import (
     PersistedVersion,
     VersionRegistry,
     VersionState,
+    is_version_id,
 )
 
 if TYPE_CHECKING:
     from sitsd.engine.swap_port import SwapPort
     from sitsd.observability import Observability
     from sitsd.types import TokenizerLike
+    from sitsd.weights.push import WeightPushes
     from sitsd.weights.swap import SwapManager
 
 log = logging.getLogger("sitsd.swap")
@@ -101,8 +104,11 @@ def choose_startup(config: SitsdConfig) -> StartupChoice:
             active.version, name, path,
         )  # fmt: skip
     model_path = model_path or resolve_model_path(config.model.model)
-    # A version directory (it has a manifest) is named like any version: by the directory.
+    # A version directory (it has a manifest) is named like any version: by the directory
+    # (unless that is no version id; the builder then derives one from the files).
     version = model_path.name if manifest_digest(model_path) else None
+    if version is not None and not is_version_id(version):
+        version = None
     return StartupChoice(name, model_path, version, None, previous)
 
 
@@ -132,6 +138,7 @@ def create_swap_manager(
 
     Raises:
         CanaryFileError: the canary file cannot be used.
+        ValueError: the swap policy needs a second weight slot and there is one.
     """
     # Imported here: torch and the model code; the daemon calls this once the engine runs.
     from sitsd.weights.canary import read_canary_prompts
@@ -139,6 +146,11 @@ def create_swap_manager(
     from sitsd.weights.staging import StagingSettings
     from sitsd.weights.swap import SwapManager, SwapSettings
 
+    if config.swap.policy == "drain" and port.num_slots == 1:
+        raise ValueError(
+            "--swap-policy drain needs two weight slots, and only one fits here: choose "
+            "--swap-policy migrate or restart, or make room for a second slot"
+        )
     wcfg = config.weights
     prompts: list[list[int]] = []
     if wcfg.canary_file:
@@ -163,3 +175,13 @@ def create_swap_manager(
     store = ActiveVersionStore(config.server.state_dir) if config.server.state_dir else None
     settings = SwapSettings(default_policy=config.swap.policy, staging=staging)
     return SwapManager(port, registry, serving, settings, store, telemetry)
+
+
+def create_weight_pushes(
+    manager: SwapManager, config: SitsdConfig, telemetry: Observability | None
+) -> WeightPushes:
+    """The daemon's `WeightPushes`: trainers' pushes through `manager`'s staging path."""
+    from sitsd.weights.push import PushSettings, WeightPushes
+
+    settings = PushSettings(keep_pushed=config.weights.keep_pushed_versions)
+    return WeightPushes(manager, settings, telemetry)

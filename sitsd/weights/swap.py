@@ -20,6 +20,11 @@ restages it from disk when the slot was reused). The active version is persisted
 commit is reported, so a restarted daemon comes back on it. With one weight slot, staging only
 validates; the commit copies the version over the slot between two steps (a pause; requests in
 flight are recomputed, `drain` is refused, and there is no canary: it needs a second slot).
+
+`push` takes a version a trainer pushes (`sitsd.weights.push`) through the same path: staged
+into the standby slot from its transport (`StandbyStager.stage_pushed`), the same canary,
+commit, policies and registry. A pushed version has no files: it is not persisted, and once
+its slot is reused it cannot be restaged (a rollback to it is refused).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +43,12 @@ from sitsd.engine.messages import InPlaceCopy, SwapEvent
 from sitsd.engine.swap_port import SwapPort
 from sitsd.observability import Observability
 from sitsd.weights.checks import LoadedVersion, ServingModel, VersionRejected
-from sitsd.weights.errors import SwapFailedError, SwapRefusedError, VersionRejectedError
+from sitsd.weights.errors import (
+    InvalidVersionIdError,
+    SwapFailedError,
+    SwapRefusedError,
+    VersionRejectedError,
+)
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
 from sitsd.weights.progress import (
     NoTrace,
@@ -46,6 +57,7 @@ from sitsd.weights.progress import (
     SwapTraceLike,
     ignore_progress,
 )
+from sitsd.weights.push_plan import PushSource
 from sitsd.weights.staging import StagingSettings, StandbyStager
 from sitsd.weights.versions import (
     ActiveVersionStore,
@@ -54,9 +66,12 @@ from sitsd.weights.versions import (
     VersionState,
     VersionsView,
     WeightVersion,
+    check_version_id,
 )
 
 log = logging.getLogger("sitsd.swap")
+
+PUSHED = "push"  # the source of a version a trainer pushed
 
 
 @dataclass(frozen=True)
@@ -109,9 +124,12 @@ class SwapManager:
         """Register the version in directory `path` (staged); its id defaults to the dir name.
 
         Raises:
+            InvalidVersionIdError: the id (given, or the directory's name) is not a name.
             InvalidRequestError: not a directory, or no readable manifest.
             VersionConflictError: the id is taken by other content.
         """
+        if version:
+            check_version_id(version)  # before the path is even looked at
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
@@ -121,8 +139,15 @@ class SwapManager:
             raise InvalidRequestError(
                 "path", f"{exc}; write one with `sitsctl manifest {path}`"
             ) from None
+        if not version:
+            try:
+                version = check_version_id(directory.resolve().name)
+            except InvalidVersionIdError as exc:
+                raise InvalidVersionIdError(
+                    f"{exc}; name the version (sitsctl deploy --version)"
+                ) from None
         record, _ = self.registry.register(
-            version or directory.name, str(directory.resolve()), digest, source, VersionState.STAGED
+            version, str(directory.resolve()), digest, source, VersionState.STAGED
         )
         return record
 
@@ -144,7 +169,8 @@ class SwapManager:
                 raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
             if version not in self._loaded_versions():
                 trace = self._trace(version)
-                await self._stage(record, progress, trace)
+                with self._unchanged_if_failed(record):
+                    await self._stage(record, progress, trace)
                 trace.finish("staged")
         progress(SwapProgress("staged", version, message="validated; ready to commit"))
         return self.registry.get(version)
@@ -172,6 +198,7 @@ class SwapManager:
             SwapFailedError.
         """
         policy = self._policy(policy)
+        check_version_id(version)
         self.registry.get(version)  # NOT_FOUND at once, not after waiting for the lock
         async with self._exclusive(f"swap to {version}", wait=wait):
             record = self.registry.get(version)
@@ -181,10 +208,15 @@ class SwapManager:
                 return done
             if record.state is VersionState.REJECTED:
                 raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
+            if record.source == PUSHED and version not in self._loaded_versions():
+                raise SwapRefusedError(
+                    f"version {version} was pushed and is in no weight slot any more; push it again"
+                )
             trace = self._trace(version)
-            if version not in self._loaded_versions():
-                await self._stage(record, progress, trace)
-            return await self._commit(version, policy, progress, trace, outcome)
+            with self._unchanged_if_failed(record):
+                if version not in self._loaded_versions():
+                    await self._stage(record, progress, trace)
+                return await self._commit(version, policy, progress, trace, outcome)
 
     async def rollback(
         self, policy: str = "", progress: ProgressSink = ignore_progress
@@ -198,6 +230,45 @@ class SwapManager:
         if not previous:
             raise SwapRefusedError("nothing to roll back to: no version was active before this one")
         return await self.swap(previous, policy, progress, outcome="rolled_back")
+
+    async def push(
+        self,
+        version: str,
+        path: str,
+        push: PushSource,
+        policy: str = "",
+        progress: ProgressSink = ignore_progress,
+        *,
+        commit: bool = True,
+        trace: SwapTraceLike | None = None,
+    ) -> SwapProgress:
+        """Register what a trainer pushes (`push`, a transport) as `version` (`path`: where it
+        came from), stage it, and commit it unless `commit` is False ("staged": for `swap`).
+
+        Raises:
+            InvalidRequestError, VersionConflictError, SwapRefusedError, VersionRejectedError,
+            SwapFailedError.
+        """
+        policy = self._policy(policy)
+        if self.port.num_slots == 1:
+            raise SwapRefusedError("a push is received into the standby weight slot; this "
+                                   "daemon has one slot (--weight-slots)")  # fmt: skip
+        async with self._exclusive(f"push of {version}", wait=False):
+            if quantized := self.port.quantized_tensors():
+                raise SwapRefusedError(
+                    f"a push writes 16-bit weights; this daemon holds {len(quantized)} tensors "
+                    f"quantized (e.g. {quantized[0]}): serve 16-bit weights to push"
+                )
+            digest = f"push:{secrets.token_hex(8)}"  # each push is content of its own
+            record, _ = self.registry.register(version, path, digest, PUSHED, VersionState.STAGED)
+            trace = trace or self._trace(version)
+            await self._stage(record, progress, trace, push)
+            if commit:
+                return await self._commit(version, policy, progress, trace, "committed")
+            trace.finish("staged")
+        done = SwapProgress("staged", version, message="validated; ready to commit")
+        progress(done)
+        return done
 
     def versions(self) -> VersionsView:
         """Every version, and which slot holds which."""
@@ -217,16 +288,24 @@ class SwapManager:
     # ---------------------------------------------------------------------------- staging
 
     async def _stage(
-        self, record: WeightVersion, progress: ProgressSink, trace: SwapTraceLike
+        self,
+        record: WeightVersion,
+        progress: ProgressSink,
+        trace: SwapTraceLike,
+        push: PushSource | None = None,
     ) -> None:
-        """Verify, load, validate and (two slots) copy into the standby slot, then canary."""
+        """Verify, load, validate and (two slots) copy into the standby slot, then canary;
+        or, for a `push`, receive it into the standby slot (`StandbyStager.stage_pushed`)."""
         version = record.version
         if record.state is not VersionState.STAGED:
             self.registry.set_state(version, VersionState.STAGED)  # restaged from disk
         try:
-            loaded = await self.stager.stage(record, progress, trace)
-            if self.port.num_slots == 1:
-                self._in_place[version] = loaded  # copied over the slot by the commit
+            if push is not None:
+                await self.stager.stage_pushed(version, push, progress, trace)
+            else:
+                loaded = await self.stager.stage(record, progress, trace)
+                if self.port.num_slots == 1:
+                    self._in_place[version] = loaded  # copied over the slot by the commit
         except VersionRejected as exc:
             self._reject(version, str(exc), progress, trace)
             raise VersionRejectedError(f"version {version} rejected: {exc}") from None
@@ -276,11 +355,6 @@ class SwapManager:
     ) -> SwapProgress:
         in_place = None
         if self.port.num_slots == 1:
-            if policy == "drain":
-                raise SwapRefusedError(
-                    "drain needs two weight slots; this daemon has one "
-                    "(--weight-slots): use migrate or restart"
-                )
             loaded = self._in_place.pop(version)
             in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes,
                                    loaded.checkpoint.quant)  # fmt: skip
@@ -337,9 +411,9 @@ class SwapManager:
         fsync can wait seconds for the disk, and every stream's tokens go out on this loop.
         """
         self.registry.activate(version)
-        if self.store is None:
-            return
         active = self.registry.get(version)
+        if self.store is None or active.source == PUSHED:  # no files to come back to
+            return
         previous = self.registry.find(self.registry.previous)
         try:
             await asyncio.to_thread(
@@ -354,10 +428,28 @@ class SwapManager:
     # --------------------------------------------------------------------------- helpers
 
     def _policy(self, policy: str) -> str:
+        """The policy a swap runs under; refused before the swap does anything."""
         policy = policy or self.settings.default_policy
         if policy not in SWAP_POLICIES:
             raise InvalidRequestError("policy", f"must be one of {', '.join(SWAP_POLICIES)}")
+        if policy == "drain" and self.port.num_slots == 1:
+            raise SwapRefusedError(
+                "drain needs two weight slots; this daemon has one (--weight-slots): use "
+                "migrate or restart"
+            )
         return policy
+
+    @contextlib.contextmanager
+    def _unchanged_if_failed(self, record: WeightVersion) -> Iterator[None]:
+        """A failed operation leaves the version in the state it had (a rollback target stays
+        retired); only a rejection, the version's own fault, is recorded."""
+        try:
+            yield
+        except BaseException:
+            now = self.registry.find(record.version)
+            if now is not None and now.state is not VersionState.REJECTED:
+                self.registry.restore(record.version, record.state)
+            raise
 
     def _loaded_versions(self) -> set[str]:
         return {v for v in self.port.status().slot_versions if v} | set(self._in_place)

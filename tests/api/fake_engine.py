@@ -125,9 +125,9 @@ class FakeStream:
                 return
             char = completion[n % len(completion)]
             self.num_output_tokens += 1
-            delta = RequestDelta(
-                self.req_id, [ord(char)], char, weights_version=engine.weights_version
-            )
+            switch = engine.version_switch
+            version = switch[1] if switch is not None and n >= switch[0] else engine.weights_version
+            delta = RequestDelta(self.req_id, [ord(char)], char, weights_version=version)
             if self.num_output_tokens >= params.max_tokens:
                 delta = self._finish(FinishReason.LENGTH, delta=delta)
             elif self.num_output_tokens == len(completion) and not params.ignore_eos:
@@ -195,9 +195,11 @@ class FakeEngine:
             dtype="float32",
             device="cpu",
             path="/nonexistent/fake",
+            max_token_bytes=4,  # a character per token
         )
         self.tokenizer = FakeTokenizer()
         self.weights_version = "fake-v1"
+        self.version_switch: tuple[int, str] | None = None  # (tokens, version): later ones its
         self.completion = completion
         self.stall_after: int | None = None  # tokens after which streams wait for abort/release
         self.fail_after: int | None = None  # tokens after which a stream ends with ERROR
@@ -252,7 +254,7 @@ class FakeEngine:
     ) -> FakeStream:
         if not self._accepting:
             raise EngineStoppedError("the engine is not accepting requests")
-        validate_request(prompt_token_ids, params, self.model_info)
+        params = validate_request(prompt_token_ids, params, self.model_info)
         if len(self._live) >= self.max_num_live_requests:
             raise QueueFullError(f"{len(self._live)} requests are in flight; retry later")
         if self.refuse_with is not None:

@@ -4,16 +4,22 @@ error path with its status and error JSON, API keys, headers, and aborts on disc
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from http.client import HTTPConnection
 
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from sitsd.types import Tier
 from tests.api.fake_engine import FakeEngine
 from tests.api.test_inference import wait_for
+from tests.api.test_telemetry import RecordingEngine
 from tests.http.harness import HttpThread, request
 
 API_KEY = "sk-test-key"
@@ -124,6 +130,31 @@ def test_streamed_chat_sends_the_role_first_finish_reason_last_then_usage_and_do
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 13
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_every_choice_says_which_weights_version_computed_each_of_its_tokens(http, route, stream):
+    switch_at, max_tokens = random.randrange(1, 9), random.randrange(9, 13)
+    http.engine.version_switch = (switch_at, "fake-v2")  # a commit between two tokens
+    fields = {"max_tokens": max_tokens, "stream": stream, "n": 2}
+    body = chat_body(**fields) if "chat" in route else {"prompt": "q", **fields}
+    status, _, raw = request(http.base_url, route, body)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(e) for e in sse_events(raw)[:-1]]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+    else:
+        choices = json.loads(raw)["choices"]
+    for index in (0, 1):
+        runs = [
+            (run["version"], run["num_tokens"])
+            for c in choices
+            if c["index"] == index
+            for run in c["weights_versions"] or ()
+        ]
+        per_token = [version for version, n in runs for _ in range(n)]
+        assert per_token == ["fake-v1"] * switch_at + ["fake-v2"] * (max_tokens - switch_at)
 
 
 def test_the_official_client_parses_the_stream(http):
@@ -266,6 +297,12 @@ def test_api_keys_guard_v1_but_not_health():
         status, error = error_of(request(thread.base_url, "/v1/models"))
         assert status == 401
         assert error["code"] == "invalid_api_key"
+        assert error["message"].startswith("an API key is needed")
+        headers = {"authorization": "Bearer sk-wrong"}
+        status, error = error_of(request(thread.base_url, "/v1/models", headers=headers))
+        assert status == 401
+        assert error["message"].startswith("the API key is not valid")
+        assert API_KEY not in error["message"]
         with pytest.raises(openai.AuthenticationError):
             client(thread, "sk-wrong").models.list()
         assert client(thread, API_KEY).models.list().data[0].id == "fake-model"
@@ -316,3 +353,28 @@ def test_http_requests_are_counted_with_the_protocol_label(http):
     assert registry.get_sample_value("sitsd_requests_total", {**labels, "protocol": "http"}) == 2
     errors = {**labels, "protocol": "http", "error_class": "invalid_argument"}
     assert registry.get_sample_value("sitsd_request_errors_total", errors) == 1
+
+
+def test_a_callers_traceparent_is_continued_into_the_span_the_engine_gets():
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    thread = HttpThread(tracer=provider.get_tracer("test"))
+    engine = thread.attach(RecordingEngine())
+    try:
+        trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
+        traceparent = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+        status, _, _ = request(thread.base_url, "/v1/chat/completions", chat_body(), traceparent)
+        assert status == 200
+        wait_for(lambda: spans.get_finished_spans())
+        (span,) = spans.get_finished_spans()
+    finally:
+        thread.stop()
+    assert span.name == "POST /v1/chat/completions"
+    assert span.kind is SpanKind.SERVER
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert format(span.parent.span_id, "016x") == parent_id
+    assert span.parent.is_remote
+    assert span.attributes["http.response.status_code"] == 200
+    (handed,) = engine.trace_contexts
+    assert handed.get_span_context().span_id == span.context.span_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -152,3 +153,18 @@ def test_metrics_server_serves_openmetrics_on_request_and_frees_its_port():
         server.close()
     with pytest.raises(OSError, match="refused"):
         urllib.request.urlopen(url, timeout=2)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/", "/metricsx", "/metrics/extra"])
+def test_the_metrics_port_answers_only_metrics_and_404_elsewhere(path):
+    server = MetricsServer(populated(), "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert urllib.request.urlopen(base + "/metrics", timeout=10).status == 200
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert caught.value.code == 404
+        body = caught.value.read()
+        assert b"sitsd_" not in body  # no metrics text a client could mistake for an answer
+    finally:
+        server.close()

@@ -102,6 +102,180 @@ class ListVersionsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("version", "policy", "partial", "stage_only", "origin", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    policy: SwapPolicy
+    partial: bool
+    stage_only: bool
+    origin: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[str] = ..., policy: _Optional[_Union[SwapPolicy, str]] = ..., partial: _Optional[bool] = ..., stage_only: _Optional[bool] = ..., origin: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class IpcTensor(_message.Message):
+    __slots__ = ("name", "stride", "storage_offset", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, name: _Optional[str] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsIpcRequest(_message.Message):
+    __slots__ = ("header", "tensors", "device_uuid")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    tensors: _containers.RepeatedCompositeFieldContainer[IpcTensor]
+    device_uuid: str
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[IpcTensor, _Mapping]]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class JoinWeightGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "world_size", "rank", "backend", "group_name", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+    backend: str
+    group_name: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class JoinWeightGroupResponse(_message.Message):
+    __slots__ = ("backend", "device")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    device: str
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TensorPlacement(_message.Message):
+    __slots__ = ("bucket", "offset")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    bucket: int
+    offset: int
+    def __init__(self, bucket: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsFromGroupRequest(_message.Message):
+    __slots__ = ("header", "bucket_bytes", "placements", "src_rank")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
+    placements: _containers.RepeatedCompositeFieldContainer[TensorPlacement]
+    src_rank: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ..., src_rank: _Optional[int] = ...) -> None: ...
+
+class WeightUpdate(_message.Message):
+    __slots__ = ("version", "transport", "outcome", "message", "num_tensors", "num_bytes", "receive_s", "validate_s", "canary_s", "commit_s", "total_s", "pause_ms", "policy", "finished_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_S_FIELD_NUMBER: _ClassVar[int]
+    CANARY_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    transport: str
+    outcome: str
+    message: str
+    num_tensors: int
+    num_bytes: int
+    receive_s: float
+    validate_s: float
+    canary_s: float
+    commit_s: float
+    total_s: float
+    pause_ms: float
+    policy: str
+    finished_at: float
+    def __init__(self, version: _Optional[str] = ..., transport: _Optional[str] = ..., outcome: _Optional[str] = ..., message: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., receive_s: _Optional[float] = ..., validate_s: _Optional[float] = ..., canary_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., total_s: _Optional[float] = ..., pause_ms: _Optional[float] = ..., policy: _Optional[str] = ..., finished_at: _Optional[float] = ...) -> None: ...
+
+class PushEvent(_message.Message):
+    __slots__ = ("progress", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: SwapProgress
+    done: WeightUpdate
+    def __init__(self, progress: _Optional[_Union[SwapProgress, _Mapping]] = ..., done: _Optional[_Union[WeightUpdate, _Mapping]] = ...) -> None: ...
+
+class WeightPushStatus(_message.Message):
+    __slots__ = ("device", "device_uuid", "weight_group", "last_update")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    device_uuid: str
+    weight_group: str
+    last_update: WeightUpdate
+    def __init__(self, device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., weight_group: _Optional[str] = ..., last_update: _Optional[_Union[WeightUpdate, _Mapping]] = ...) -> None: ...
+
 class WeightVersion(_message.Message):
     __slots__ = ("version", "path", "state", "reason", "manifest_sha256", "source", "created_at", "updated_at", "active", "slot")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -147,7 +321,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "model", "weights_version", "num_running", "num_waiting", "num_blocks_used", "num_blocks_total", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "uptime_s", "version", "scheduling_policy", "tiers")
+    __slots__ = ("state", "model", "weights_version", "num_running", "num_waiting", "num_blocks_used", "num_blocks_total", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "uptime_s", "version", "scheduling_policy", "tiers", "weight_push")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +338,7 @@ class StatusResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_PUSH_FIELD_NUMBER: _ClassVar[int]
     state: DaemonState
     model: str
     weights_version: str
@@ -180,7 +355,8 @@ class StatusResponse(_message.Message):
     version: str
     scheduling_policy: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
-    def __init__(self, state: _Optional[_Union[DaemonState, str]] = ..., model: _Optional[str] = ..., weights_version: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
+    weight_push: WeightPushStatus
+    def __init__(self, state: _Optional[_Union[DaemonState, str]] = ..., model: _Optional[str] = ..., weights_version: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., weight_push: _Optional[_Union[WeightPushStatus, _Mapping]] = ...) -> None: ...
 
 class TierStatus(_message.Message):
     __slots__ = ("tier", "ttft_p99_target_s", "itl_p99_target_s", "max_queue_wait_s", "batch_cap", "num_running", "num_waiting", "ttft_p99_s", "itl_p99_s", "num_samples", "num_refused", "num_shed", "num_preempted")

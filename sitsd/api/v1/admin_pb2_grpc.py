@@ -75,6 +75,26 @@ class AdminStub:
                 request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.SerializeToString,
                 response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.stream_unary(
+                '/sitsd.api.v1.Admin/UpdateWeights',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.WeightUpdate.FromString,
+                _registered_method=True)
+        self.UpdateWeightsIpc = channel.unary_stream(
+                '/sitsd.api.v1.Admin/UpdateWeightsIpc',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsIpcRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.FromString,
+                _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/sitsd.api.v1.Admin/JoinWeightGroup',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromGroup = channel.unary_stream(
+                '/sitsd.api.v1.Admin/UpdateWeightsFromGroup',
+                request_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+                response_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -140,6 +160,52 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request_iterator, context):
+        """Live weight pushes from a trainer (`sitsd.client`). A push is a new version made of tensors
+        rather than files: received into the standby slot while the active one serves, then
+        validated (every value finite in the serving dtype), canaried and committed like a version
+        from files (same policies, registry, rollback). It names every tensor it carries first (a
+        `PushHeader`): an unknown name, a wrong shape or dtype, a missing tensor (unless partial)
+        is rejected before anything is received. Errors as above; a rejected push is
+        FAILED_PRECONDITION naming the tensor, and nothing is committed. Needs two weight slots.
+
+        A push over this stream (a trainer on another host): the first message is the header, the
+        others the tensors' bytes in its order. Each chunk is copied into the standby slot as it
+        arrives: the daemon holds one chunk at a time, never the version. The response comes after
+        the commit (or the staging, with `stage_only`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsIpc(self, request, context):
+        """A push from a process on the same GPU: handles of its CUDA tensors (torch's own IPC
+        reduction, as fields). The daemon copies device to device while it serves, then streams
+        a "released" event: from then on the trainer may free or change its tensors. The last
+        event carries the update. INVALID_ARGUMENT when the tensors are on another GPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinWeightGroup(self, request, context):
+        """Make the daemon a rank of a torch.distributed group the trainer creates (NCCL between
+        GPUs, gloo between CPUs), through the trainer's TCPStore. Returns once every rank joined.
+        A later call replaces the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromGroup(self, request, context):
+        """A push over the joined group: the header and the bucket layout; once the daemon streams
+        "ready" the trainer broadcasts the buckets in order (rank `src_rank`). The last event
+        carries the update. FAILED_PRECONDITION when no group was joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +233,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListVersions,
                     request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.FromString,
                     response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.WeightUpdate.SerializeToString,
+            ),
+            'UpdateWeightsIpc': grpc.unary_stream_rpc_method_handler(
+                    servicer.UpdateWeightsIpc,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsIpcRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromGroup': grpc.unary_stream_rpc_method_handler(
+                    servicer.UpdateWeightsFromGroup,
+                    request_deserializer=sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsFromGroupRequest.FromString,
+                    response_serializer=sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +406,114 @@ class Admin:
             '/sitsd.api.v1.Admin/ListVersions',
             sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsRequest.SerializeToString,
             sitsd_dot_api_dot_v1_dot_admin__pb2.ListVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sitsd.api.v1.Admin/UpdateWeights',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.WeightUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/UpdateWeightsIpc',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsIpcRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/JoinWeightGroup',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.JoinWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsd.api.v1.Admin/UpdateWeightsFromGroup',
+            sitsd_dot_api_dot_v1_dot_admin__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+            sitsd_dot_api_dot_v1_dot_admin__pb2.PushEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,330 @@
+"""Live weight pushes benchmark: a trainer's tensors pushed into the real daemon under load.
+
+1. v1, the daemon's start-up weights: `--device cuda`: random bf16 weights in Llama-3-8B shapes
+   written once as a version directory under `--work-dir` (about 16 GB); CPU: the embedded
+   SmolLM2 dequantized (a push is refused into quantized weights). The daemon serves it
+   (fcfs, two weight slots, `--gpu-memory-utilization 0.6` so the trainer's tensors fit beside
+   it on the same GPU).
+2. This process is the trainer: the pushed tensors are v1's with 1% relative noise, made on the
+   GPU (bf16, 16 GB; a host copy for the gRPC stream). With a second GPU the weight group's
+   copy lives there (NCCL needs one GPU per rank).
+3. `--clients` streaming greedy requests keep going. After `--steady` seconds, one push per
+   transport (`--transports`: grpc, ipc, dist; the ones that cannot run here are skipped),
+   `--gap` seconds apart, each reporting: the time from the call to the commit (the client's
+   clock) and the daemon's stages (receive, validate, canary, commit), the serving pause at
+   the commit, inter-token latency P99 while receiving (the call to staged) and while
+   committing against steady, and the bytes per second received against the device copy
+   bandwidth measured first (bench.floors).
+4. Throughput: output tokens/s over `--period` seconds with no push, then over as long with a
+   full push every `--push-every` seconds (over IPC where it runs, else the first transport),
+   and their ratio.
+
+Targets (GPU): IPC call to commit < 0.25 s with a pause < 1 ms and ITL P99 within 1.5x of
+steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 of none. With
+`--policy migrate` (the default) the commit waits for the requests in flight to migrate:
+`--policy drain` times the transfer and the flip alone. Never part of the test run.
+
+    python -m bench.bench_push --device cuda --work-dir /scratch/push [--json out.json]
+    .venv/bin/python -m bench.bench_push --clients 4 --transports grpc,dist   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from bench.bench_swap import percentiles
+from bench.daemon import BenchDaemon
+from bench.shapes import LLAMA3_8B, SMOLLM2
+from bench.timing import now
+from sitsd.api.v1 import inference_pb2 as pb
+from sitsd.api.v1 import inference_pb2_grpc
+from sitsd.client import PushResult, WeightGroup, WeightsClient
+
+TRANSPORTS = ("grpc", "ipc", "dist")
+
+
+# ---------------------------------------------------------------------------------- weights
+
+
+def write_v1(work: Path, device: str) -> Path:
+    """The start-up version directory (written once; reused when its manifest is there)."""
+    directory = work / "v1"
+    if (directory / "manifest.json").exists():
+        return directory
+    if device == "cuda":
+        from bench.make_random_model import write
+        from sitsd.weights.manifest import write_manifest
+
+        write(directory, "llama-3-8b", seed=0)
+        write_manifest(directory, workers=8)
+    else:
+        from sitsd.weights import load_checkpoint, resolve_model_path
+        from sitsd.weights.export import write_version
+
+        dense = load_checkpoint(resolve_model_path("default"), keep_quantized=False)
+        write_version(dense, directory)  # float32: a push writes 16/32-bit weights in place
+    return directory
+
+
+def trainer_tensors(v1: Path, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """v1's tensors with 1% relative noise, on `device` (the trainer's update)."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for shard in sorted(v1.glob("*.safetensors")):
+        for name, t in load_file(str(shard), device=str(device)).items():
+            noise = torch.empty(t.shape, device=device).normal_(0.0, 0.01, generator=gen)
+            out[name] = (t.float() * (1 + noise)).to(t.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------- load
+
+
+class Load:
+    """`clients` greedy streams, one request after another each; token arrival times."""
+
+    def __init__(self, address: str, vocab: int, clients: int, seed: int) -> None:
+        rng = random.Random(seed)
+        self.prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))]
+                        for _ in range(64)]  # fmt: skip
+        self.address, self.clients, self.rng = address, clients, rng
+        self.token_times: list[list[float]] = []  # per request
+        self.failed = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            await asyncio.gather(*(self._client(stub) for _ in range(self.clients)))
+
+    async def _client(self, stub: inference_pb2_grpc.InferenceStub) -> None:
+        while not self.stop_event.is_set():
+            times: list[float] = []
+            self.token_times.append(times)
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=self.rng.choice(self.prompts)), ignore_eos=True,
+                sampling=pb.SamplingParams(max_tokens=self.rng.randint(64, 256), temperature=0),
+            )  # fmt: skip
+            try:
+                async for response in stub.Generate(request, timeout=600):
+                    times += [now()] * len(response.token_ids)
+            except grpc.aio.AioRpcError:
+                self.failed += 1
+
+    def itls(self, start: float, end: float) -> list[float]:
+        """Gaps between consecutive tokens of a request, for tokens arriving in [start, end)."""
+        return [b - a for s in list(self.token_times) for a, b in itertools.pairwise(s)
+                if start <= b < end]  # fmt: skip
+
+    def tokens(self, start: float, end: float) -> int:
+        return sum(start <= t < end for s in list(self.token_times) for t in s)
+
+
+# ------------------------------------------------------------------------------------- runs
+
+
+def available(transports: list[str], device: str) -> list[str]:
+    """The transports that can run here: IPC needs a GPU, NCCL a second one (gloo on a CPU)."""
+    out = []
+    for name in transports:
+        if name == "ipc" and device != "cuda":
+            print("skipping ipc: it needs the daemon on a GPU", flush=True)
+        elif name == "dist" and device == "cuda" and torch.cuda.device_count() < 2:
+            print("skipping dist: NCCL needs the trainer on a second GPU", flush=True)
+        else:
+            out.append(name)
+    return out
+
+
+class Trainer:
+    """The pushing side: the tensors where each transport sends them from, and the client."""
+
+    def __init__(self, daemon: BenchDaemon, v1: Path, device: str, seed: int) -> None:
+        self.client = WeightsClient(daemon.address, token=daemon.token())
+        gpu = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.tensors = {"ipc": trainer_tensors(v1, gpu, seed) if device == "cuda" else {}}
+        self.tensors["grpc"] = {n: t.cpu() for n, t in self.tensors["ipc"].items()} or (
+            trainer_tensors(v1, torch.device("cpu"), seed)
+        )
+        self.group: WeightGroup | None = None
+        self._device = device
+        self._pushes = 0
+
+    def push(self, transport: str, policy: str) -> tuple[PushResult, float, float]:
+        """One push of every tensor; (its result, call time, commit time)."""
+        self._pushes += 1
+        version = f"push-{self._pushes}-{transport}"
+        if transport == "dist" and self.group is None:
+            backend = "nccl" if self._device == "cuda" else "gloo"
+            self.group = WeightGroup.create([self.client], backend=backend, timeout_s=600)
+            where = torch.device("cuda", 1) if self._device == "cuda" else torch.device("cpu")
+            self.tensors["dist"] = {n: t.to(where) for n, t in self.tensors["grpc"].items()}
+        started = now()
+        result = self.client.push(self.tensors[transport], version=version,
+                                  transport=transport, policy=policy)  # fmt: skip
+        return result, started, now()
+
+
+def measure_transports(args: argparse.Namespace, trainer: Trainer, load: Load) -> dict:
+    steady_start = now()
+    time.sleep(args.steady)
+    steady = percentiles(load.itls(steady_start, now()))
+    out: dict = {"steady": steady, "pushes": {}}
+    for transport in available(args.transports, args.device):
+        time.sleep(args.gap)
+        result, called, committed = trainer.push(transport, args.policy)
+        # Staged (received, validated, canaried) at the daemon's total less its commit stage.
+        staged = called + result.total_s - result.timings["commit"]
+        receiving = percentiles(load.itls(called, staged))
+        committing = percentiles(load.itls(staged, committed + 1.0))
+        receive_s = result.timings["receive"]
+        out["pushes"][transport] = {
+            "call_to_commit_s": committed - called,
+            "call_to_staged_s": staged - called,
+            "daemon_total_s": result.total_s,
+            "stages_s": result.timings,
+            "pause_ms": result.pause_ms,
+            "itl_receiving": receiving,
+            "itl_committing": committing,
+            "p99_ratio": receiving["p99_ms"] / steady["p99_ms"],
+            "p99_ratio_commit": committing["p99_ms"] / steady["p99_ms"],
+            "bytes": result.num_bytes,
+            "bytes_per_s": result.num_bytes / receive_s if receive_s else float("nan"),
+        }
+        print(f"{transport}: {json.dumps(out['pushes'][transport])}", flush=True)
+    return out
+
+
+def measure_throughput(args: argparse.Namespace, trainer: Trainer, load: Load) -> dict:
+    """Output tokens/s with no push, then with a push every `push_every` seconds."""
+    transports = available(args.transports, args.device)
+    transport = "ipc" if "ipc" in transports else transports[0]  # 16 GB over grpc takes > 10 s
+    start = now()
+    time.sleep(args.period)
+    quiet = load.tokens(start, now()) / (now() - start)
+    start = now()
+    while now() - start < args.period:
+        began = now()
+        trainer.push(transport, args.policy)
+        time.sleep(max(0.0, args.push_every - (now() - began)))
+    pushing = load.tokens(start, now()) / (now() - start)
+    return {"transport": transport, "push_every_s": args.push_every, "quiet_tok_s": quiet,
+            "pushing_tok_s": pushing, "ratio": pushing / quiet}  # fmt: skip
+
+
+def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
+    flags = ["--model", str(v1), "--served-model-name", "bench", "--device", args.device,
+             "--scheduling-policy", "fcfs", "--max-num-seqs", str(2 * args.clients),
+             "--weight-slots", "2", "--swap-policy", args.policy]  # fmt: skip
+    if args.device == "cuda":
+        return [*flags, "--gpu-memory-utilization", "0.6"]
+    return [*flags, "--kv-cache-memory", "256MiB"]
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    result: dict = {"device": args.device, "clients": args.clients, "policy": args.policy}
+    if args.device == "cuda":
+        from bench.floors import copy_bandwidth
+
+        result["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9  # before the daemon takes the GPU
+        torch.cuda.empty_cache()
+    v1 = write_v1(work, args.device)
+    daemon = BenchDaemon(work / "state", daemon_flags(args, v1), log_path=work / "daemon.log")
+    try:
+        daemon.wait_until_serving()
+        trainer = Trainer(daemon, v1, args.device, args.seed)
+        vocab = (LLAMA3_8B if args.device == "cuda" else SMOLLM2).vocab_size
+        load = Load(daemon.address, vocab, args.clients, args.seed)
+        load.thread.start()
+        time.sleep(args.warmup)
+        result |= measure_transports(args, trainer, load)
+        if args.period > 0:
+            result["throughput"] = measure_throughput(args, trainer, load)
+        load.stop_event.set()
+        load.thread.join(600)
+        result["requests"], result["failed_requests"] = len(load.token_times), load.failed
+    finally:
+        daemon.stop()
+    return result
+
+
+def table(r: dict) -> str:
+    rows = [("measure", "value", "target")]
+    steady = r["steady"]
+    rows.append(("ITL steady P50 / P99", f"{steady['p50_ms']:.1f} / {steady['p99_ms']:.1f} ms", ""))
+    bandwidth = r.get("copy_bandwidth_gb_s")
+    for name, p in r["pushes"].items():
+        stages = " / ".join(f"{p['stages_s'][s] * 1e3:.0f}" for s in p["stages_s"])
+        share = f" ({p['bytes_per_s'] / 1e9 / bandwidth:.2f} of the copy)" if bandwidth else ""
+        target = {"ipc": "< 0.25 s", "grpc": "", "dist": ""}[name]
+        rows += [
+            (f"{name}: call to commit", f"{p['call_to_commit_s']:.3f} s", target),
+            (f"{name}: call to staged (commit: {r['policy']})", f"{p['call_to_staged_s']:.3f} s",
+             ""),
+            (f"{name}: receive / validate / canary / commit", f"{stages} ms", ""),
+            (f"{name}: serving pause at the commit", f"{p['pause_ms']:.3f} ms", "< 1 ms"),
+            (f"{name}: ITL P99 while receiving / steady", f"{p['p99_ratio']:.2f}x", "<= 1.5x"),
+            (f"{name}: ITL P99 while committing / steady", f"{p['p99_ratio_commit']:.2f}x", ""),
+            (f"{name}: received", f"{p['bytes_per_s'] / 1e9:.2f} GB/s{share}",
+             ">= 1 GB/s" if name == "grpc" else ""),
+        ]  # fmt: skip
+    if "throughput" in r:
+        t = r["throughput"]
+        rows.append((f"tok/s, a {t['transport']} push every {t['push_every_s']:g} s / none",
+                     f"{t['pushing_tok_s']:.0f} / {t['quiet_tok_s']:.0f} = {t['ratio']:.3f}",
+                     ">= 0.95"))  # fmt: skip
+    if bandwidth:
+        rows.append(("device copy bandwidth (read + write)", f"{bandwidth:.0f} GB/s", ""))
+    rows.append(("requests served / failed", f"{r['requests']} / {r['failed_requests']}", "0"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streams (default 32)")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS),
+                        help="comma-separated, in order (default: grpc,ipc,dist)")  # fmt: skip
+    parser.add_argument("--policy", default="migrate", choices=("migrate", "drain", "restart"))
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
+    parser.add_argument("--steady", type=float, default=10.0, help="steady-state seconds")
+    parser.add_argument("--gap", type=float, default=5.0, help="seconds between two pushes")
+    parser.add_argument("--period", type=float, default=60.0,
+                        help="seconds of each throughput run (0: none)")  # fmt: skip
+    parser.add_argument("--push-every", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=None, help="where v1 is written")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    args.transports = [t for t in args.transports.split(",") if t]
+    if unknown := set(args.transports) - set(TRANSPORTS):
+        parser.error(f"unknown transports: {', '.join(sorted(unknown))}")
+    with tempfile.TemporaryDirectory(prefix="sitsd-push-") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        result = run(args, work)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(f"\nlive pushes under load ({args.device}, {args.clients} streams, {args.policy})")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

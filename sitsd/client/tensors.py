@@ -1,0 +1,115 @@
+"""A trainer's tensors as each transport sends them: the table, chunks, IPC fields, buckets.
+
+Pure functions of the tensors (no channel): `tensor_table` is the header every push starts with
+(name, dtype, shape, in order); `chunks` cuts a tensor's bytes for a gRPC stream; `ipc_tensor`
+takes torch's own CUDA IPC reduction apart into proto fields (no pickle on the wire);
+`bucket_layout` packs tensors into broadcasts for a weight group. What the daemon does with them
+is `sitsd.weights.push`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from sitsd.api.v1 import admin_pb2
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ALIGN = 16  # bytes: where a tensor may start in a bucket (the daemon checks it)
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def named_list(
+    tensors: NamedTensors, dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, detached, in the caller's order; cast to `dtype` if given."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    out = []
+    for name, tensor in items:
+        t = tensor.detach()
+        out.append((name, t.to(dtype) if dtype is not None and t.dtype != dtype else t))
+    return out
+
+
+def tensor_table(tensors: list[tuple[str, torch.Tensor]]) -> list[admin_pb2.TensorSpec]:
+    """Each tensor's name, dtype and shape (an unsupported dtype is sent as is: the daemon
+    refuses it by name)."""
+    return [
+        admin_pb2.TensorSpec(
+            name=name, dtype=DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")),
+            shape=list(t.shape),
+        )
+        for name, t in tensors
+    ]  # fmt: skip
+
+
+def nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[bytes]:
+    """The tensor's bytes (row-major, this machine's byte order) in pieces of whole elements,
+    at most `chunk_bytes` each; a device tensor is copied to the host one piece at a time."""
+    flat = tensor.contiguous().view(-1)
+    per_chunk = max(1, chunk_bytes // tensor.element_size())
+    for start in range(0, flat.numel(), per_chunk):
+        piece = flat[start : start + per_chunk].cpu()
+        yield piece.view(torch.uint8).numpy().tobytes()
+
+
+def ipc_tensor(name: str, tensor: torch.Tensor) -> admin_pb2.IpcTensor:
+    """A CUDA tensor's IPC description, from torch's own reduction (`reduce_tensor`)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    # (cls, size, stride, offset, storage cls, dtype, device, handle, size bytes,
+    #  offset bytes, requires_grad, ref counter handle, ref counter offset, event, sync)
+    _, _, stride, offset, _, _, _, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset, \
+        event, sync = args  # fmt: skip
+    return admin_pb2.IpcTensor(
+        name=name, stride=list(stride), storage_offset=offset, storage_handle=handle,
+        storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
+        ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+        event_handle=event or b"", event_sync_required=bool(sync),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor goes in a weight group's broadcasts."""
+
+    bucket_bytes: list[int]  # the size of each broadcast
+    placements: list[tuple[int, int]]  # per tensor: (bucket, byte offset), in table order
+
+
+def bucket_layout(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketLayout:
+    """Pack tensors in order into buckets of at most `bucket_bytes` (a larger tensor gets a
+    bucket of its own), each tensor at a multiple of `ALIGN` bytes."""
+    sizes: list[int] = []
+    placements = []
+    for _, t in tensors:
+        size = t.numel() * t.element_size()
+        start = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0
+        if not sizes or start + size > bucket_bytes:
+            sizes.append(0)
+            start = 0
+        placements.append((len(sizes) - 1, start))
+        sizes[-1] = start + size
+    return BucketLayout(sizes, placements)
+
+
+def fill_bucket(
+    bucket: torch.Tensor,
+    tensors: list[tuple[str, torch.Tensor]],
+    layout: BucketLayout,
+    index: int,
+) -> None:
+    """Copy the tensors of bucket `index` into `bucket` (uint8, on the broadcast's device)."""
+    for (_, t), (where, offset) in zip(tensors, layout.placements, strict=True):
+        if where == index:
+            size = t.numel() * t.element_size()
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            bucket[offset : offset + size].copy_(raw)

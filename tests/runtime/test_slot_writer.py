@@ -1,0 +1,143 @@
+"""The slot writer: a pushed version written into a released slot in pieces, the rest copied
+from the serving slot, values checked where they will serve."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from sitsd.model.llama import ServingFormat, build_weights, weight_copy_plan
+from sitsd.quant.precision import PrecisionMap
+from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, quantized_tensors
+from sitsd.runtime.weight_slots import WeightSlots
+from tests.runtime.test_weight_slots import tiny
+
+
+def writer_for(seed: int, tied: bool = False, chunk_bytes: int = 1000):
+    arch, first = tiny(seed, tie_word_embeddings=tied)
+    _, second = tiny(seed + 1, tie_word_embeddings=tied)
+    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
+    slots.release(1)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=chunk_bytes)
+    return slots, writer, first, second
+
+
+def named(slots: WeightSlots, index: int) -> dict[str, torch.Tensor]:
+    return {name: view for view, name in weight_copy_plan(slots.arch, slots.weights(index))}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pieces_of_random_sizes_and_dtypes_land_exactly_where_a_whole_copy_would(tied):
+    seed = random.randrange(2**20)
+    slots, writer, _, second = writer_for(seed, tied)
+    rng = random.Random(seed)
+    for name, tensor in second.items():
+        src = tensor.to(rng.choice([torch.float32, torch.bfloat16, torch.float16])).view(-1)
+        start = 0
+        while start < src.numel():
+            n = rng.randrange(1, 200)
+            writer.write_piece(name, start, src[start : start + n])
+            start += n
+        assert writer.written(name) == src.numel()
+        torch.testing.assert_close(
+            named(slots, 1)[name], src.view(tensor.shape).float(), rtol=0, atol=0, msg=name
+        )
+    assert writer.unfinished() == []
+    assert writer.copy_rest() == []  # everything was pushed: nothing kept from the base
+    assert writer.first_nonfinite(list(second)) is None
+
+
+def test_copy_rest_fills_exactly_the_tensors_not_written_from_the_base_slot():
+    slots, writer, _, second = writer_for(random.randrange(2**20))
+    pushed = random.sample(sorted(second), 3)
+    for name in pushed:
+        writer.write(name, second[name].to(torch.bfloat16))
+    rest = writer.copy_rest(on_progress=lambda done, total: None)
+    assert sorted(rest) == sorted(set(second) - set(pushed))
+    got, base = named(slots, 1), named(slots, 0)
+    for name in second:
+        want = second[name].to(torch.bfloat16).float() if name in pushed else base[name]
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+
+
+def test_a_nonfinite_value_is_found_in_the_tensor_it_landed_in():
+    slots, writer, _, second = writer_for(random.randrange(2**20), chunk_bytes=64)
+    names = sorted(second)
+    bad = random.choice(names)
+    for name in names:
+        t = second[name].clone()
+        if name == bad:
+            t.view(-1)[random.randrange(t.numel())] = random.choice([float("nan"), float("inf")])
+        writer.write(name, t)
+    assert writer.first_nonfinite(names) == bad
+    # A float32 value too large for float16 is finite where it was sent, not where it serves.
+    slots16 = WeightSlots(slots.arch, build_weights(slots.arch, second, "cpu", torch.float16), "a")
+    slots16.release(1)
+    w16 = SlotWriter(slots.arch, slots16.weights(1), slots16.weights(0), chunk_bytes=64)
+    big = second["model.norm.weight"].clone()
+    big[0] = 1e6
+    w16.write("model.norm.weight", big)
+    assert w16.first_nonfinite(["model.norm.weight"]) == "model.norm.weight"
+
+
+def test_pieces_that_do_not_fit_are_refused_naming_the_tensor():
+    _, writer, _, second = writer_for(random.randrange(2**20))
+    norm = second["model.norm.weight"]
+    with pytest.raises(SlotWriteError, match=r"model\.bogus\.weight is not a tensor"):
+        writer.write("model.bogus.weight", norm)
+    with pytest.raises(SlotWriteError, match=r"model.norm.weight has shape \(3,\)"):
+        writer.write("model.norm.weight", torch.ones(3))
+    with pytest.raises(SlotWriteError, match=r"model.norm.weight: elements \[60, 70\)"):
+        writer.write_piece("model.norm.weight", 60, torch.ones(10))
+    writer.write_piece("model.norm.weight", 0, torch.ones(10))
+    assert writer.unfinished() == ["model.norm.weight"]
+
+
+def test_a_slot_holding_quantized_layers_is_refused_naming_the_first():
+    arch, tensors = tiny(random.randrange(2**20))
+    layer = random.randrange(arch.num_layers)
+    precision = PrecisionMap.from_mapping({f"model.layers.{layer}.mlp.down_proj*": "int8"})
+    fmt = ServingFormat(torch.device("cpu"), torch.float32, precision)
+    quantized = build_weights(arch, tensors, "cpu", torch.float32, fmt=fmt)
+    dense = build_weights(arch, tensors, "cpu", torch.float32)
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    assert quantized_tensors(arch, quantized) == [name]
+    assert quantized_tensors(arch, dense) == []
+    for slot, base in ((quantized, dense), (dense, quantized)):
+        with pytest.raises(SlotWriteError, match=rf"{re.escape(name)} is held quantized"):
+            SlotWriter(arch, slot, base, chunk_bytes=1000)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stream():
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    _, second = tiny(seed + 1)
+    slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.float32), "v1")
+    slots.release(1)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=512)
+    names = sorted(second)
+    from_host, from_device = names[::3], names[1::3]
+    for name in from_host:  # pinned uploads of pageable pieces, cast on the device
+        flat = second[name].to(torch.bfloat16).view(-1)
+        for start in range(0, flat.numel(), 300):
+            writer.write_piece(name, start, flat[start : start + 300])
+    for name in from_device:  # device to device, as an IPC push copies
+        writer.write(name, second[name].cuda().half())
+    rest = writer.copy_rest()
+    bad = writer.first_nonfinite(from_host + from_device)
+    writer.sync()
+    assert bad is None
+    assert sorted(rest) == sorted(set(names) - set(from_host) - set(from_device))
+    got, base = named(slots, 1), named(slots, 0)
+    for name in names:
+        if name in from_host:
+            want = second[name].to(torch.bfloat16).float().cuda()
+        elif name in from_device:
+            want = second[name].half().float().cuda()
+        else:
+            want = base[name]
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
