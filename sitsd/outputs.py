@@ -36,6 +36,9 @@ class NewRequestData:
     # Set for a migration shadow: it computes KV under `weights_version` for the tokens of
     # the request named here (the runner shares that request's token list) and never samples.
     shadow_of: str | None = None
+    # A canary probe: it never samples; the runner keeps the log-probabilities of every
+    # position it computes until the swap controller takes them (`sitsd.engine.probes`).
+    probe: bool = False
 
 
 @dataclass(slots=True)
@@ -75,6 +78,16 @@ class Preemption:
     for_tier: str = ""  # that request's tier
 
 
+@dataclass(frozen=True, slots=True)
+class SwapWork:
+    """A step as the pacing of a swap's work sees it (`sitsd.engine.pacing`): that work in
+    it (canary probes, migration recompute; often none) and what it served."""
+
+    num_tokens: int  # tokens of a swap's work in the step (0: none)
+    alone: bool  # that work ran as a sub-batch of its own: its version served nothing else
+    num_serving_versions: int  # weights versions the step's serving requests ran on
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What the runner computes in one step."""
@@ -92,6 +105,7 @@ class SchedulerOutput:
     # Asynchronous scheduling: the next `schedule()` already advanced the requests' computed
     # tokens by this step's, so `update_from_output` must not again.
     applied_ahead: bool = False
+    swap_work: SwapWork | None = None  # for the pacing of a swap's work (not the runner's)
 
     @property
     def is_empty(self) -> bool:

@@ -15,9 +15,9 @@ Its parts: the `Scheduler` (which tokens to compute), the model runner (computin
 `OutputProcessor` (token updates -> `RequestDelta`s), the `SwapController` (weight slots and
 commits, `sitsd.engine.swap_controller`) and an `EngineObserver` (telemetry), told of every
 request added (and where it queued), refused, preempted, migrated and finished (and how), of
-every step and of the status after each turn. Swap commands and engine calls first finish a
-step launched ahead. Nothing else touches the scheduler or the runner, so no lock guards them;
-other threads read `status()`, a snapshot replaced after every turn, and
+every step and of the status after each turn. Swap commands, and engine calls that may run the
+model, first finish a step launched ahead. Nothing else touches the scheduler or the runner, so
+no lock guards them; other threads read `status()`, a snapshot replaced after every turn, and
 `admission_refusal()`, which checks a new request against the queue snapshot of the last turn.
 """
 
@@ -77,7 +77,7 @@ class EngineCore:
         self.output = OutputProcessor(scheduler, tokenizer, self.observer)
         # Replies and swap events go out after the status snapshot shows their effect.
         self.swaps = SwapController(scheduler, runner, self.observer, self._refresh)
-        hooks = HookList([self.swaps, ObserverHooks(self.observer, scheduler)])
+        hooks = HookList([self.swaps, scheduler.pacer, ObserverHooks(self.observer, scheduler)])
         in_turn = InTurnStep(StepParts(scheduler, runner, self.output, hooks))
         # The step function, chosen once.
         self._step: InTurnStep | AheadStep = (
@@ -167,9 +167,9 @@ class EngineCore:
                     self.swaps.when_idle()
             except Exception as exc:  # a bug must cost requests, never the engine thread
                 log.exception("engine loop failed; failing every live request")
-                deltas += self.output.finish_all(
-                    f"internal engine error: {type(exc).__name__}: {exc}"
-                )
+                message = f"internal engine error: {type(exc).__name__}: {exc}"
+                deltas += self.output.finish_all(message)
+                self.scheduler.probes.fail_all(message)
             # Snapshot before delivering, so a client that sees its last delta also sees the
             # blocks it held returned.
             self._status = self._snapshot()
@@ -179,6 +179,7 @@ class EngineCore:
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self.output.flush() + self._drain_inbox(block=False)
         deltas += self.output.finish_all("the engine stopped", EndReason.SHUTDOWN)
+        self.scheduler.probes.fail_all("the engine stopped")
         self._status = self._snapshot()
         self._deliver(deltas)
 
@@ -199,7 +200,8 @@ class EngineCore:
                     deltas += self._step.finish_ahead()  # a commit goes between finished steps
                     self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
-                    deltas += self._step.finish_ahead()  # the call may run the model
+                    if message.finishes_ahead:  # the call may run the model
+                        deltas += self._step.finish_ahead()
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:

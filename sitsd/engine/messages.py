@@ -85,9 +85,11 @@ class EngineCall:
     """Run `fn()` on the engine thread between two steps; then `reply(result, error)`.
 
     For short work that must not race the step loop (the swap controller's slot operations,
-    one canary prompt). It delays the next step by as long as it takes; a step launched ahead
-    is finished first.
+    queueing a canary prompt). It delays the next step by as long as it takes; a step launched
+    ahead is finished first unless `finishes_ahead` is False (work that runs nothing on the
+    model, such as queueing a prompt for the next steps).
     """
 
     fn: Callable[[], object]
     reply: Callable[[object, BaseException | None], None]
+    finishes_ahead: bool = True
