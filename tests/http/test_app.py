@@ -4,16 +4,22 @@ error path with its status and error JSON, API keys, headers, and aborts on disc
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from http.client import HTTPConnection
 
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from sitsd.types import Tier
 from tests.api.fake_engine import FakeEngine
 from tests.api.test_inference import wait_for
+from tests.api.test_telemetry import RecordingEngine
 from tests.http.harness import HttpThread, request
 
 API_KEY = "sk-test-key"
@@ -347,3 +353,28 @@ def test_http_requests_are_counted_with_the_protocol_label(http):
     assert registry.get_sample_value("sitsd_requests_total", {**labels, "protocol": "http"}) == 2
     errors = {**labels, "protocol": "http", "error_class": "invalid_argument"}
     assert registry.get_sample_value("sitsd_request_errors_total", errors) == 1
+
+
+def test_a_callers_traceparent_is_continued_into_the_span_the_engine_gets():
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    thread = HttpThread(tracer=provider.get_tracer("test"))
+    engine = thread.attach(RecordingEngine())
+    try:
+        trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
+        traceparent = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+        status, _, _ = request(thread.base_url, "/v1/chat/completions", chat_body(), traceparent)
+        assert status == 200
+        wait_for(lambda: spans.get_finished_spans())
+        (span,) = spans.get_finished_spans()
+    finally:
+        thread.stop()
+    assert span.name == "POST /v1/chat/completions"
+    assert span.kind is SpanKind.SERVER
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert format(span.parent.span_id, "016x") == parent_id
+    assert span.parent.is_remote
+    assert span.attributes["http.response.status_code"] == 200
+    (handed,) = engine.trace_contexts
+    assert handed.get_span_context().span_id == span.context.span_id
