@@ -1,8 +1,8 @@
 """sitsd's benchmarks: each runs from the repository root as `python -m bench.NAME`.
 
 Benchmarks (the usage line of each is in its docstring):
-    bench_cpu, bench_telemetry, bench_tiers, bench_swap, sim_tiers   CPU (bench_swap, bench_tiers
-                                                                     also on a GPU)
+    bench_cpu, bench_telemetry, bench_tiers, bench_swap, sim_tiers,  CPU (bench_swap, bench_tiers,
+    bench_hostile                                                    bench_hostile also on a GPU)
     bench_gpu, bench_mixed, bench_pdl, bench_gemv, bench_skinny,     GPU only
     bench_kernels, profile_decode, gpu_busy
     make_random_model                                                writes a model directory

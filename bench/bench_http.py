@@ -8,8 +8,9 @@ computes the same work; tokens/s counts the tokens the clients received over the
 gRPC goes through `grpc.aio` stubs, HTTP through the official `openai.AsyncOpenAI` client,
 streamed (SSE). Rounds alternate gRPC and HTTP so drift in the machine's load hits both; the
 ratio of the medians is printed. The constrained run adds `response_format` with a JSON
-schema to the 32 HTTP streams (after the grammar ends only end-of-sequence is allowed, and
-`ignore_eos` keeps the request going, so the mask is computed at every step).
+schema to the 32 HTTP streams, right after the unconstrained 32 (after the grammar ends only
+end-of-sequence is allowed, and `ignore_eos` keeps the request going, so the mask is computed
+at every step). The machine's load average is printed at the start and after each round.
 
     .venv/bin/python -m bench.bench_http [--max-tokens 64] [--rounds 3]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 import tempfile
@@ -89,24 +91,29 @@ async def _timed(one, concurrency: int) -> float:
 
 
 def measure(daemon: BenchDaemon, url: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Tokens/s of every measurement, one value per round; each round runs them all in turn."""
     runs: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         for concurrency in (1, 32):
-            for name, work in (
+            plan = [
                 (
                     f"grpc c={concurrency}",
                     grpc_streams(daemon.address, concurrency, args.max_tokens),
                 ),
                 (f"http c={concurrency}", http_streams(url, concurrency, args.max_tokens)),
-            ):
+            ]
+            if concurrency == 32:  # unconstrained beside constrained: the run just before
+                plan.append(
+                    ("http c=32 json_schema", http_streams(url, 32, args.max_tokens, SCHEMA))
+                )
+            for name, work in plan:
                 runs.setdefault(name, []).append(asyncio.run(work))
-        for name, schema in (("http c=32", None), ("http c=32 json_schema", SCHEMA)):
-            key = name if schema else "http c=32 (beside json_schema)"
-            runs.setdefault(key, []).append(
-                asyncio.run(http_streams(url, 32, args.max_tokens, schema))
-            )
-        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        print(f"round {round_index + 1}/{args.rounds} done, load {_load()}", flush=True)
     return runs
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def report(runs: dict[str, list[float]]) -> None:
@@ -117,7 +124,7 @@ def report(runs: dict[str, list[float]]) -> None:
     print()
     for c in (1, 32):
         print(f"HTTP / gRPC at {c:>2} streams: {median[f'http c={c}'] / median[f'grpc c={c}']:.3f}")
-    ratio = median["http c=32 json_schema"] / median["http c=32 (beside json_schema)"]
+    ratio = median["http c=32 json_schema"] / median["http c=32"]
     print(f"json_schema / unconstrained at 32 streams (HTTP): {ratio:.3f}")
 
 
@@ -128,13 +135,14 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    flags = ["--http-port", "0", "--scheduling-policy", "fcfs", "--max-num-seqs", "32",
+    flags = ["--scheduling-policy", "fcfs", "--max-num-seqs", "32",
              "--model", args.model, "--device", args.device, "--no-step-spans"]  # fmt: skip
     with tempfile.TemporaryDirectory() as state:
         daemon = BenchDaemon(Path(state), flags).wait_until_serving()
         try:
             url = HTTP_URL.search(daemon.log_text())
             assert url, "the daemon logged no HTTP address"
+            print(f"load average at the start: {_load()} ({os.cpu_count()} CPUs)", flush=True)
             report(measure(daemon, url.group(1), args))
         finally:
             daemon.stop()

@@ -24,7 +24,7 @@ Layers, lowest first; a package may import its own layer and the layers below it
     http       the OpenAI-compatible HTTP front end
     client     the trainers' client (`sitsd.client`: pushes weights over the Admin API)
     ctl        sitsctl
-    app        the composition root, the daemon, the `sitsd` command
+    app        the composition root, the daemon and its start-up checks, the `sitsd` command
     testing    test doubles and in-process peers shared by the tests and the benchmarks
 
 Exit status 1 when there is a loop or an upward import (`make lint` runs it, and
@@ -93,6 +93,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.daemon",
             "sitsd.__main__",
             "sitsd.builder",
+            "sitsd.preflight",
         ),
     ),
     ("testing", ("sitsd.testing",)),

@@ -22,11 +22,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sitsd.config import ModelConfig, SitsdConfig
+from sitsd.config import ConfigError, ModelConfig, SitsdConfig
 from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import EngineObserver
+from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, ServingFormat, build_weights
@@ -51,6 +52,7 @@ from sitsd.runtime.model_runner import ModelRunner
 from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+from sitsd.weights.versions import version_id_from
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,33 @@ def resolve_dtype(cfg: ModelConfig) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.float32 if cfg.device == "cpu" else torch.bfloat16
     if cfg.dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {cfg.dtype!r}")
+        raise ConfigError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {cfg.dtype!r}")
     return _DTYPES[cfg.dtype]
+
+
+def check_device(name: str) -> torch.device:
+    """The device `--device` names, if this machine has it; checked before anything loads.
+
+    Raises:
+        ConfigError: not a device sitsd runs on, or not one this machine (or torch build) has.
+    """
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"--device {name!r}: sitsd runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        why = "was built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+        raise ConfigError(f"--device {name}: this torch ({torch.__version__}) {why}; "
+                          "use --device cpu")  # fmt: skip
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return device
 
 
 def served_max_model_len(cfg: ModelConfig, arch: LlamaArch) -> int:
@@ -71,7 +98,7 @@ def served_max_model_len(cfg: ModelConfig, arch: LlamaArch) -> int:
     if arch.sliding_window:
         limit = min(limit, arch.sliding_window)  # no sliding-window attention: stay inside it
     if cfg.max_model_len > limit:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's {limit}")
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's {limit}")
     return cfg.max_model_len or limit
 
 
@@ -81,19 +108,19 @@ def weights_version_of(ckpt: Checkpoint) -> str:
     for f in sorted(ckpt.files):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{ckpt.name}@{h.hexdigest()}"
+    return f"{version_id_from(ckpt.name)}@{h.hexdigest()}"
 
 
 def serving_format(mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ServingFormat:
     """How every version is held: device, dtype, the `--quantize` map, `--dequantize`.
 
     Raises:
-        ValueError: the precision map cannot be read.
+        ConfigError: the precision map cannot be read.
     """
     try:
         precision = load_precision_map(mcfg.quantize) if mcfg.quantize else None
     except QuantFormatError as exc:
-        raise ValueError(f"--quantize: {exc}") from None
+        raise ConfigError(f"--quantize: {exc}") from None
     return ServingFormat(device, dtype, precision, mcfg.dequantize)
 
 
@@ -141,27 +168,44 @@ class RuntimeInfo:
     mixed_graph_capture_s: float = 0.0
 
 
+class BuildCancelled(Exception):
+    """The build was cancelled (the daemon is stopping); it stopped between two of its steps."""
+
+
+def _stop_if_cancelled(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise BuildCancelled("the engine build was cancelled")
+
+
 def build_engine(
     config: SitsdConfig,
     checkpoint: Checkpoint | None = None,
     observer: EngineObserver | None = None,
     weights_version: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> AsyncEngine:
     """Load the model (or take `checkpoint`) and assemble the engine; then `start()` it.
 
     `observer` is told of every request and step (see `sitsd.engine.observer`);
     `weights_version` names the checkpoint's version (default: from its files' names, sizes
-    and modification times).
+    and modification times). Once `cancel` is set the build stops at its next step, raising
+    `BuildCancelled`: a signal during start-up need not wait for the whole load.
     """
     t0 = time.monotonic()
     mcfg = config.model
+    check_device(mcfg.device)
     if checkpoint is None:
         path = resolve_model_path(mcfg.model)
         log.info("loading %s", path)
+        _stop_if_cancelled(cancel)
         checkpoint = load_checkpoint(path)
     arch = checkpoint.arch
     version = weights_version or weights_version_of(checkpoint)
-    runner, info = build_runner(config, arch, checkpoint.tensors, version, checkpoint.quant)
+    _stop_if_cancelled(cancel)
+    log.info("checkpoint read in %.1fs; weights to %s, KV pool, warm-up", time.monotonic() - t0,
+             mcfg.device)  # fmt: skip
+    runner, info = build_runner(config, arch, checkpoint.tensors, version, checkpoint.quant,
+                                cancel)  # fmt: skip
     # Structured outputs: matchers over the serving vocabulary (built on first use).
     runner.logits_processors.grammars = GrammarCompiler.for_tokenizer(
         checkpoint.tokenizer, arch.vocab_size
@@ -172,10 +216,10 @@ def build_engine(
     scfg = config.scheduler
     if scfg.async_scheduling is None:
         scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
-    scheduler = Scheduler(
-        scfg, kv_cache, info.max_model_len, tiers=config.tiers,
-        migration_tokens_per_step=config.swap.tokens_per_step(str(runner.device.type)),
-    )  # fmt: skip
+    swap = config.swap
+    pacing = PacingSettings(swap.step_share, swap.migration_tokens_per_step,
+                            swap.migration_deadline_s)  # fmt: skip
+    scheduler = Scheduler(scfg, kv_cache, info.max_model_len, tiers=config.tiers, pacing=pacing)
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,
         default_tier=Tier(config.tiers.default_tier), observer=observer,
@@ -197,6 +241,7 @@ def build_engine(
         name=name, max_model_len=info.max_model_len, vocab_size=arch.vocab_size,
         architecture=arch.architecture, dtype=str(dtype).removeprefix("torch."),
         device=str(runner.device), path=str(checkpoint.path.resolve()),
+        max_token_bytes=checkpoint.tokenizer.max_token_bytes,
     )  # fmt: skip
     return AsyncEngine(core, model_info)
 
@@ -222,10 +267,14 @@ def build_runner(
     tensors: Mapping[str, torch.Tensor],
     weights_version: str,
     source: QuantSource | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[ModelRunner, RuntimeInfo]:
     """Weights on the device, the KV pool sized and allocated, warmed up, graphs captured.
 
     `source` says which of the checkpoint's modules are stored quantized (`Checkpoint.quant`).
+
+    Raises:
+        BuildCancelled: `cancel` was set (checked between the steps).
     """
     mcfg, ccfg, scfg = config.model, config.cache, config.scheduler
     device = torch.device(mcfg.device)
@@ -258,6 +307,7 @@ def build_runner(
                                                                       dtype),
         reserve=2 * graph_reserve + 2 * vocab_bytes,
     )  # fmt: skip
+    _stop_if_cancelled(cancel)
     # Allocated before the profiling pass, so the KV budget accounts for the second slot.
     slots = WeightSlots(arch, weights, weights_version, num_slots, fmt)
     if device.type == "cuda":
@@ -280,9 +330,11 @@ def build_runner(
         device=device,
     )  # fmt: skip
     runner = ModelRunner(model, slots, kv_caches, builder)
+    _stop_if_cancelled(cancel)
     _warm_up(runner, min(16, max_model_len - 1))
     buckets: list[int] = []
     seconds = 0.0
+    _stop_if_cancelled(cancel)
     if device.type == "cuda" and not mcfg.enforce_eager:
         buckets = decode_buckets(scfg.max_num_seqs)
         seconds = runner.capture_graphs(buckets)  # one set per slot
@@ -313,12 +365,15 @@ async def launch_engine(
     config: SitsdConfig,
     observer: EngineObserver | None = None,
     weights_version: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> AsyncEngine:
     """Build the engine on a new thread that then runs its step loop; returns once it serves.
 
     Every torch operation of the daemon thus happens on one thread: on the CPU, a model built
     on one thread and run on another ran each step ~1.5x slower (OpenMP thread teams are per
-    calling thread and compete for the cores).
+    calling thread and compete for the cores). Setting `cancel` stops the build at its next
+    step (`BuildCancelled`); an engine built by then is dropped, its loop never run, so the
+    thread always ends once this returns or raises.
 
     Raises:
         Whatever `build_engine` raises (bad model path, too little memory, ...).
@@ -336,7 +391,10 @@ async def launch_engine(
 
     def build_and_run() -> None:
         try:
-            engine = build_engine(config, observer=observer, weights_version=weights_version)
+            engine = build_engine(
+                config, observer=observer, weights_version=weights_version, cancel=cancel
+            )
+            _stop_if_cancelled(cancel)  # built just as the daemon stopped: nobody serves it
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(settle, None, exc)

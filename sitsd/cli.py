@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -24,11 +26,13 @@ from sitsd.cli_observability import add_observability_flags, observability_confi
 from sitsd.cli_quantize import add_quantize_command, run_quantize
 from sitsd.config import (
     ADMIN_TOKEN_FILE_NAME,
+    CPU_TIME_SCALE,
     STATE_DIR_ENV,
     SWAP_POLICIES,
     WATCH_COMMIT_MODES,
     WEIGHT_SLOT_MODES,
     CacheConfig,
+    ConfigError,
     HttpConfig,
     ModelConfig,
     SchedulerConfig,
@@ -38,6 +42,7 @@ from sitsd.config import (
     TiersConfig,
     WeightsConfig,
     default_state_dir,
+    default_tiers,
 )
 from sitsd.flag_types import (
     fraction,
@@ -51,6 +56,7 @@ from sitsd.flag_types import (
 SCHEDULING_POLICIES = ("tiers", "fcfs")
 TIER_NAMES = ("gold", "silver", "bronze")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -258,7 +264,8 @@ def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
         metavar="FILE",
         help="YAML file with the tiers' TTFT/inter-token P99 targets, queue waits and batch "
         "shares, and the controller's settings (default: the SITS table: gold 80 ms / 120 ms "
-        "queue, silver 200 ms / 250 ms, bronze 1 s / 500 ms)",
+        f"queue, silver 200 ms / 250 ms, bronze 1 s / 500 ms; on a CPU {CPU_TIME_SCALE:g} times "
+        "as long)",
     )
     group.add_argument(
         "--default-tier",
@@ -282,7 +289,7 @@ def _add_tier_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _tiers_from_args(args: argparse.Namespace) -> TiersConfig:
-    tiers = args.tiers or TiersConfig()
+    tiers = args.tiers or default_tiers(args.device)
     changes: dict[str, object] = {}
     if args.default_tier:
         changes["default_tier"] = args.default_tier
@@ -326,20 +333,39 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "restart (recompute them on the new ones) (default: %(default)s)",
     )
     group.add_argument(
+        "--swap-step-share",
+        type=fraction,
+        default=sw.step_share,
+        metavar="FRACTION",
+        help="the most a swap's work inside an engine step (canary prompts, migration "
+        "recompute) may add to the step, of its measured steady time (default: %(default)s)",
+    )
+    group.add_argument(
         "--migration-tokens-per-step",
         type=int_at_least(1),
         default=sw.migration_tokens_per_step or None,
         metavar="N",
-        help="KV tokens recomputed for migrating requests per engine step at most "
-        "(default: 32 on a CPU, 128 on a GPU)",
+        help="a fixed allowance of swap work per engine step, in KV tokens, instead of the "
+        "one measured from --swap-step-share (default: measured)",
     )
     group.add_argument(
+        "--migration-deadline",
+        type=positive_float,
+        default=sw.migration_deadline_s,
+        metavar="SECONDS",
+        help="a migration ends within this many seconds of its commit (its recompute grows "
+        "past --swap-step-share near the end if it must) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--staging-share",
         "--staging-cpu-share",
+        dest="staging_share",
         type=fraction,
         default=None,
         metavar="FRACTION",
-        help="CPU device: the most of one core staging a new version may use (it sleeps between "
-        "chunks, so decoding keeps its cores); 1 = as fast as it can (default: 0.1)",
+        help="the most of what it shares with serving staging a new version may use (it "
+        "sleeps between chunks): on a CPU device, one core; on a GPU, the host-to-device "
+        "link; 1 = as fast as it can (default: 0.1)",
     )
     group.add_argument(
         "--keep-pushed-versions",
@@ -481,13 +507,38 @@ def config_from_args(
             weight_slots=args.weight_slots,
             canary_file=args.canary_file,
             canary_max_kl=args.canary_max_kl,
-            staging_cpu_share=args.staging_cpu_share or 0.0,
+            staging_share=args.staging_share or 0.0,
             keep_pushed_versions=args.keep_pushed_versions,
         ),
         swap=SwapConfig(
-            policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step or 0
+            policy=args.swap_policy,
+            step_share=args.swap_step_share,
+            migration_tokens_per_step=args.migration_tokens_per_step or 0,
+            migration_deadline_s=args.migration_deadline,
         ),
     )
+
+
+def check_flags(config: SitsdConfig) -> None:
+    """Raise `ConfigError` for settings that cannot work together, whatever the machine.
+
+    What needs the file system or the model is checked by the daemon before it loads anything
+    (`sitsd.preflight`, then the builder).
+    """
+    if config.swap.policy == "drain" and config.weights.weight_slots == "1":
+        raise ConfigError(
+            "--swap-policy drain needs two weight slots (requests finish on the old weights "
+            "while new ones start on the new): drop --weight-slots 1, or choose --swap-policy "
+            "migrate or restart"
+        )
+    if not DEVICE_PATTERN.fullmatch(config.model.device):
+        raise ConfigError(f"--device {config.model.device!r}: use cpu, cuda or cuda:N")
+
+
+def _stop_before_serving(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT before the daemon's own handlers are in place: a clean exit (status 0),
+    since nothing has been started or written yet."""
+    raise SystemExit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -499,9 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_before_serving)
     try:
         config = config_from_args(args, os.environ, stdout_is_tty=sys.stdout.isatty())
-    except argparse.ArgumentTypeError as exc:  # a bad OTEL_* value
+        check_flags(config)
+    except (argparse.ArgumentTypeError, ConfigError) as exc:  # a bad OTEL_* value, a combination
         parser.error(str(exc))
     from sitsd import daemon  # heavy (grpc, and torch through the engine): only to serve
 

@@ -1,16 +1,23 @@
 """The daemon's life: build the parts in order, serve, shut down in reverse.
 
-Start-up:  observability (logs, tracer/logger providers, metrics registry) -> admin token
-           -> gRPC server up (health NOT_SERVING, Admin answers "loading") -> /metrics up
-           -> HTTP API up (/health 503 until warm; same engine reference as gRPC)
-           -> which weights to serve (the persisted active version, else --model) -> engine
-           built on a thread (load, allocate, warm up) -> engine started -> swap manager and
-           watched directory -> SERVING.
+Start-up:  observability (logs, tracer/logger providers, metrics registry) -> start-up checks
+           (`sitsd.preflight`: every flag that can be checked without the model) -> the
+           engine's and the HTTP API's code imported (before the event loop: importing torch
+           holds the GIL for seconds) -> signal handlers -> admin token -> gRPC server up
+           (health NOT_SERVING, Admin answers "loading") -> /metrics up -> HTTP API up
+           (/health 503 until warm; same engine reference as gRPC) -> which weights to serve
+           (the persisted active version, else --model) -> engine built on a thread (load,
+           allocate, warm up) -> engine started -> swap manager and watched directory ->
+           SERVING. Nothing blocking runs on the event loop: file reads and the load run on
+           threads, and nothing on them holds the GIL for long.
 Shutdown (SIGTERM or SIGINT): health NOT_SERVING and new requests UNAVAILABLE (HTTP 503) ->
            watcher stopped -> in-flight requests finish (up to the grace period, then aborted)
            -> engine stopped -> HTTP API stopped -> gRPC server stopped -> /metrics stopped,
-           spans and logs flushed -> exit 0. A second signal exits at once.
-A model that fails to load is logged and the process exits 1, never hangs.
+           spans and logs flushed -> exit 0. A second signal exits at once. A signal during
+           start-up stops it cleanly (exit 0): a model load stops at its next step, and the
+           daemon waits for that (up to the grace period) before it exits.
+A start-up that fails (a flag that cannot work, a port in use, a model that does not load) is
+logged and the process exits 1, never hangs; the user's errors in one line, without traceback.
 
 What the parts do is theirs: `sitsd.api.server` (gRPC), `sitsd.http` (the OpenAI-compatible
 API), `sitsd.builder` (the engine),
@@ -27,26 +34,32 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sitsd.api.server import ApiServer
 from sitsd.api.telemetry import TelemetryInterceptor
-from sitsd.config import ADMIN_TOKEN_FILE_NAME, ServerConfig, SitsdConfig
+from sitsd.config import ADMIN_TOKEN_FILE_NAME, ConfigError, ServerConfig, SitsdConfig
 from sitsd.observability import Observability
 from sitsd.observability.loop_lag import LoopLagMonitor
+from sitsd.weights import CheckpointError
 
 if TYPE_CHECKING:
     from sitsd.engine.async_engine import AsyncEngine
     from sitsd.http.server import HttpServer
+    from sitsd.weights.push import WeightPushes
+    from sitsd.weights.startup import StartupChoice
+    from sitsd.weights.swap import SwapManager
+    from sitsd.weights.watcher import VersionWatcher
 
 log = logging.getLogger("sitsd.daemon")
 
 
 # After the engine has ended every request, handlers only need to send their last message.
 _SERVER_STOP_GRACE_S = 2.0
-_EXIT_LOAD_FAILED = 1
+_EXIT_FAILED = 1  # any start-up failure; usage errors (argparse) exit 2
 
 
 def load_or_create_admin_token(config: ServerConfig) -> tuple[str, Path]:
@@ -95,9 +108,44 @@ def run(config: SitsdConfig) -> int:
     obs = Observability.create(config.observability)
     obs.setup_logging()
     try:
+        from sitsd.preflight import check_startup  # the plugin lookup imports the engine's tiers
+
+        check_startup(config)  # before anything is imported, bound or loaded: fails at once
+    except (ConfigError, OSError) as exc:
+        log.error("%s", exc)
+        obs.shutdown()
+        return _EXIT_FAILED
+    try:
+        import_heavy_modules(config)
         return asyncio.run(serve(config, obs))
+    except _LoadAbandoned:
+        # A model load that would not stop is still in native code on its thread: Python's
+        # finalization would race it (std::terminate, exit 134). Flush, then leave at once.
+        obs.shutdown()
+        logging.shutdown()
+        os._exit(0)
     finally:
         obs.shutdown()  # flushes the spans and logs of the last requests
+        # Frozen objects are never freed at exit, and Triton's bindings then print dozens of
+        # "nanobind: leaked" lines on stderr: hand them back to the collector first.
+        gc.unfreeze()
+        for signum in (signal.SIGTERM, signal.SIGINT):  # the loop's handlers are gone
+            signal.signal(signum, signal.SIG_IGN)  # a signal now changes nothing: exiting
+
+
+def import_heavy_modules(config: SitsdConfig) -> None:
+    """Import the engine (torch, Triton, the model) and the HTTP API before the event loop runs.
+
+    Importing torch runs seconds of C code that holds the GIL: on a worker thread it still
+    stopped the event loop, and health checks timed out instead of answering NOT_SERVING.
+    Until the gRPC port is bound a probe is refused at once (UNAVAILABLE), which probes and
+    `sitsctl health --wait` retry.
+    """
+    started = time.monotonic()
+    importlib.import_module("sitsd.builder")
+    if config.http.enabled:
+        importlib.import_module("sitsd.http.server")
+    log.info("engine code imported in %.1fs", time.monotonic() - started)
 
 
 def freeze_startup_objects() -> int:
@@ -107,54 +155,43 @@ def freeze_startup_objects() -> int:
     that is ~200k objects and 30-60 ms with every thread stopped, the engine's included, which
     clients see as one slow token for every request in flight. Start-up objects live as long
     as the daemon, so they need no scanning (`gc.freeze`, as CPython's docs suggest for this).
+    No collection runs first: it would stop the event loop (and every thread) for as long, and
+    `gc.freeze` itself only moves lists; the little garbage start-up left in cycles stays.
     """
-    gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
 
 
+class _LoadAbandoned(Exception):
+    """The daemon stopped during a model load that did not stop within the grace period."""
+
+
 async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
-    """Start everything, serve until SIGTERM/SIGINT, shut down gracefully; the exit code."""
+    """Start everything, serve until SIGTERM/SIGINT, shut down gracefully; the exit code.
+
+    Nothing blocking runs on the event loop (health checks are answered from the start): file
+    reads, imports of the heavy parts and the model load run on threads. A signal at any
+    point stops start-up cleanly (exit 0).
+    """
     obs = obs or Observability.create(config.observability)
+    stop = _install_signal_handlers()
     try:
-        token, token_path = load_or_create_admin_token(config.server)
+        token, token_path = await asyncio.to_thread(load_or_create_admin_token, config.server)
     except (OSError, ValueError) as exc:
         log.error("cannot set up the admin token: %s", exc)
-        return _EXIT_LOAD_FAILED
+        return _EXIT_FAILED
     log.info("admin token in %s", token_path)
-    stop = _install_signal_handlers()  # before anything is served: a signal then still drains
-    server = ApiServer(
-        config.server,
-        admin_token=token,
-        max_tokens_default=config.scheduler.max_tokens_default,
-        interceptors=[TelemetryInterceptor(obs.metrics, obs.tracer)],
-    )
-    try:
-        await server.start()
-    except RuntimeError as exc:
-        log.error("%s", exc)
-        return _EXIT_LOAD_FAILED
-    try:
-        obs.start_metrics_server(config.server.host)
-    except OSError as exc:
-        log.error("cannot serve metrics on port %d: %s", config.observability.metrics_port, exc)
-        await server.stop(0)
-        return _EXIT_LOAD_FAILED
-    try:
-        http = await _start_http(config, server, obs)
-    except (OSError, ValueError) as exc:
-        log.error("cannot serve the HTTP API on port %d: %s", config.http.port, exc)
-        await server.stop(0)
-        return _EXIT_LOAD_FAILED
+    servers = await _start_servers(config, obs, token)
+    if servers is None:
+        return _EXIT_FAILED
+    server, http = servers
     loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
     loop_lag.start()
     try:
-        started = await _start_weights(config, stop, obs)
+        started = None if stop.is_set() else await _start_weights(config, stop, obs)
         if started is None:
-            if http is not None:
-                await http.stop()
-            await server.stop(0)
-            return 0 if stop.is_set() else _EXIT_LOAD_FAILED
+            await _stop_servers(server, http)
+            return 0 if stop.is_set() else _EXIT_FAILED
         engine, swaps, pushes, watcher = started
         await server.attach_engine(engine, swaps, pushes)
         log.info("garbage collector: %d start-up objects frozen", freeze_startup_objects())
@@ -168,18 +205,52 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         await loop_lag.stop()
 
 
+async def _start_servers(
+    config: SitsdConfig, obs: Observability, token: str
+) -> tuple[ApiServer, HttpServer | None] | None:
+    """gRPC (health NOT_SERVING), /metrics and the HTTP API up; None if one failed (logged)."""
+    server = ApiServer(
+        config.server,
+        admin_token=token,
+        max_tokens_default=config.scheduler.max_tokens_default,
+        interceptors=[TelemetryInterceptor(obs.metrics, obs.tracer)],
+    )
+    try:
+        await server.start()
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return None
+    try:
+        obs.start_metrics_server(config.server.host)
+    except OSError as exc:
+        log.error("cannot serve metrics on port %d: %s", config.observability.metrics_port, exc)
+        await server.stop(0)
+        return None
+    try:
+        http = await _start_http(config, server, obs)
+    except (OSError, ValueError) as exc:
+        log.error("cannot serve the HTTP API on port %d: %s", config.http.port, exc)
+        await server.stop(0)
+        return None
+    return server, http
+
+
+async def _stop_servers(server: ApiServer, http: HttpServer | None) -> None:
+    if http is not None:
+        await http.stop()
+    await server.stop(0)
+
+
 async def _start_weights(
     config: SitsdConfig, stop: asyncio.Event, obs: Observability
-) -> tuple[AsyncEngine, Any, Any, Any] | None:
+) -> tuple[AsyncEngine, SwapManager, WeightPushes, VersionWatcher | None] | None:
     """The engine on the weights to serve, its swap manager, trainers' pushes, and the
     watcher (or None).
 
     None if something failed (logged) or a signal came first.
     """
-    from sitsd.weights.startup import choose_startup, create_swap_manager, create_weight_pushes
-
     try:
-        choice = choose_startup(config)
+        choice = await asyncio.to_thread(_choose_startup, config)
     except Exception as exc:  # a --model path that does not exist, an unreadable state file
         log.error("failed to load model %s: %s: %s", config.model.model, type(exc).__name__, exc)
         return None
@@ -187,8 +258,8 @@ async def _start_weights(
     if engine is None:
         return None
     try:
-        swaps = create_swap_manager(engine.swap_port(), engine.tokenizer, config, choice, obs)
-        pushes = create_weight_pushes(swaps, config, obs)
+        swaps = await asyncio.to_thread(_create_swap_manager, engine, config, choice, obs)
+        pushes = await asyncio.to_thread(_create_weight_pushes, swaps, config, obs)
         watcher = None
         if config.weights.watch_dir:
             from sitsd.weights.watcher import VersionWatcher
@@ -205,47 +276,86 @@ async def _start_weights(
     return engine, swaps, pushes, watcher
 
 
+def _choose_startup(config: SitsdConfig) -> StartupChoice:
+    from sitsd.weights.startup import choose_startup
+
+    return choose_startup(config)
+
+
+def _create_swap_manager(
+    engine: AsyncEngine, config: SitsdConfig, choice: StartupChoice, obs: Observability
+) -> SwapManager:
+    # Off the loop: it imports the staging code and reads and tokenizes the canary prompts.
+    from sitsd.weights.startup import create_swap_manager
+
+    return create_swap_manager(engine.swap_port(), engine.tokenizer, config, choice, obs)
+
+
+def _create_weight_pushes(
+    swaps: SwapManager, config: SitsdConfig, obs: Observability
+) -> WeightPushes:
+    # Off the loop: it imports the push transports.
+    from sitsd.weights.startup import create_weight_pushes
+
+    return create_weight_pushes(swaps, config, obs)
+
+
 async def _load_engine(
     config: SitsdConfig, stop: asyncio.Event, obs: Observability, version: str | None
 ) -> AsyncEngine | None:
-    """The built engine; None if loading failed (logged) or a signal came first."""
+    """The built engine; None if loading failed (logged) or a signal came first.
+
+    A signal cancels the build, which stops at its next step; the daemon waits for that (up
+    to the shutdown grace), so no thread is left in the middle of the load when it exits.
+
+    Raises:
+        _LoadAbandoned: the load did not stop within the grace period.
+    """
     started = time.monotonic()
     log.info("loading model %s", config.model.model)
-    build = asyncio.ensure_future(_launch_engine(config, obs, version))
+    cancel = threading.Event()
+    build = asyncio.ensure_future(_launch_engine(config, obs, version, cancel))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait((build, stopped), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    if not build.done():
-        log.info("stopped while loading the model")
+    if not build.done() or stop.is_set():
+        cancel.set()
+        log.info("stopped while loading the model; waiting for the load to stop")
+        done, _ = await asyncio.wait((build,), timeout=config.server.shutdown_grace_s)
+        if not done:
+            raise _LoadAbandoned
+        if build.exception() is None:  # it was built just before it could stop
+            await build.result().shutdown(0)
         return None
     try:
         engine = build.result()
+    except (ConfigError, CheckpointError) as exc:  # the user's to fix: one line says what
+        log.error("failed to load model %s: %s", config.model.model, exc)
+        return None
     except Exception as exc:
         log.error(
-            "failed to load model %s: %s: %s",
-            config.model.model,
-            type(exc).__name__,
-            exc,
+            "failed to load model %s: %s: %s", config.model.model, type(exc).__name__, exc,
             exc_info=exc,
-        )
+        )  # fmt: skip
         return None
     log.info("model loaded in %.1fs", time.monotonic() - started)
     return engine
 
 
 async def _launch_engine(
-    config: SitsdConfig, obs: Observability, version: str | None
+    config: SitsdConfig, obs: Observability, version: str | None, cancel: threading.Event
 ) -> AsyncEngine:
     """Build the engine on its own daemon thread, which then runs the step loop.
 
     Not `asyncio.to_thread`: `asyncio.run` joins its executor's threads on exit, so a SIGTERM
     during a minutes-long model load would wait for the load to finish.
     """
-    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need;
-    # and off the event loop: importing torch takes seconds on a busy machine, and the loop
-    # answers health checks meanwhile.
+    # Imported here: it pulls in torch and the model code, which `sitsd --help` does not need
+    # (`run` imports it before the loop starts; off the loop for callers of `serve`).
     builder = await asyncio.to_thread(importlib.import_module, "sitsd.builder")
-    return await builder.launch_engine(config, observer=obs.telemetry, weights_version=version)
+    return await builder.launch_engine(
+        config, observer=obs.telemetry, weights_version=version, cancel=cancel
+    )
 
 
 def _install_signal_handlers() -> asyncio.Event:
@@ -272,9 +382,9 @@ async def _start_http(
     """The OpenAI-compatible API on the gRPC server's `EngineRef` (None with --no-http)."""
     if not config.http.enabled:
         return None
-    from sitsd.http.server import start_http  # FastAPI and uvicorn: only when served
-
-    return await start_http(
+    # FastAPI and uvicorn: only when served (`run` imports them before the loop starts).
+    http_server = await asyncio.to_thread(importlib.import_module, "sitsd.http.server")
+    return await http_server.start_http(
         config.http, server.engines, default_host=config.server.host,
         max_tokens_default=config.scheduler.max_tokens_default, metrics=obs.metrics,
         tracer=obs.tracer, grace_s=_SERVER_STOP_GRACE_S,

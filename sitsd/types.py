@@ -9,6 +9,7 @@ model's tokenizer (`sitsd.weights.Tokenizer` is the one).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -50,6 +51,23 @@ class AbortCause(enum.StrEnum):
     OVERLOADED = "overloaded"  # refused or shed to keep its tier's queue wait (RESOURCE_EXHAUSTED)
 
 
+class EndReason(enum.StrEnum):
+    """How a request ended, as telemetry tells it: finer than the client's `FinishReason`.
+
+    A trace attribute and a metric label (`sitsd_requests_finished_total{finish_reason}`);
+    the API keeps answering with `FinishReason` and its statuses.
+    """
+
+    STOP = "stop"  # finished normally: EOS, a stop token or a stop string
+    LENGTH = "length"  # finished normally: max_tokens or the context
+    REFUSED = "refused"  # admission control refused it on arrival: never queued
+    SHED = "shed"  # dropped after waiting past its tier's queue limit without a token
+    DEADLINE = "deadline"  # its deadline passed (the engine's clock or the client's)
+    CANCELLED = "cancelled"  # the client cancelled the call or went away
+    SHUTDOWN = "shutdown"  # the daemon stopped while it was live
+    ERROR = "error"  # the engine failed while serving it
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; `field` names it for the client."""
 
@@ -60,6 +78,10 @@ class SamplingError(ValueError):
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each position
+# Bounds on what a request makes the engine check at every token (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +133,37 @@ class SamplingParams:
             raise SamplingError(
                 "max_tokens", f"must be at most {max_tokens_limit}, got {self.max_tokens}"
             )
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise SamplingError(
+                "temperature", f"must be a finite number >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise SamplingError("stop", "stop strings must not be empty")
+        self._validate_stops()
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingError("seed", f"must be in [0, 2**63), got {self.seed}")
         self._validate_extras()
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        for stop in self.stop:
+            if not stop:
+                raise SamplingError("stop", "stop strings must not be empty")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise SamplingError(
+                    "stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(stop)}",
+                )  # fmt: skip
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
 
     def _validate_extras(self) -> None:
         if not 0.0 <= self.min_p <= 1.0:

@@ -11,6 +11,7 @@ import pytest
 from sitsd import __version__
 from sitsd.cli import build_parser, config_from_args, main
 from sitsd.config import (
+    CPU_TIME_SCALE,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -18,6 +19,7 @@ from sitsd.config import (
     SitsdConfig,
     TiersConfig,
     default_state_dir,
+    default_tiers,
 )
 
 ENV = {"SITSD_STATE_DIR": "/state"}
@@ -29,7 +31,26 @@ def config_of(*flags: str, environ: dict[str, str] | None = None) -> SitsdConfig
 
 
 def test_no_flags_give_the_config_defaults():
-    assert config_of() == SitsdConfig(server=ServerConfig(state_dir="/state"))
+    assert config_of() == SitsdConfig(
+        server=ServerConfig(state_dir="/state"), tiers=default_tiers("cpu")
+    )
+
+
+def test_tiers_default_to_the_devices_table_and_a_file_wins(tmp_path):
+    gpu, cpu = config_of("--device", "cuda").tiers, config_of().tiers
+    assert gpu == TiersConfig()  # the SITS table: gold 80 ms / 120 ms in the queue
+    for name in ("gold", "silver", "bronze"):
+        ours, theirs = cpu.tier(name), gpu.tier(name)
+        assert ours.ttft_p99_s == pytest.approx(CPU_TIME_SCALE * theirs.ttft_p99_s)
+        assert ours.itl_p99_s == pytest.approx(CPU_TIME_SCALE * theirs.itl_p99_s)
+        assert ours.max_queue_wait_s == pytest.approx(CPU_TIME_SCALE * theirs.max_queue_wait_s)
+        assert ours.priority_offset_s == pytest.approx(CPU_TIME_SCALE * theirs.priority_offset_s)
+        assert ours.max_batch_share == theirs.max_batch_share
+    tiers_file = tmp_path / "tiers.yaml"
+    tiers_file.write_text("tiers: {gold: {max_queue_wait_ms: 300}}\n")
+    from_file = config_of("--tiers", str(tiers_file)).tiers
+    assert from_file.gold.max_queue_wait_s == 0.3
+    assert from_file.silver == TiersConfig().silver  # a file is read over the SITS table
 
 
 def test_every_flag_reaches_its_config_field():

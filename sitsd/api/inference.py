@@ -3,18 +3,21 @@
 Generate turns a request into prompt token ids (text, token ids, or chat messages rendered with
 the model's chat template) and `SamplingParams`, hands them to the engine, and streams one
 response per engine delta. Whatever ends the call early (client cancellation, a passed deadline,
-a failure) aborts the request in the engine, so its KV blocks are freed at once.
+a failure) aborts the request in the engine, so its KV blocks are freed at once; the abort says
+whether the client cancelled or ran out of time (`sitsd.api.deadlines`).
 
 `EngineRef` holds the engine the servicers talk to: the server starts before the model is loaded
 and the daemon attaches the engine once it is warm. The rules a request must meet are
 `sitsd.engine.validation`'s: this module calls the ones that need the request's own fields
 (the model name, a text prompt, the `token_ids` field) and leaves the rest to the engine, which
-checks every request it takes. Scheduling and sampling are the engine's; exception -> status
-mapping is `interceptors`'.
+checks every request it takes. Text is checked before it is tokenized, and a long one is
+tokenized off the event loop (`encode_text`), which streams every other request's tokens.
+Scheduling and sampling are the engine's; exception -> status mapping is `interceptors`'.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -22,13 +25,20 @@ from typing import Any, Protocol
 import grpc.aio
 
 from sitsd.api import convert
+from sitsd.api.deadlines import CallDeadline
 from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
-from sitsd.engine.validation import check_model, check_prompt_text, check_token_ids
+from sitsd.engine.validation import (
+    check_model,
+    check_prompt_length,
+    check_prompt_text,
+    check_text_fits,
+    check_token_ids,
+)
 from sitsd.observability.tracing import current_request_span
 from sitsd.outputs import EngineStatus, ModelInfo
-from sitsd.types import RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, RequestDelta, SamplingParams, Tier
 
 
 class TokenizerLike(Protocol):
@@ -50,7 +60,7 @@ class RequestStreamLike(Protocol):
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
 
-    def abort(self, reason: str = ...) -> None: ...
+    def abort(self, reason: str = ..., cause: EndReason = ...) -> None: ...
 
     @property
     def finished(self) -> bool: ...
@@ -130,44 +140,66 @@ class EngineRef:
         return self._engine
 
 
-def encode_chat(tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages) -> list[int]:
+# Texts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones on a worker thread, where `sitsd.weights.Tokenizer.encode` runs without the GIL.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+async def encode_text(
+    tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool
+) -> list[int]:
+    """`tokenizer.encode(text)`, off the event loop unless the text is short.
+
+    Check the text first (`check_prompt_text`, `check_text_fits`): this tokenizes anything.
+    """
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
+async def encode_chat(
+    tokenizer: TokenizerLike, chat: inference_pb2.ChatMessages, info: ModelInfo
+) -> list[int]:
     """Render `chat` with the model's template (plus the assistant prompt) and tokenize it."""
     if not chat.messages:
         raise InvalidRequestError("chat", "at least one message is needed")
     if not tokenizer.has_chat_template:
         raise InvalidRequestError("chat", "the model has no chat template; send a text prompt")
+    messages = convert.chat_messages_from_proto(chat)
+    check_text_fits("chat", [m["content"] for m in messages], info)  # before rendering them
     try:
-        text = tokenizer.apply_chat_template(
-            convert.chat_messages_from_proto(chat), add_generation_prompt=True
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:  # sitsd.weights.ChatTemplateError: the template refused them
         raise InvalidRequestError("chat", str(exc)) from exc
+    check_text_fits("chat", [text], info)
     # The template writes the special tokens (BOS, role markers) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return await encode_text(tokenizer, text, add_special_tokens=False)
 
 
-def encode_prompt(
+async def encode_prompt(
     tokenizer: TokenizerLike,
     kind: str | None,
     message: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
-    vocab_size: int,
+    info: ModelInfo,
 ) -> list[int]:
     """Token ids of the prompt oneof `kind` ("text", "token_ids" or "chat") of `message`.
 
     Raises:
-        InvalidRequestError: the prompt is missing, the text is empty, a `token_ids` id is out
-            of range, or the chat cannot be rendered. The rest of the prompt's rules are the
-            engine's (`sitsd.engine.validation.validate_request`).
+        InvalidRequestError: the prompt is missing, the text is empty or cannot fit the
+            context, a `token_ids` id is out of range, or the chat cannot be rendered. The
+            rest of the prompt's rules are the engine's
+            (`sitsd.engine.validation.validate_request`).
     """
     if kind == "text":
-        check_prompt_text(message.text)
-        return tokenizer.encode(message.text, add_special_tokens=True)
+        check_prompt_text(message.text, info)
+        return await encode_text(tokenizer, message.text, add_special_tokens=True)
     if kind == "token_ids" and isinstance(message, inference_pb2.GenerateRequest):
         ids = list(message.token_ids.ids)
-        check_token_ids("token_ids", ids, vocab_size)
+        check_prompt_length(len(ids), info)
+        check_token_ids("token_ids", ids, info.vocab_size)
         return ids
     if kind == "chat":
-        return encode_chat(tokenizer, message.chat)
+        return await encode_chat(tokenizer, message.chat, info)
     raise InvalidRequestError("prompt", "the request has no prompt")
 
 
@@ -185,11 +217,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        deadline = CallDeadline.after(context.time_remaining())
         engine = self._engines.get()
         info = engine.model_info
         check_model(request.model, info)
-        prompt_ids = encode_prompt(
-            engine.tokenizer, request.WhichOneof("prompt"), request, info.vocab_size
+        prompt_ids = await encode_prompt(
+            engine.tokenizer, request.WhichOneof("prompt"), request, info
         )
         params = convert.sampling_params_from_proto(
             request,
@@ -197,19 +230,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             max_model_len=info.max_model_len,
             max_tokens_default=self._max_tokens_default,
         )
-        remaining = context.time_remaining()
         stream = engine.add_request(
             prompt_ids,
             params,
             req_id=request.request_id or None,
             tier=convert.tier_from_proto(request.tier),
-            deadline=None if remaining is None else time.monotonic() + remaining,
+            deadline=deadline.at,
             trace_context=current_request_span(),  # engine spans become its children
         )
         try:
             async for delta in stream:
                 failure = status_for_finish(
-                    delta, draining=self._engines.draining, deadline_passed=_expired(context)
+                    delta, draining=self._engines.draining, deadline_passed=deadline.passed()
                 )
                 if failure is not None:
                     await context.abort(*failure)
@@ -218,8 +250,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # Reached on cancellation, a passed deadline or any failure too: the engine must
             # stop the request and free its blocks. A no-op for a finished stream.
             if not stream.finished:
-                reason = "deadline exceeded" if _expired(context) else "cancelled by the client"
-                stream.abort(reason)
+                if deadline.explains_leaving():
+                    stream.abort("deadline exceeded", EndReason.DEADLINE)
+                else:
+                    stream.abort("cancelled by the client", EndReason.CANCELLED)
 
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -227,8 +261,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         engine = self._engines.get()
         info = engine.model_info
         check_model(request.model, info)
-        token_ids = encode_prompt(
-            engine.tokenizer, request.WhichOneof("input"), request, info.vocab_size
+        token_ids = await encode_prompt(
+            engine.tokenizer, request.WhichOneof("input"), request, info
         )
         return inference_pb2.TokenizeResponse(
             token_ids=token_ids, num_tokens=len(token_ids), model=info.name
@@ -241,8 +275,3 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if engine is None:
             raise EngineStoppedError("the model is still loading; retry when health is SERVING")
         return inference_pb2.ListModelsResponse(models=[convert.model_card(engine.model_info)])
-
-
-def _expired(context: grpc.aio.ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0

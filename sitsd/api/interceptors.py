@@ -1,4 +1,5 @@
-"""Server interceptors (admin auth, errors) and the one mapping from failures to gRPC statuses.
+"""Server interceptors (admin auth, request decoding, errors) and the one mapping from failures
+to gRPC statuses.
 
 - `status_for_exception` and `status_for_finish` are the only places that decide which gRPC status
   a failure becomes: an engine exception raised by a servicer, or a request the engine ended with
@@ -7,10 +8,14 @@
   anything unexpected is INTERNAL, logged with its traceback, and the daemon keeps serving.
 - `AdminAuthInterceptor` refuses Admin RPCs without the right bearer token before the servicer
   runs, so a refused call does nothing.
+- `RequestDecodingInterceptor` makes request bytes that do not parse (bad UTF-8, truncated,
+  garbage, nested too deep) INVALID_ARGUMENT on every service, where grpc would answer UNKNOWN
+  and log a traceback per call.
 - `replace_behavior` wraps a method handler's behavior; these interceptors and
   `sitsd.api.telemetry`'s use it.
 
-Servicers raise; they never pick status codes themselves. Health and reflection pass untouched.
+Servicers raise; they never pick status codes themselves. Health and reflection pass untouched,
+but for their request decoding. Lines a client can cause are logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,8 +36,10 @@ from sitsd.engine.errors import (
     ModelNotFoundError,
     QueueFullError,
 )
+from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 from sitsd.weights.errors import (
+    InvalidVersionIdError,
     SwapFailedError,
     SwapRefusedError,
     UnknownVersionError,
@@ -48,6 +56,7 @@ _EXCEPTION_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),  # loading, or shutting down
+    (InvalidVersionIdError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownVersionError, grpc.StatusCode.NOT_FOUND),
     (VersionConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (SwapRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # rejected versions too
@@ -116,9 +125,123 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     code, message = status_for_exception(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
-    else:
-        log.info("%s refused: %s: %s", method, code.name, message)
+    # A refusal is logged once, by the telemetry interceptor ("rpc failed", at a bounded rate).
     await context.abort(code, message)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a guarded deserializer hands the behavior for bytes that do not parse.
+
+    grpc itself would answer UNKNOWN and log an error-level traceback for each such call.
+    """
+
+    reason: str  # the parser's words
+
+    @property
+    def message(self) -> str:
+        return f"request: the message does not parse: {self.reason}"
+
+
+def _guarded_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def guarded(data: bytes) -> Any:
+        try:
+            return data if deserialize is None else deserialize(data)
+        except Exception as exc:  # DecodeError: bad UTF-8, truncated, garbage, nested too deep
+            return MalformedRequest(str(exc) or type(exc).__name__)
+
+    return guarded
+
+
+class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
+    """Request bytes that do not parse are INVALID_ARGUMENT, for every service (health too).
+
+    The handler's deserializer returns a `MalformedRequest` instead of raising, and the
+    behavior aborts on one (for request streams, at the message that does not parse). sitsd's
+    own methods are logged by the telemetry interceptor; others here, at a bounded rate.
+    """
+
+    def __init__(self) -> None:
+        self._log = RateLimitedLog(log)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+
+        async def refuse(malformed: MalformedRequest, context: grpc.aio.ServicerContext) -> None:
+            if not method.startswith(SITSD_METHOD_PREFIX):
+                self._log.log(logging.INFO, method, "%s refused: %s", method, malformed.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed.message)
+
+        changes: dict[str, Any] = {
+            "request_deserializer": _guarded_deserializer(handler.request_deserializer)
+        }
+        if handler.unary_unary is not None:
+            changes["unary_unary"] = _checked_unary(handler.unary_unary, refuse)
+        elif handler.unary_stream is not None:
+            changes["unary_stream"] = _checked_unary(handler.unary_stream, refuse)
+        elif handler.stream_unary is not None:
+            changes["stream_unary"] = _checked_stream(handler.stream_unary, refuse)
+        elif handler.stream_stream is not None:
+            changes["stream_stream"] = _checked_stream(handler.stream_stream, refuse)
+        return handler._replace(**changes)
+
+
+Refuse = Callable[[MalformedRequest, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+def _checked_unary(behavior: Behavior, refuse: Refuse) -> Behavior:
+    """`behavior` (one request in) refusing a `MalformedRequest` before it runs."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, MalformedRequest):
+                await refuse(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        return checked_stream
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, MalformedRequest):
+            await refuse(request, context)
+        return await behavior(request, context)
+
+    return checked
+
+
+def _checked_stream(behavior: Behavior, refuse: Refuse) -> Behavior:
+    """`behavior` (a stream of requests in) refusing at the first `MalformedRequest`."""
+
+    def checked_requests(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async def each() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, MalformedRequest):
+                    await refuse(request, context)
+                yield request
+
+        return each()
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for response in behavior(checked_requests(requests, context), context):
+                yield response
+
+        return checked_stream
+
+    async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(checked_requests(requests, context), context)
+
+    return checked
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -166,24 +289,40 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Admin RPCs need `authorization: Bearer <token>`; others pass untouched."""
+    """Admin RPCs need `authorization: Bearer <token>`; others pass untouched.
+
+    A refusal says which it was (no token, another scheme, a wrong token) and never what the
+    right token is or how close a guess came.
+    """
 
     def __init__(self, token: str) -> None:
         """Args: token: the bearer token Admin RPCs must present; must not be empty."""
         if not token:
             raise ValueError("the admin token must not be empty")
-        self._expected = f"bearer {token}".encode()
+        self._expected = token.encode()
+        self._log = RateLimitedLog(log)
 
-    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        """True when `metadata` holds the right `authorization` header."""
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """Why `metadata` is refused for an Admin RPC; None when it holds the right token."""
         for key, value in metadata or ():
             if key.lower() != "authorization":
                 continue
             presented = value if isinstance(value, bytes) else value.encode()
-            scheme, _, token = presented.partition(b" ")
+            scheme, _, token = presented.strip().partition(b" ")
+            if scheme.lower() != b"bearer":
+                return "the authorization metadata must be 'Bearer <admin token>'"
             # Constant-time: the comparison must not tell an attacker how much of a guess is right.
-            return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self._expected)
-        return False
+            if hmac.compare_digest(token.strip(), self._expected):
+                return None
+            return (
+                "the admin token is wrong: it is not this daemon's (sitsctl reads the daemon's "
+                "from its state directory, --token-file or $SITSD_ADMIN_TOKEN)"
+            )
+        return "no admin token: Admin RPCs need the metadata 'authorization: Bearer <admin token>'"
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """True when `metadata` holds the right `authorization` header."""
+        return self.refusal(metadata) is None
 
     async def intercept_service(
         self,
@@ -191,14 +330,13 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if (
-            handler is None
-            or not handler_call_details.method.startswith(ADMIN_METHOD_PREFIX)
-            or self.authorized(handler_call_details.invocation_metadata)
-        ):
+        if handler is None or not handler_call_details.method.startswith(ADMIN_METHOD_PREFIX):
             return handler
-        log.warning("refused %s: missing or wrong admin token", handler_call_details.method)
-        message = "Admin RPCs need the metadata 'authorization: Bearer <admin token>'"
+        message = self.refusal(handler_call_details.invocation_metadata)
+        if message is None:
+            return handler
+        method = handler_call_details.method
+        self._log.log(logging.WARNING, (method, message), "refused %s: %s", method, message)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

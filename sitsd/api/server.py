@@ -1,4 +1,5 @@
-"""The daemon's gRPC server: servicers, health, reflection and interceptors on `grpc.aio`.
+"""The daemon's gRPC server: servicers, health, reflection (v1 and v1alpha: `sitsd.api.reflection`)
+and interceptors on `grpc.aio`.
 
 `ApiServer` goes through the daemon's life in steps the daemon drives:
 
@@ -18,11 +19,15 @@ from collections.abc import Sequence
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from sitsd.api.admin import AdminServicer
 from sitsd.api.inference import EngineLike, EngineRef, InferenceServicer
-from sitsd.api.interceptors import AdminAuthInterceptor, ErrorInterceptor
+from sitsd.api.interceptors import (
+    AdminAuthInterceptor,
+    ErrorInterceptor,
+    RequestDecodingInterceptor,
+)
+from sitsd.api.reflection import enable_reflection
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from sitsd.config import ServerConfig
 
@@ -35,6 +40,22 @@ OVERALL_HEALTH = ""  # the health service name that stands for the whole server
 
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_REPORTED = (OVERALL_HEALTH, INFERENCE_SERVICE, ADMIN_SERVICE)  # what health reports on
+
+
+class HealthServicer(health_aio.HealthServicer):
+    """grpc's asyncio health servicer with `List`, which it leaves UNIMPLEMENTED although the
+    service it registers (and reflection) lists it: every reported service with the status
+    `Check` gives it."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        statuses = {}
+        for service in _REPORTED:
+            check = health_pb2.HealthCheckRequest(service=service)
+            statuses[service] = await self.Check(check, context)
+        return health_pb2.HealthListResponse(statuses=statuses)
 
 
 class ApiServer:
@@ -56,20 +77,25 @@ class ApiServer:
         """
         self._config = config
         self.engines = EngineRef()
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self._server = grpc.aio.server(
             # Auth runs first, so a refused Admin call never reaches the error mapping either.
-            interceptors=[*interceptors, AdminAuthInterceptor(admin_token), ErrorInterceptor()],
+            interceptors=[
+                *interceptors,
+                AdminAuthInterceptor(admin_token),
+                RequestDecodingInterceptor(),
+                ErrorInterceptor(),
+            ],
+            # gRPC turns SO_REUSEPORT on by default: a second daemon on this port would then
+            # bind too, and clients would be spread over both. Off, its bind fails.
+            options=[("grpc.so_reuseport", 0)],
         )
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.engines, max_tokens_default=max_tokens_default), self._server
         )
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engines), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
-            self._server,
-        )
+        enable_reflection((INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE), self._server)
         self.port = 0
 
     async def start(self) -> int:
@@ -85,8 +111,11 @@ class ApiServer:
         address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
         try:
             self.port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc raises a bare RuntimeError for a port in use
-            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
+        except RuntimeError:  # grpc raises a bare RuntimeError, its reason on stderr
+            raise RuntimeError(
+                f"cannot listen on {address}: the port is in use (another daemon?) or the "
+                "address is not this host's; choose another --port or --host"
+            ) from None
         for service in (OVERALL_HEALTH, INFERENCE_SERVICE):
             await self._health.set(service, _NOT_SERVING)
         await self._health.set(ADMIN_SERVICE, _SERVING)

@@ -12,7 +12,8 @@ turn the run into a cache benchmark. The run stops sending after `--duration` se
 Tier targets for goodput come from `--tiers FILE`, else from the daemon (`Admin.Status`, needs
 the admin token), else the built-in SITS table. A tqdm bar on stderr shows progress; stdout gets
 the table, or JSON with `--json`; `--plot FILE.png` draws percentiles over time
-(`sitsd.ctl.bench_report`, which also does the statistics).
+(`sitsd.ctl.bench_report`, which also does the statistics). `--openai URL` sends the same load
+to any OpenAI-compatible server instead (`sitsd.ctl.bench_openai`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ import grpc.aio
 
 from sitsd.api.v1 import admin_pb2, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
-from sitsd.ctl.bench_report import TIERS, RequestRecord, format_report, plot_reports, summarize
+from sitsd.ctl import bench_openai
+from sitsd.ctl.bench_report import (
+    TIERS,
+    Draw,
+    RequestRecord,
+    format_report,
+    plot_reports,
+    summarize,
+)
 from sitsd.ctl.client import Client, CtlError
 
 TIER_TO_PROTO = {"gold": pb.TIER_GOLD, "silver": pb.TIER_SILVER, "bronze": pb.TIER_BRONZE}
@@ -147,7 +156,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=_positive(float),
         default=None,
         metavar="S",
-        help="gRPC deadline of each request (default: none)",
+        help="deadline of each request (default: none)",
     )
     p.add_argument(
         "--tiers",
@@ -163,6 +172,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="draw TTFT and inter-token P99 over time per tier (needs matplotlib)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    bench_openai.add_flags(p)
     p.set_defaults(run=run_bench)
 
 
@@ -184,12 +194,12 @@ def tier_targets(
             raise CtlError(f"--tiers: {exc}") from None
         return {t: (config.tier(t).ttft_p99_s, config.tier(t).itl_p99_s) for t in TIERS}, args.tiers
     try:
-        status = client.admin.Status(
+        status = None if args.openai else client.admin.Status(
             admin_pb2.StatusRequest(),
             metadata=client.admin_metadata(),
             timeout=client.unary_timeout,
-        )
-        if status.tiers:
+        )  # fmt: skip
+        if status is not None and status.tiers:
             return {
                 t.tier: (t.ttft_p99_target_s, t.itl_p99_target_s) for t in status.tiers
             }, "daemon"
@@ -200,11 +210,15 @@ def tier_targets(
 
 
 def corpus_token_ids(client: Client, min_tokens: int) -> list[int]:
-    """Token ids of the corpus, repeated until there are at least `min_tokens`."""
-    response = client.inference.Tokenize(
-        pb.TokenizeRequest(text=CORPUS), timeout=client.unary_timeout
-    )
-    ids = list(response.token_ids)
+    """Token ids of the corpus, repeated until there are at least `min_tokens`.
+
+    Tokenized a sentence at a time: the daemon refuses text that cannot fit its context, and
+    a sentence fits the shortest one (ids of the daemon's BOS may thus be among them).
+    """
+    ids: list[int] = []
+    for sentence in CORPUS.split(". "):
+        request = pb.TokenizeRequest(text=sentence.strip() + ". ")
+        ids += client.inference.Tokenize(request, timeout=client.unary_timeout).token_ids
     if not ids:
         raise CtlError("the daemon tokenized the benchmark corpus to nothing")
     while len(ids) < min_tokens:
@@ -215,29 +229,33 @@ def corpus_token_ids(client: Client, min_tokens: int) -> list[int]:
 class Plan:
     """Draws each request's tier, prompt and output length from one seeded generator."""
 
-    def __init__(self, args: argparse.Namespace, corpus: list[int]) -> None:
+    def __init__(self, args: argparse.Namespace, corpus_length: int) -> None:
         self.rng = random.Random(args.seed)
         self.args = args
-        self.corpus = corpus
+        self.corpus_length = corpus_length
         self.tiers = list(args.tier_mix)
         self.weights = [args.tier_mix[t] for t in self.tiers]
 
-    def next_request(self) -> tuple[str, pb.GenerateRequest]:
+    def next_request(self) -> Draw:
         rng, args = self.rng, self.args
         tier = rng.choices(self.tiers, self.weights)[0]
         num_prompt = rng.randint(*args.prompt_tokens)
         max_tokens = rng.randint(*args.max_tokens)
-        start = rng.randrange(len(self.corpus) - num_prompt + 1)
-        request = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=self.corpus[start : start + num_prompt]),
-            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
-            ignore_eos=True,
-            tier=TIER_TO_PROTO[tier],
-        )
-        return tier, request
+        start = rng.randrange(self.corpus_length - num_prompt + 1)
+        return Draw(tier, num_prompt, max_tokens, start)
 
     def next_gap(self) -> float:
         return self.rng.expovariate(self.args.rate)
+
+
+def grpc_request(draw: Draw, corpus: list[int]) -> pb.GenerateRequest:
+    """`draw` as a `Generate` request: greedy, `ignore_eos`, the prompt as token ids."""
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=corpus[draw.start : draw.start + draw.num_prompt_tokens]),
+        sampling=pb.SamplingParams(max_tokens=draw.max_tokens, temperature=0.0),
+        ignore_eos=True,
+        tier=TIER_TO_PROTO[draw.tier],
+    )
 
 
 # ----------------------------------------------------------------------------------- run
@@ -269,33 +287,57 @@ async def send_one(
     return record
 
 
+Send = Callable[[Draw, float], Awaitable[RequestRecord]]
+
+
 async def run_load(
-    args: argparse.Namespace, address: str, plan: Plan, on_done: Callable[[RequestRecord], None]
+    args: argparse.Namespace, plan: Plan, send: Send, on_done: Callable[[RequestRecord], None]
 ) -> tuple[list[RequestRecord], float]:
     """Send the planned load; every record, and the wall time from start to the last end."""
     records: list[RequestRecord] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    t0 = time.perf_counter()
+    budget = _Budget(args, t0)
+
+    async def one() -> None:
+        record = await send(plan.next_request(), t0)
+        records.append(record)
+        on_done(record)
+
+    if args.concurrency:
+        await asyncio.gather(*(_client_loop(budget, one) for _ in range(args.concurrency)))
+    else:
+        tasks = []
+        next_at = t0
+        while budget.take():
+            tasks.append(asyncio.ensure_future(one()))
+            next_at += plan.next_gap()
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        await asyncio.gather(*tasks)
+    return records, time.perf_counter() - t0
+
+
+async def run_grpc(
+    args: argparse.Namespace, client: Client, on_done: Callable[[RequestRecord], None]
+) -> tuple[list[RequestRecord], float]:
+    """The load on the daemon's gRPC `Generate`, prompts as token ids of the corpus."""
+    corpus = corpus_token_ids(client, args.prompt_tokens[1] + 1)
+    plan = Plan(args, len(corpus))
+    async with grpc.aio.insecure_channel(client.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        t0 = time.perf_counter()
-        budget = _Budget(args, t0)
 
-        async def one() -> None:
-            tier, request = plan.next_request()
-            record = await send_one(stub, tier, request, t0, args.deadline)
-            records.append(record)
-            on_done(record)
+        async def send(draw: Draw, t0: float) -> RequestRecord:
+            return await send_one(stub, draw.tier, grpc_request(draw, corpus), t0, args.deadline)
 
-        if args.concurrency:
-            await asyncio.gather(*(_client_loop(budget, one) for _ in range(args.concurrency)))
-        else:
-            tasks = []
-            next_at = t0
-            while budget.take():
-                tasks.append(asyncio.ensure_future(one()))
-                next_at += plan.next_gap()
-                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            await asyncio.gather(*tasks)
-        return records, time.perf_counter() - t0
+        return await run_load(args, plan, send, on_done)
+
+
+async def run_openai(
+    args: argparse.Namespace, on_done: Callable[[RequestRecord], None]
+) -> tuple[list[RequestRecord], float]:
+    """The same load on `--openai URL` (`sitsd.ctl.bench_openai`)."""
+    words = bench_openai.words_of(CORPUS, args.prompt_tokens[1] + 1)
+    async with bench_openai.OpenAiTarget(args, words) as target:
+        return await run_load(args, Plan(args, len(words)), target.send, on_done)
 
 
 class _Budget:
@@ -323,7 +365,6 @@ def run_bench(args: argparse.Namespace, client: Client) -> int:
     if not args.rate and not args.concurrency:
         args.rate = 4.0
     targets, source = tier_targets(args, client)
-    plan = Plan(args, corpus_token_ids(client, args.prompt_tokens[1] + 1))
     progress = _progress_bar(args)
 
     def on_done(record: RequestRecord) -> None:
@@ -336,7 +377,8 @@ def run_bench(args: argparse.Namespace, client: Client) -> int:
     gc.collect()
     gc.freeze()
     try:
-        records, duration = asyncio.run(run_load(args, client.address, plan, on_done))
+        load = run_openai(args, on_done) if args.openai else run_grpc(args, client, on_done)
+        records, duration = asyncio.run(load)
     finally:
         gc.unfreeze()
         if progress is not None:
@@ -352,6 +394,7 @@ def run_bench(args: argparse.Namespace, client: Client) -> int:
         "seed": args.seed,
         "deadline": args.deadline,
         "targets_from": source,
+        "target": args.openai or client.address,
     }
     report = summarize(records, duration_s=duration, targets=targets, settings=settings)
     if args.plot:

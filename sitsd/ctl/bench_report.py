@@ -21,6 +21,16 @@ TIERS = ("gold", "silver", "bronze")
 PERCENTILES = (50, 90, 99)
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One request of the plan, before it is sent (whatever the protocol)."""
+
+    tier: str
+    num_prompt_tokens: int
+    max_tokens: int
+    start: int  # where in the corpus the prompt starts
+
+
 @dataclass
 class RequestRecord:
     """One request of the run; times in seconds since the run started."""
@@ -87,6 +97,7 @@ def _group_stats(
         "refused": statuses.get("RESOURCE_EXHAUSTED", 0),
         "failed": statuses,  # every non-OK ending by status, refusals included
         "good": good,
+        "output_tokens": output_tokens,
         "ttft_ms": _percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
         "itl_ms": _percentiles_ms([x for r in ok for x in r.itls]),
         "e2e_ms": _percentiles_ms([r.e2e for r in ok if r.e2e is not None]),

@@ -16,6 +16,7 @@ from sitsd.ctl.client import Client
 
 _POLL_INTERVAL_S = 0.2
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,7 +31,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=0.0,
         metavar="SECONDS",
         help="keep checking for up to this long until SERVING, also while the daemon cannot "
-        "be reached yet (default: %(default)s, check once)",
+        "be reached yet or a check runs past --timeout (default: %(default)s, check once)",
     )
     parser.add_argument(
         "--service",
@@ -49,8 +50,9 @@ def run_health(args: argparse.Namespace, client: Client) -> int:
         try:
             status = stub.Check(request, timeout=client.unary_timeout).status
         except grpc.RpcError as exc:
-            # Not reachable yet (starting) is worth waiting for; an unknown service is not.
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+            # Not reachable yet (starting) or too busy to answer in time is worth waiting
+            # for; an unknown service is not.
+            if exc.code() not in _RETRIED or time.monotonic() >= deadline:
                 raise
         else:
             if status == _SERVING or time.monotonic() >= deadline:

@@ -3,13 +3,17 @@
 Byte-level tokenizers split characters across tokens, so decoding one token at a time yields
 U+FFFD halves. The detokenizer decodes a short window of recent tokens and emits only the text
 that became complete, the way TGI and vLLM do. Text that could still grow into a stop string is
-held back until it can no longer match; a matched stop string is cut off with everything after.
+held back until it can no longer match; the first stop string to be completed is cut off with
+everything after. Finding them is `sitsd.engine.stop_strings.StopMatcher`'s: per character of
+new text, whatever the number of stop strings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+from sitsd.engine.stop_strings import StopMatcher
 
 # Prompt tokens decoded along with the first outputs, so tokenizers that render a leading space
 # from context (SentencePiece) produce the same text as decoding the whole sequence.
@@ -30,10 +34,10 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stop = tuple(stop)
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._stops = StopMatcher(stop) if stop else None
         self.text = ""  # all output text decoded so far (before stop-string truncation)
         self._num_sent = 0  # characters of `text` already handed out
+        self._num_matched = 0  # characters of `text` the stop matcher has read
         self.stopped = False  # a stop string matched
 
     def step(self, new_token_ids: Sequence[int]) -> str:
@@ -67,34 +71,22 @@ class IncrementalDetokenizer:
         return ""
 
     def _release(self) -> str:
-        if not self._stop:
+        if self._stops is None:
             out = self.text[self._num_sent :]
             self._num_sent = len(self.text)
             return out
-        # A stop string may start inside text already held back, never inside text sent.
-        search_from = max(0, self._num_sent)
-        first = -1
-        for s in self._stop:
-            idx = self.text.find(s, search_from)
-            if idx != -1 and (first == -1 or idx < first):
-                first = idx
-        if first != -1:
+        # Only the text decoded since the last step is read: a stop string can end only in it.
+        first = self._stops.feed(self.text[self._num_matched :])
+        self._num_matched = len(self.text)
+        if first is not None:
             self.stopped = True
             out = self.text[self._num_sent : first]
             self._num_sent = first
             self.text = self.text[:first]
             return out
-        keep = self._held_back_len()
-        end = max(self._num_sent, len(self.text) - keep)
+        # What may still grow into a stop string is held back (never inside text sent: the
+        # matcher's state is the longest suffix that begins a stop string, shorter than one).
+        end = max(self._num_sent, len(self.text) - self._stops.num_held)
         out = self.text[self._num_sent : end]
         self._num_sent = end
         return out
-
-    def _held_back_len(self) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        tail = self.text[-self._max_stop_len :] if self._max_stop_len else ""
-        for n in range(min(len(tail), self._max_stop_len - 1), 0, -1):
-            suffix = tail[-n:]
-            if any(s.startswith(suffix) for s in self._stop):
-                return n
-        return 0

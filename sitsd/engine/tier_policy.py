@@ -24,7 +24,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sitsd.config import TiersConfig
-from sitsd.engine.admission import QueueSnapshot, refusal_reason, running_entry, waiting_entry
+from sitsd.engine.admission import (
+    QueueSnapshot,
+    Refusal,
+    refusal_reason,
+    running_entry,
+    waiting_entry,
+    what_to_change,
+)
 from sitsd.engine.batch import Batch, WaitingQueue
 from sitsd.engine.request import Request
 from sitsd.engine.tiers import (
@@ -34,7 +41,7 @@ from sitsd.engine.tiers import (
     queue_key,
 )
 from sitsd.engine.waiting_queue import TierQueue
-from sitsd.outputs import SchedulerOutput
+from sitsd.outputs import PreemptionReason, SchedulerOutput
 from sitsd.plugins.interface import BatchController, TierEstimate
 from sitsd.types import Tier
 
@@ -121,7 +128,7 @@ class TierPolicy:
             return None
         for victim in victims:
             batch.unschedule(victim.req_id, out)
-            batch.preempt(victim, out)
+            batch.preempt(victim, out, PreemptionReason.TIER, request)
         if len(batch.running) >= batch.config.max_num_seqs:
             return None
         return batch.try_admit(request, out)
@@ -156,7 +163,7 @@ class TierPolicy:
 
     # ---------------------------------------------------------------------- admission control
 
-    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> str | None:
+    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> Refusal | None:
         """Why `request` (not added yet) must be refused at once, or None to admit it: its
         expected queue wait exceeds its tier's maximum."""
         if not self.config.admission_control:
@@ -168,7 +175,9 @@ class TierPolicy:
             self.tracker.num_refused[request.tier] += 1
         return reason
 
-    def early_refusal(self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float) -> str | None:
+    def early_refusal(
+        self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float
+    ) -> Refusal | None:
         """`refusal` on the API's thread, against the queue as of the last engine turn."""
         if not snapshot.enabled:
             return None
@@ -190,7 +199,8 @@ class TierPolicy:
                     (
                         request.req_id,
                         f"overloaded: waited {waited * 1000:.0f} ms in the queue, over the "
-                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; retry later",
+                        f"{request.tier.value} tier's {limit * 1000:.0f} ms; "
+                        f"{what_to_change(request.tier)}",
                     )
                 )
         return overdue

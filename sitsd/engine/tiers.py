@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from sitsd.config import TierConfig, TiersConfig
+from sitsd.config import ConfigError, TierConfig, TiersConfig
 from sitsd.engine.latency import TierLatency
 from sitsd.engine.request import Request
 from sitsd.outputs import TierStats
@@ -68,21 +68,28 @@ def _plugin_dir_controllers(plugin_dirs: tuple[str, ...]) -> dict[str, Controlle
             if spec is None or spec.loader is None:
                 continue
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # the plugin's own error, but a start-up error of ours
+                raise ConfigError(f"--plugin-dir: {path}: {type(exc).__name__}: {exc}") from exc
             found.update(getattr(module, "BATCH_CONTROLLERS", {}))
     return found
 
 
-def load_batch_controller(config: TiersConfig, max_num_seqs: int) -> BatchController:
-    """Build the controller named `config.controller`.
+def find_batch_controller(config: TiersConfig) -> ControllerFactory:
+    """The factory of the controller named `config.controller`.
 
     Looked up in the plugin directories first, then the `sitsd.plugins` entry points, then the
-    built-in ones.
+    built-in ones. The daemon calls it before it loads the model, so an unknown name is a
+    start-up error, not a model-load failure (plugin files run again when the engine is built).
 
     Raises:
-        ValueError: no controller has that name.
+        ConfigError: a plugin directory is missing, or no controller has that name.
     """
     name = config.controller
+    missing = [d for d in config.plugin_dirs if not Path(d).expanduser().is_dir()]
+    if missing:
+        raise ConfigError(f"--plugin-dir {missing[0]}: not a directory")
     candidates = _plugin_dir_controllers(config.plugin_dirs)
     if name not in candidates:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -91,12 +98,22 @@ def load_batch_controller(config: TiersConfig, max_num_seqs: int) -> BatchContro
     if name not in candidates:
         candidates.update(_builtin_controllers())
     if name not in candidates:
-        raise ValueError(
-            f"no batch controller named {name!r} (built in: {', '.join(_builtin_controllers())};"
-            f" plugins: entry points '{ENTRY_POINT_PREFIX}<name>' in group {ENTRY_POINT_GROUP},"
-            " or BATCH_CONTROLLERS in a --plugin-dir file)"
+        raise ConfigError(
+            f"--batch-controller: no batch controller named {name!r} (built in: "
+            f"{', '.join(_builtin_controllers())}; plugins: entry points "
+            f"'{ENTRY_POINT_PREFIX}<name>' in group {ENTRY_POINT_GROUP}, or BATCH_CONTROLLERS "
+            "in a --plugin-dir file)"
         )
-    return candidates[name](config, max_num_seqs)
+    return candidates[name]
+
+
+def load_batch_controller(config: TiersConfig, max_num_seqs: int) -> BatchController:
+    """Build the controller named `config.controller` (`find_batch_controller`).
+
+    Raises:
+        ConfigError: no controller has that name.
+    """
+    return find_batch_controller(config)(config, max_num_seqs)
 
 
 def lower_tier_prefill_allowance(

@@ -45,13 +45,18 @@ class ApiKeys:
         """Raise 401 unless the request carries one of the keys (compared in constant time)."""
         if not self._keys:
             return
-        presented = request.headers.get("authorization", "").strip().encode()
-        scheme, _, key = presented.partition(b" ")
+        header = request.headers.get("authorization")
+        if header is None:
+            raise unauthorized("an API key is needed: send 'Authorization: Bearer <key>'")
+        scheme, _, key = header.strip().encode().partition(b" ")
         normalized = b"Bearer " + key.strip() if scheme.lower() == b"bearer" else b""
         # Every key is compared, so the time taken does not tell which one nearly matched.
         matched = [hmac.compare_digest(normalized, expected) for expected in self._keys]
         if not any(matched):
-            raise unauthorized()
+            raise unauthorized(
+                "the API key is not valid for this server: send 'Authorization: Bearer <key>'"
+                " with one of the keys of its --api-key-file"
+            )
 
 
 def read_api_keys(path: str) -> list[str]:

@@ -26,9 +26,12 @@ from sitsd.http.protocol import ErrorInfo, ErrorResponse
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: raising sets `__traceback__`, which a frozen one refuses
 class HttpError(Exception):
-    """An answer other than 200: raised by the handlers, written by the app's handler."""
+    """An answer other than 200: raised by the handlers, written by the app's handler.
+
+    Create one per answer (a shared instance would collect every raise's traceback).
+    """
 
     status: int
     message: str
@@ -66,13 +69,9 @@ def bad_request(param: str, message: str) -> HttpError:
     return HttpError(400, f"{param}: {message}", param=param, code="invalid_parameter")
 
 
-def unauthorized() -> HttpError:
-    return HttpError(
-        401,
-        "a valid API key is needed: send 'Authorization: Bearer <key>'",
-        type="authentication_error",
-        code="invalid_api_key",
-    )
+def unauthorized(message: str) -> HttpError:
+    """401: `message` says whether the key was missing or wrong (never which key is right)."""
+    return HttpError(401, message, type="authentication_error", code="invalid_api_key")
 
 
 def not_found(path: str) -> HttpError:
@@ -125,6 +124,11 @@ def error_for_finish(
     return HttpError(
         500, delta.error or "the request was aborted", type="server_error", code="aborted"
     )
+
+
+def client_closed() -> HttpError:
+    """What a request whose client went away counts as (499, nginx's code; never sent)."""
+    return HttpError(499, "the client closed the connection", code="cancelled")
 
 
 def deadline_exceeded() -> HttpError:

@@ -4,8 +4,10 @@ chat conversations rendered with the model's chat template.
 Messages reach the template as `transformers` hands them over: dicts with `role`, `content` (a
 string; text parts are joined), and `tool_calls` / `tool_call_id` / `name` where the client
 sent them, tool calls' `arguments` parsed from their JSON text, as chat templates expect. The
-template, and what it makes of roles and tools, is the model's (`sitsd.weights`); the
-vocabulary check is the shared `check_token_ids`.
+template, and what it makes of roles and tools, is the model's (`sitsd.weights`). The checks
+are the shared ones (`sitsd.engine.validation`: text that cannot fit the context or is not valid
+Unicode is refused before it is tokenized, token ids against the vocabulary), and long text is
+tokenized off the event loop (`sitsd.api.inference.encode_text`), as for gRPC.
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from sitsd.api.inference import check_token_ids
+from sitsd.api.inference import encode_text
+from sitsd.engine.validation import (
+    check_prompt_length,
+    check_prompt_text,
+    check_text_fits,
+    check_token_ids,
+)
 from sitsd.http.errors import bad_request
 from sitsd.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from sitsd.outputs import ModelInfo
 
 
 class ChatTokenizer(Protocol):
@@ -30,8 +39,8 @@ class ChatTokenizer(Protocol):
     ) -> str: ...
 
 
-def completion_prompts(
-    body: CompletionRequest, tokenizer: ChatTokenizer, vocab_size: int
+async def completion_prompts(
+    body: CompletionRequest, tokenizer: ChatTokenizer, info: ModelInfo
 ) -> tuple[list[list[int]], list[str | None]]:
     """The token ids of each prompt of the batch, and each one's text (None for token ids)."""
     prompt = body.prompt
@@ -43,28 +52,33 @@ def completion_prompts(
         items = list(prompt)  # type: ignore[arg-type]
     if not items:
         raise bad_request("prompt", "the prompt is empty")
+    for item in items:  # every one checked before any is tokenized
+        if isinstance(item, str):
+            check_prompt_text(item, info)
+        else:
+            check_prompt_length(len(item), info)
+            check_token_ids("prompt", item, info.vocab_size)
     token_ids: list[list[int]] = []
     texts: list[str | None] = []
     for item in items:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt", "the prompt is empty")
-            token_ids.append(tokenizer.encode(item, add_special_tokens=True))
+            token_ids.append(await encode_text(tokenizer, item, add_special_tokens=True))
             texts.append(item)
         else:
-            check_token_ids("prompt", item, vocab_size)
-            if not item or min(item) < 0:
-                raise bad_request("prompt", f"token ids must be in [0, {vocab_size})")
             token_ids.append(list(item))
             texts.append(None)
     return token_ids, texts
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: ChatTokenizer) -> list[int]:
+async def chat_prompt(
+    body: ChatCompletionRequest, tokenizer: ChatTokenizer, info: ModelInfo
+) -> list[int]:
     """The conversation rendered with the model's template and tokenized."""
     if not tokenizer.has_chat_template:
         raise bad_request("messages", "the model has no chat template; use /v1/completions")
     messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    # Before rendering them: what the client wrote must fit, and be text a tokenizer takes.
+    check_text_fits("messages", [str(m.get("content", "")) for m in messages], info)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})
     if body.tools and body.tool_choice != "none":
         extra["tools"] = body.tools
@@ -74,8 +88,9 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: ChatTokenizer) -> list[i
         )
     except ValueError as exc:  # sitsd.weights.ChatTemplateError: the template refused them
         raise bad_request("messages", str(exc)) from exc
+    check_text_fits("messages", [text], info)  # roles, names, tools: all of it is tokenized
     # The template writes the special tokens (BOS, role markers) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return await encode_text(tokenizer, text, add_special_tokens=False)
 
 
 def template_message(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Which requests are constrained is `SamplingParams.grammar`; sampling is `sampler
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,20 +147,21 @@ class GrammarMasks:
     """The host bitmask, its device copy, and the masking of constrained rows' logits."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        if sys.byteorder != "little":  # the bitmask is read byte by byte (CPUs and GPUs: little)
+            raise RuntimeError("grammar masks need a little-endian host")
         self.vocab_size = vocab_size
         num_words = -(-vocab_size // _BITS)
         on_cuda = device.type == "cuda"
         self._host = torch.zeros(max_rows, num_words, dtype=torch.int32, pin_memory=on_cuda)
         self._dev = self._host.to(device) if on_cuda else self._host
         self._copied = torch.cuda.Event() if on_cuda else None
-        ids = torch.arange(vocab_size, device=device)
-        self._word = ids // _BITS  # [vocab] int64: the word of each token id
-        self._shift = (ids % _BITS).to(torch.int32)  # [vocab] its bit in that word
+        # [256, 8] bool: bit b of a mask byte is 0 (the token 8k + b of byte k is not allowed)
+        self._blocked = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 0).to(device)
 
     def apply(
         self,
         logits: torch.Tensor,  # [num_rows, vocab] float32, masked in place
-        rows: Sequence[int],  # the constrained rows of `logits`
+        rows: Sequence[int],  # the constrained rows of `logits`, ascending
         states: Sequence[GrammarState],  # their matchers, brought up to date by the caller
     ) -> None:
         if not rows:
@@ -173,9 +175,14 @@ class GrammarMasks:
         if self._copied is not None:
             words.copy_(self._host[:n], non_blocking=True)
             self._copied.record()
+        # One lookup per mask byte (little-endian: byte k of a word holds ids 8k .. 8k + 7).
+        mask_bytes = words.view(torch.uint8).int()  # [n, 4 * num_words]
+        blocked = self._blocked[mask_bytes].view(n, -1)[:, : self.vocab_size]  # [n, vocab]
+        if rows[-1] - rows[0] + 1 == n:  # a run of rows (every row, often): masked in place
+            logits[rows[0] : rows[-1] + 1].masked_fill_(blocked, float("-inf"))
+            return
         index = _to_device(list(rows), logits.device)
-        allowed = (words[:, self._word] >> self._shift) & 1  # [n, vocab]
-        picked = logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf"))
+        picked = logits.index_select(0, index).masked_fill_(blocked, float("-inf"))
         logits.index_copy_(0, index, picked)
 
 

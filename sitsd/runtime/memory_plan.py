@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
+from sitsd.config import CacheConfig, ConfigError, ModelConfig, SitsdConfig
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
@@ -49,7 +49,7 @@ def decide_weight_slots(
         return 1, "--weight-slots 1"
     if mode == "2":
         if not fits and device.type == "cuda":
-            raise ValueError(f"--weight-slots 2: two weight slots do not fit ({measured})")
+            raise ConfigError(f"--weight-slots 2: two weight slots do not fit ({measured})")
         return 2, "--weight-slots 2"
     return (
         (2, f"a second slot fits ({measured})")
@@ -133,7 +133,7 @@ def size_kv_pool(
     if mcfg.max_model_len or capacity < 2 * cfg.block_size:
         per_block = bytes_per_block(arch, cfg.block_size, dtype)
         needed = -(-max_model_len // cfg.block_size)
-        raise ValueError(
+        raise ConfigError(
             f"the KV pool holds {num_blocks} blocks ({capacity} tokens) but one "
             f"{max_model_len}-token request needs {needed}; raise --kv-cache-memory to at least "
             f"{needed * per_block / 2**20:.0f}MiB or lower --max-model-len"

@@ -3,7 +3,8 @@
 `load_version(path)` verifies the manifest (sizes and sha256 of every file) and opens the
 checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles are refused).
 `validate(loaded, serving)` checks, before any weight slot is touched, that the version can
-replace the serving one: the same architecture (every `LlamaArch` field but `extra`), the same
+replace the serving one: the same architecture (every `LlamaArch` field but `extra`, floats as
+the kernels read them: `as_used`), the same
 tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer),
 every dense tensor's name, shape and floating dtype, and finite values in the serving dtype
 (read in chunks, so memory stays bounded; on CUDA on a side stream), and every module the
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sitsd.model.arch import LlamaArch
@@ -127,7 +129,7 @@ def validate(
         VersionRejected: with the first problem found.
     """
     ckpt = loaded.checkpoint
-    if ckpt.arch != serving.arch:
+    if as_used(ckpt.arch) != as_used(serving.arch):
         raise VersionRejected(
             f"architecture differs from the serving one: {_arch_diff(ckpt.arch, serving.arch)}"
         )
@@ -212,10 +214,40 @@ def check_finite(
                 raise VersionRejected(f"{name} holds NaN or Inf values (in {dtype})")
 
 
+def as_used(arch: LlamaArch) -> LlamaArch:
+    """`arch` as the model uses it: its floats in float32, the precision the kernels read them
+    in (RMSNorm adds eps to float32 sums; the rotary tables are computed in float32 from
+    rope_theta and the rope_scaling factors). A GGUF stores `rms_norm_eps` as float32
+    (9.9999997e-06) where the same model's config.json says 1e-05: the same model, which a
+    comparison of Python floats would refuse."""
+    scaling = arch.rope_scaling
+    return dataclasses.replace(
+        arch,
+        rms_norm_eps=_float32(arch.rms_norm_eps),
+        rope_theta=_float32(arch.rope_theta),
+        rope_scaling=None
+        if scaling is None
+        else {k: _float32(v) if isinstance(v, float) else v for k, v in scaling.items()},
+    )
+
+
+def _float32(value: float) -> float:
+    return float(np.float32(value))
+
+
 def _arch_diff(new: LlamaArch, serving: LlamaArch) -> str:
-    diffs = [
-        f"{f.name} {getattr(new, f.name)!r} (serving: {getattr(serving, f.name)!r})"
-        for f in dataclasses.fields(LlamaArch)
-        if f.compare and getattr(new, f.name) != getattr(serving, f.name)
-    ]
+    """Each field that differs as the model uses it, with by how much when it is a number."""
+    new_used, serving_used = as_used(new), as_used(serving)
+    diffs = []
+    for f in dataclasses.fields(LlamaArch):
+        theirs, ours = getattr(new_used, f.name), getattr(serving_used, f.name)
+        if not f.compare or theirs == ours:
+            continue
+        diff = f"{f.name} {getattr(new, f.name)!r} (serving: {getattr(serving, f.name)!r})"
+        numbers = all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in (theirs, ours)
+        )
+        if numbers and ours:
+            diff += f", off by {theirs - ours:+.6g} ({(theirs - ours) / abs(ours):+.3%})"
+        diffs.append(diff)
     return "; ".join(diffs)

@@ -10,6 +10,11 @@ class VersionError(Exception):
     """Base class: a weight-version operation that cannot be done."""
 
 
+class InvalidVersionIdError(VersionError):
+    """A version id that is not a name (a path, odd characters, too long) (gRPC INVALID_ARGUMENT;
+    the message starts with the field, "version: ")."""
+
+
 class UnknownVersionError(VersionError):
     """No version has this id (gRPC NOT_FOUND)."""
 

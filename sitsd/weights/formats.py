@@ -48,13 +48,29 @@ def load_checkpoint(
     from sitsd.weights import gguf_file, hf
 
     path = Path(path)
+    kind, source = checkpoint_source(path)
+    if kind == "hf":
+        return hf.load_hf_dir(path, load_tensors=load_tensors)
+    ckpt = gguf_file.load_gguf(source, load_tensors=load_tensors, keep_quantized=keep_quantized)
+    if source != path:  # a directory holding one .gguf file is named by the directory
+        ckpt.name, ckpt.path = path.name, path
+    return ckpt
+
+
+def checkpoint_source(path: Path) -> tuple[str, Path]:
+    """("hf", the directory) or ("gguf", the file): which loader reads `path`.
+
+    Decided from file names alone (nothing is read), so a daemon can refuse a bad `--model`
+    before it loads anything.
+
+    Raises:
+        CheckpointError: `path` is missing, a pickle checkpoint, or nothing sitsd reads.
+    """
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return gguf_file.load_gguf(
-                path, load_tensors=load_tensors, keep_quantized=keep_quantized
-            )
+            return "gguf", path
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise pickle_refused(path)
         if path.suffix.lower() == ".safetensors":
@@ -66,24 +82,23 @@ def load_checkpoint(
             f"{path} is not a checkpoint sitsd reads: pass a Hugging Face model directory or a "
             ".gguf file"
         )
+    pickles = find_pickles(path)
+    has_safetensors = any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))
     if (path / "config.json").is_file():
-        return hf.load_hf_dir(path, load_tensors=load_tensors)
+        if pickles and not has_safetensors:
+            raise pickle_refused(pickles[0])
+        return "hf", path
     ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
     if len(ggufs) == 1:
-        ckpt = gguf_file.load_gguf(
-            ggufs[0], load_tensors=load_tensors, keep_quantized=keep_quantized
-        )
-        ckpt.name, ckpt.path = path.name, path
-        return ckpt
+        return "gguf", ggufs[0]
     if len(ggufs) > 1:
         raise CheckpointError(
             f"{path} holds {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs)}); "
             "pass the one to serve"
         )
-    pickles = find_pickles(path)
     if pickles:
         raise pickle_refused(pickles[0])
-    if any(path.glob("*.safetensors")):
+    if has_safetensors:
         raise CheckpointError(f"{path} has no config.json; a Hugging Face checkpoint needs one")
     raise CheckpointError(
         f"{path} is not a checkpoint: no config.json (Hugging Face) and no .gguf file"

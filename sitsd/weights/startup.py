@@ -26,6 +26,7 @@ from sitsd.weights.versions import (
     PersistedVersion,
     VersionRegistry,
     VersionState,
+    is_version_id,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +41,10 @@ log = logging.getLogger("sitsd.swap")
 # On a CPU device staging shares the cores with the engine's OpenMP team: small pieces, and
 # at most a tenth of one core (bench/bench_swap.py measured what more costs).
 _CPU_CHUNK_BYTES = 4 * 2**20
-_CPU_SHARE = 0.1
+# A copy to a GPU in pieces that hold the host-to-device link ~0.2 ms each: an engine step's
+# own uploads wait behind one at most.
+_GPU_COPY_CHUNK_BYTES = 8 * 2**20
+_STAGING_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,11 @@ def choose_startup(config: SitsdConfig) -> StartupChoice:
             active.version, name, path,
         )  # fmt: skip
     model_path = model_path or resolve_model_path(config.model.model)
-    # A version directory (it has a manifest) is named like any version: by the directory.
+    # A version directory (it has a manifest) is named like any version: by the directory
+    # (unless that is no version id; the builder then derives one from the files).
     version = model_path.name if manifest_digest(model_path) else None
+    if version is not None and not is_version_id(version):
+        version = None
     return StartupChoice(name, model_path, version, None, previous)
 
 
@@ -131,6 +138,7 @@ def create_swap_manager(
 
     Raises:
         CanaryFileError: the canary file cannot be used.
+        ValueError: the swap policy needs a second weight slot and there is one.
     """
     # Imported here: torch and the model code; the daemon calls this once the engine runs.
     from sitsd.weights.canary import read_canary_prompts
@@ -138,6 +146,11 @@ def create_swap_manager(
     from sitsd.weights.staging import StagingSettings
     from sitsd.weights.swap import SwapManager, SwapSettings
 
+    if config.swap.policy == "drain" and port.num_slots == 1:
+        raise ValueError(
+            "--swap-policy drain needs two weight slots, and only one fits here: choose "
+            "--swap-policy migrate or restart, or make room for a second slot"
+        )
     wcfg = config.weights
     prompts: list[list[int]] = []
     if wcfg.canary_file:
@@ -146,9 +159,12 @@ def create_swap_manager(
             log.warning("--canary-file: with one weight slot there is no canary (it compares "
                         "both slots); versions commit after validation alone")  # fmt: skip
     on_cpu = port.device.type == "cpu"
+    chunk = min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes
     staging = StagingSettings(
-        chunk_bytes=min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes,
-        cpu_share=(wcfg.staging_cpu_share or _CPU_SHARE) if on_cpu else 1.0,
+        chunk_bytes=chunk,
+        copy_chunk_bytes=chunk if on_cpu else min(chunk, _GPU_COPY_CHUNK_BYTES),
+        share=wcfg.staging_share or _STAGING_SHARE,
+        to_gpu=not on_cpu,
         slot_wait_s=config.swap.slot_wait_s,
         canary_prompts=tuple(tuple(p) for p in prompts) if port.num_slots == 2 else (),
         canary_max_kl=wcfg.canary_max_kl,

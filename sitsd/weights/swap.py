@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +43,12 @@ from sitsd.engine.messages import InPlaceCopy, SwapEvent
 from sitsd.engine.swap_port import SwapPort
 from sitsd.observability import Observability
 from sitsd.weights.checks import LoadedVersion, ServingModel, VersionRejected
-from sitsd.weights.errors import SwapFailedError, SwapRefusedError, VersionRejectedError
+from sitsd.weights.errors import (
+    InvalidVersionIdError,
+    SwapFailedError,
+    SwapRefusedError,
+    VersionRejectedError,
+)
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
 from sitsd.weights.progress import (
     NoTrace,
@@ -61,6 +66,7 @@ from sitsd.weights.versions import (
     VersionState,
     VersionsView,
     WeightVersion,
+    check_version_id,
 )
 
 log = logging.getLogger("sitsd.swap")
@@ -118,9 +124,12 @@ class SwapManager:
         """Register the version in directory `path` (staged); its id defaults to the dir name.
 
         Raises:
+            InvalidVersionIdError: the id (given, or the directory's name) is not a name.
             InvalidRequestError: not a directory, or no readable manifest.
             VersionConflictError: the id is taken by other content.
         """
+        if version:
+            check_version_id(version)  # before the path is even looked at
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
@@ -130,8 +139,15 @@ class SwapManager:
             raise InvalidRequestError(
                 "path", f"{exc}; write one with `sitsctl manifest {path}`"
             ) from None
+        if not version:
+            try:
+                version = check_version_id(directory.resolve().name)
+            except InvalidVersionIdError as exc:
+                raise InvalidVersionIdError(
+                    f"{exc}; name the version (sitsctl deploy --version)"
+                ) from None
         record, _ = self.registry.register(
-            version or directory.name, str(directory.resolve()), digest, source, VersionState.STAGED
+            version, str(directory.resolve()), digest, source, VersionState.STAGED
         )
         return record
 
@@ -153,7 +169,8 @@ class SwapManager:
                 raise SwapRefusedError(f"version {version} was rejected: {record.reason}")
             if version not in self._loaded_versions():
                 trace = self._trace(version)
-                await self._stage(record, progress, trace)
+                with self._unchanged_if_failed(record):
+                    await self._stage(record, progress, trace)
                 trace.finish("staged")
         progress(SwapProgress("staged", version, message="validated; ready to commit"))
         return self.registry.get(version)
@@ -181,6 +198,7 @@ class SwapManager:
             SwapFailedError.
         """
         policy = self._policy(policy)
+        check_version_id(version)
         self.registry.get(version)  # NOT_FOUND at once, not after waiting for the lock
         async with self._exclusive(f"swap to {version}", wait=wait):
             record = self.registry.get(version)
@@ -195,9 +213,10 @@ class SwapManager:
                     f"version {version} was pushed and is in no weight slot any more; push it again"
                 )
             trace = self._trace(version)
-            if version not in self._loaded_versions():
-                await self._stage(record, progress, trace)
-            return await self._commit(version, policy, progress, trace, outcome)
+            with self._unchanged_if_failed(record):
+                if version not in self._loaded_versions():
+                    await self._stage(record, progress, trace)
+                return await self._commit(version, policy, progress, trace, outcome)
 
     async def rollback(
         self, policy: str = "", progress: ProgressSink = ignore_progress
@@ -348,11 +367,6 @@ class SwapManager:
     ) -> SwapProgress:
         in_place = None
         if self.port.num_slots == 1:
-            if policy == "drain":
-                raise SwapRefusedError(
-                    "drain needs two weight slots; this daemon has one "
-                    "(--weight-slots): use migrate or restart"
-                )
             loaded = self._in_place.pop(version)
             in_place = InPlaceCopy(loaded.checkpoint.tensors, self.settings.staging.chunk_bytes,
                                    loaded.checkpoint.quant)  # fmt: skip
@@ -427,10 +441,28 @@ class SwapManager:
     # --------------------------------------------------------------------------- helpers
 
     def _policy(self, policy: str) -> str:
+        """The policy a swap runs under; refused before the swap does anything."""
         policy = policy or self.settings.default_policy
         if policy not in SWAP_POLICIES:
             raise InvalidRequestError("policy", f"must be one of {', '.join(SWAP_POLICIES)}")
+        if policy == "drain" and self.port.num_slots == 1:
+            raise SwapRefusedError(
+                "drain needs two weight slots; this daemon has one (--weight-slots): use "
+                "migrate or restart"
+            )
         return policy
+
+    @contextlib.contextmanager
+    def _unchanged_if_failed(self, record: WeightVersion) -> Iterator[None]:
+        """A failed operation leaves the version in the state it had (a rollback target stays
+        retired); only a rejection, the version's own fault, is recorded."""
+        try:
+            yield
+        except BaseException:
+            now = self.registry.find(record.version)
+            if now is not None and now.state is not VersionState.REJECTED:
+                self.registry.restore(record.version, record.state)
+            raise
 
     def _loaded_versions(self) -> set[str]:
         return {v for v in self.port.status().slot_versions if v} | set(self._in_place)

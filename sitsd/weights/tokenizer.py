@@ -14,6 +14,7 @@ detokenization of a stream is left to the engine's detokenizer.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -120,6 +121,16 @@ class Tokenizer:
         """Jinja2 source of the chat template, or None."""
         return self._chat_template.source if self._chat_template else None
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token stands for more text.
+
+        An upper bound (byte-level BPE spells a byte with a character of one or two bytes,
+        SentencePiece a space with three), which is what a refusal of too long a text needs.
+        """
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token.encode()) for token in vocab), default=1)
+
     def id_to_token(self, token_id: int | None) -> str | None:
         """The token string for `token_id`, or None if there is none."""
         return None if token_id is None else self._backend.id_to_token(token_id)
@@ -134,7 +145,9 @@ class Tokenizer:
         Special tokens written in the text (e.g. `<|im_start|>`) become their ids either way;
         `add_special_tokens` only controls the BOS/EOS this model adds around a sequence.
         """
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: `tokenizers` releases the GIL only there, so a long text
+        # tokenized on a worker thread does not stop the event loop (or the engine) meanwhile.
+        ids: list[int] = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos_token:
                 ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Weight versions: the registry of known versions and their states, and the persisted active one.
 
 A version is a directory (Hugging Face safetensors or GGUF) with a `manifest.json`; its id is
-the directory's name unless the operator names it. Its state moves
+the directory's name unless the operator names it, and is a name either way (`check_version_id`:
+a bounded charset and length, never a path). Its state moves
 
     staged -> validated -> active -> retired (-> active again on a rollback)
           \\-> rejected (with the reason; a later change to its files may stage it again)
@@ -21,15 +22,49 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sitsd.weights.errors import UnknownVersionError, VersionConflictError, VersionError
+from sitsd.weights.errors import (
+    InvalidVersionIdError,
+    UnknownVersionError,
+    VersionConflictError,
+    VersionError,
+)
 
 ACTIVE_STATE_FILE = "active-weights.json"
 _STATE_FORMAT = 1
+# A version id is a name: letters, digits and . _ @ + -, starting with a letter or a digit (so
+# never "." or "..", a hidden file or an option), at most 128 characters; never a path.
+_VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9._@+-]")
+
+
+def check_version_id(version: str) -> str:
+    """`version`, if it is a valid version id.
+
+    Raises:
+        InvalidVersionIdError: it is not (the message says what one is).
+    """
+    if not is_version_id(version):
+        raise InvalidVersionIdError(
+            f"version: {version[:160]!r} is not a version id: 1-128 letters, digits and . _ @ + -"
+            ", starting with a letter or a digit (a name, never a path)"
+        )
+    return version
+
+
+def is_version_id(version: str) -> bool:
+    return _VERSION_ID.fullmatch(version) is not None
+
+
+def version_id_from(name: str) -> str:
+    """A valid version id made of `name` (a checkpoint's file or directory name)."""
+    cleaned = _NOT_IN_ID.sub("-", name).lstrip("._@+-")[:128]
+    return cleaned or "model"
 
 
 class VersionState(enum.StrEnum):
@@ -89,8 +124,10 @@ class VersionRegistry:
         changes). A rejected version whose manifest changed is staged again.
 
         Raises:
+            InvalidVersionIdError: `version` is not a name (`check_version_id`).
             VersionConflictError: the id is taken by other content.
         """
+        check_version_id(version)
         now = time.time()
         with self._lock:
             known = self._versions.get(version)
@@ -162,6 +199,15 @@ class VersionRegistry:
             known = self._versions.get(version)
             if known is not None:
                 known.precision, known.weight_bytes = precision, weight_bytes
+
+    def restore(self, version: str, state: VersionState) -> None:
+        """Put `version` back in the state it had before an operation that failed (whatever
+        the transitions allow: a failed operation changes no state)."""
+        with self._lock:
+            known = self._versions.get(version)
+            if known is not None and known.state is not state:
+                known.state = state
+                known.updated_at = time.time()
 
     def activate(self, version: str) -> None:
         """Record a commit: `version` active, the one before retired (and the rollback target)."""

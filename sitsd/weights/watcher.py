@@ -32,11 +32,11 @@ from watchdog.observers.api import BaseObserver
 
 from sitsd.config import WATCH_COMMIT_MODES
 from sitsd.observability.metrics import Metrics
-from sitsd.weights.errors import VersionConflictError, VersionError
+from sitsd.weights.errors import InvalidVersionIdError, VersionConflictError, VersionError
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, check_complete
 from sitsd.weights.offthread import run_off_engine
 from sitsd.weights.swap import SwapManager
-from sitsd.weights.versions import VersionState
+from sitsd.weights.versions import VersionState, check_version_id
 
 log = logging.getLogger("sitsd.watch")
 
@@ -137,6 +137,12 @@ class VersionWatcher:
                          f"{self.model!r}: versions go in {self.root / self.model}")  # fmt: skip
             return
         try:
+            check_version_id(version)
+        except InvalidVersionIdError as exc:  # no record can hold such an id: logged, counted
+            self._count("rejected")
+            log.warning("ignored %s: the directory's name is not a version id: %s", directory, exc)
+            return
+        try:
             manifest = await run_off_engine(
                 lambda: check_complete(directory, root=self.root), name="sitsd-watch-check"
             )
@@ -206,8 +212,8 @@ class VersionWatcher:
                 manifest = check_complete(directory, root=self.root)
                 self.manager.registry.register(directory.name, str(directory), manifest.digest,
                                                "watch", VersionState.STAGED)  # fmt: skip
-            except (IncompleteVersion, ManifestError, VersionConflictError):
-                continue  # checked on its next event
+            except (IncompleteVersion, ManifestError, VersionConflictError, InvalidVersionIdError):
+                continue  # checked (and a bad name logged) on its next event
             log.info("found weights version %s at start-up (not committed)", directory.name)
 
 

@@ -8,7 +8,12 @@ import re
 import select
 import signal
 import subprocess
+import threading
 import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sitsd.types import SamplingParams, Tier
 from tests.api.fake_engine import FakeEngine
@@ -306,3 +311,43 @@ def test_health_of_an_unknown_service_is_not_found(engine, run_ctl):
     result = run_ctl("health", "--wait", "30", "--service", "no.Such")
     assert result.returncode == 1
     assert result.stderr.startswith("sitsctl: error: NOT_FOUND")
+
+
+class StalledHealth(health_pb2_grpc.HealthServicer):
+    """A daemon whose event loop is stalled: Check answers only once released."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released = threading.Event()
+
+    def Check(self, request, context):
+        self.calls += 1
+        self.released.wait(60)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_health_wait_retries_a_check_that_hit_its_deadline(ctl_env):
+    health = StalledHealth()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = subprocess.Popen(
+            ctl_command(f"127.0.0.1:{port}", "--timeout", "0.3", "health", "--wait", "120"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ctl_env,
+        )
+        deadline = time.monotonic() + 60
+        while health.calls < 2:  # the first check ran past its deadline, and was tried again
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        health.released.set()
+        stdout, stderr = proc.communicate(timeout=60)
+        assert (proc.returncode, stdout) == (0, "SERVING\n"), stderr
+    finally:
+        health.released.set()
+        server.stop(0)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +60,24 @@ def status_of(daemon: DaemonProcess) -> admin_pb2.StatusResponse:
             metadata=[("authorization", f"Bearer {daemon.admin_token()}")],
             timeout=10,
         )
+
+
+def metrics_url(daemon: DaemonProcess) -> str:
+    match = re.search(r"metrics on http://\S+:(\d+)/metrics", daemon.log)
+    assert match, daemon.log
+    return f"http://127.0.0.1:{match.group(1)}"
+
+
+def http_requests_by_tier(daemon: DaemonProcess, route: str) -> dict[str, float]:
+    """`sitsd_requests_total{protocol="http", method=route}` per tier, from the live scrape."""
+    with urllib.request.urlopen(metrics_url(daemon) + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    counts: dict[str, float] = {}
+    for labels, value in re.findall(r"^sitsd_requests_total\{(.*)\} (\S+)$", text, re.M):
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if fields["protocol"] == "http" and fields["method"] == route:
+            counts[fields["tier"]] = float(value)
+    return counts
 
 
 def wait_for(predicate, timeout: float = 60.0) -> None:
@@ -296,3 +317,43 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(daemon):
     connection.close()
     wait_for(lambda: status_of(daemon).num_blocks_used == 0)
     assert status_of(daemon).num_running == 0
+
+
+def sitsctl_bench(daemon: DaemonProcess, *flags: str) -> dict:
+    command = [sys.executable, "-m", "sitsd.ctl", "--address", daemon.address, "bench",
+               "--json", "--no-progress", *flags]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=daemon.env, timeout=420)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.timeout(900)  # two sitsctl runs on a shared 2-core machine
+def test_sitsctl_bench_openai_sends_the_grpc_workload_to_the_http_port(daemon):
+    flags = ("--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "8:16",
+             "--max-tokens", "2:5", "--seed", str(random.randrange(2**31)))  # fmt: skip
+    before = http_requests_by_tier(daemon, "/v1/completions")
+    over_grpc = sitsctl_bench(daemon, *flags)
+    over_http = sitsctl_bench(daemon, *flags, "--openai", daemon.http_url)
+    after = http_requests_by_tier(daemon, "/v1/completions")
+
+    assert over_http["settings"]["target"] == daemon.http_url
+    for report in (over_grpc, over_http):
+        assert report["total"]["sent"] == report["total"]["completed"] == 4
+    # The same draws: the tiers, and outputs of the drawn lengths (greedy, ignore_eos).
+    assert over_http["total"]["output_tokens"] == over_grpc["total"]["output_tokens"]
+    sent = {tier: stats["sent"] for tier, stats in over_http["tiers"].items()}
+    assert sent == {tier: stats["sent"] for tier, stats in over_grpc["tiers"].items()}
+    # The daemon counted each HTTP request in the tier its header named.
+    counted = {tier: after[tier] - before.get(tier, 0) for tier in after}
+    assert {tier: n for tier, n in counted.items() if n} == sent
+    assert over_http["total"]["ttft_ms"]["p50"] is not None
+
+
+def test_the_metrics_port_answers_metrics_only(daemon):
+    with pytest.raises(openai.NotFoundError):  # a plain failure, not Prometheus text parsed
+        openai.OpenAI(base_url=metrics_url(daemon) + "/v1", api_key="none").models.list()
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(metrics_url(daemon) + "/health", timeout=30)
+    assert raised.value.code == 404
+    with urllib.request.urlopen(metrics_url(daemon) + "/metrics", timeout=30) as r:
+        assert b"sitsd_requests_total" in r.read()

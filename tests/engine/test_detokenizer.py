@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from sitsd.engine.detokenizer import IncrementalDetokenizer
+from sitsd.engine.stop_strings import StopMatcher
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -101,3 +103,59 @@ def test_flush_releases_held_back_text_at_the_end():
     detok = IncrementalDetokenizer(tok, [], stop=["###"])
     assert detok.step(tok.encode("x ##")) == "x "
     assert detok.flush() == "##"
+
+
+def reference_cut(text: str, stops: list[str]) -> int | None:
+    """Where the text is cut: the start of the first stop string to end (the longest of those
+    ending at the same character), found by brute force; None when none occurs."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
+        if starts:
+            return min(starts)
+    return None
+
+
+def test_stop_strings_cut_where_a_brute_force_search_does_however_the_text_arrives():
+    tok = ByteTokenizer()
+    rng = random.Random(os.urandom(8))
+    alphabet = "ab é🚀"  # few letters: stop strings overlap and nest often
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        stops = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+            for _ in range(rng.randint(1, 6))
+        ]
+        detok = IncrementalDetokenizer(tok, [], stop=stops)
+        ids, out, i = tok.encode(text), "", 0
+        while i < len(ids) and not detok.stopped:
+            n = rng.randint(1, 4)
+            piece = detok.step(ids[i : i + n])
+            i += n
+            out += piece
+            # Nothing sent may be undone: it can never be part of a stop string found later.
+            cut = reference_cut(text, stops)
+            assert cut is None or len(out) <= cut, (text, stops, out)
+        out += detok.flush()
+        cut = reference_cut(text, stops)
+        assert detok.stopped == (cut is not None), (text, stops)
+        assert out == (text if cut is None else text[:cut]), (text, stops)
+
+
+def test_the_matcher_holds_back_exactly_the_longest_suffix_that_begins_a_stop_string():
+    rng = random.Random(os.urandom(8))
+    for _ in range(200):
+        stops = ["".join(rng.choice("xyz") for _ in range(rng.randint(1, 6))) for _ in range(4)]
+        matcher, text = StopMatcher(stops), ""
+        while True:
+            piece = "".join(rng.choice("xyz") for _ in range(rng.randint(1, 3)))
+            found = matcher.feed(piece)
+            text += piece
+            if found is not None:
+                assert found == reference_cut(text, stops)
+                break
+            assert reference_cut(text, stops) is None
+            longest = max(
+                (n for n in range(1, len(text) + 1) if any(s.startswith(text[-n:]) for s in stops)),
+                default=0,
+            )
+            assert matcher.num_held == longest

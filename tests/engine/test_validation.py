@@ -12,12 +12,18 @@ from sitsd.engine.errors import InvalidRequestError, ModelNotFoundError
 from sitsd.engine.validation import (
     check_model,
     check_prompt_text,
+    check_text_fits,
     check_token_ids,
     default_max_tokens,
     validate_request,
 )
 from sitsd.outputs import ModelInfo
-from sitsd.types import SamplingParams
+from sitsd.types import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 
 @pytest.fixture
@@ -137,10 +143,10 @@ def test_the_first_broken_rule_in_order_is_the_one_named(rng, info):
     everything_wrong = SamplingParams(max_tokens=0, top_p=2.0, stop_token_ids=(-5,))
     assert refusal(too_long, everything_wrong, info).field == "prompt"
     assert refusal(bad_id, everything_wrong, info).field == "prompt_token_ids"
-    assert refusal(good, everything_wrong, info).field == "stop_token_ids"
-    assert refusal(good, dataclasses.replace(everything_wrong, stop_token_ids=()), info).field == (
-        "max_tokens"
-    )
+    assert refusal(good, everything_wrong, info).field == "max_tokens"
+    # The ids are checked one by one only once their number is within bounds.
+    in_range = dataclasses.replace(everything_wrong, max_tokens=1, top_p=1.0)
+    assert refusal(good, in_range, info).field == "stop_token_ids"
 
 
 def test_check_token_ids_names_the_callers_field(rng, info):
@@ -151,11 +157,71 @@ def test_check_token_ids_names_the_callers_field(rng, info):
     assert caught.value.field == "token_ids"
 
 
-def test_an_empty_text_prompt_is_refused_and_any_other_text_passes(rng):
-    check_prompt_text(" " * rng.randint(1, 5))
+def test_an_empty_text_prompt_is_refused_and_a_short_one_passes(rng, info):
+    check_prompt_text(" " * rng.randint(1, 5), info)
     with pytest.raises(InvalidRequestError) as caught:
-        check_prompt_text("")
+        check_prompt_text("", info)
     assert str(caught.value) == "prompt: the prompt is empty"
+
+
+def test_text_that_cannot_fit_the_context_is_refused_naming_the_limit(rng, info):
+    limit = info.max_prompt_bytes
+    assert limit == info.max_model_len * info.max_token_bytes
+    check_prompt_text("x" * limit, info)
+    for text in ("x" * (limit + 1), "é" * (limit // 2 + 1), "x" * 40 * limit):
+        with pytest.raises(InvalidRequestError) as caught:
+            check_prompt_text(text, info)
+        assert caught.value.field == "prompt"
+        assert f"context of {info.max_model_len} tokens" in str(caught.value)
+        assert f"at most {limit} bytes" in str(caught.value)
+
+
+def test_texts_checked_together_count_together(rng, info):
+    half = "y" * (info.max_prompt_bytes // 2)
+    check_text_fits("messages", [half, half], info)
+    with pytest.raises(InvalidRequestError) as caught:
+        check_text_fits("messages", [half, half, "z"], info)
+    assert caught.value.field == "messages"
+
+
+def test_a_lone_surrogate_is_refused_as_text_no_tokenizer_takes(rng, info):
+    with pytest.raises(InvalidRequestError) as caught:
+        check_prompt_text("ok \ud800 then", info)
+    assert str(caught.value) == ("prompt: not valid Unicode text: a lone surrogate at character 3")
+
+
+def test_a_top_k_past_the_vocabulary_runs_as_no_top_k(rng, info):
+    prompt = prompt_of(rng, info)
+    for top_k in (info.vocab_size, info.vocab_size + rng.randint(1, 2**32), 2**32 - 1):
+        assert validate_request(prompt, SamplingParams(max_tokens=1, top_k=top_k), info).top_k == 0
+    kept = rng.randint(1, info.vocab_size - 1)
+    assert validate_request(prompt, SamplingParams(max_tokens=1, top_k=kept), info).top_k == kept
+
+
+@pytest.mark.parametrize(
+    ("field", "fields", "says"),
+    [
+        ("stop", dict(stop=("s",) * (MAX_STOP_STRINGS + 1)), f"at most {MAX_STOP_STRINGS} stop"),
+        ("stop", dict(stop=("x" * (MAX_STOP_STRING_CHARS + 1),)), "at most 256 characters"),
+        ("stop_token_ids", dict(stop_token_ids=(3,) * (MAX_STOP_TOKEN_IDS + 1)), "at most 128"),
+        ("temperature", dict(temperature=math.inf), "finite"),
+    ],
+    ids=["many stop strings", "long stop string", "many stop ids", "infinite temperature"],
+)
+def test_what_the_engine_checks_at_every_token_is_bounded(rng, info, field, fields, says):
+    error = refusal(prompt_of(rng, info), SamplingParams(max_tokens=1, **fields), info)
+    assert error.field == field
+    assert says in str(error)
+
+
+def test_stop_strings_at_the_bounds_pass(rng, info):
+    stops = tuple(
+        "".join(rng.choice("abc") for _ in range(MAX_STOP_STRING_CHARS))
+        for _ in range(MAX_STOP_STRINGS)
+    )
+    ids = tuple(rng.randrange(info.vocab_size) for _ in range(MAX_STOP_TOKEN_IDS))
+    params = SamplingParams(max_tokens=1, stop=stops, stop_token_ids=ids)
+    assert validate_request(prompt_of(rng, info), params, info) == params
 
 
 def test_only_the_served_model_or_none_is_accepted(info):

@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from opentelemetry import trace
+
 from sitsd.api.inference import EngineRef
 from sitsd.config import HttpConfig
 from sitsd.http.app import ApiKeys, create_app
@@ -27,7 +29,7 @@ MAX_TOKENS_DEFAULT = 20
 class HttpThread:
     """An event loop on a daemon thread serving one app; `stop()` ends both."""
 
-    def __init__(self, api_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, api_keys: tuple[str, ...] = (), tracer: trace.Tracer | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -35,7 +37,7 @@ class HttpThread:
         self.metrics = Metrics("fake-model")
         app = create_app(
             self.engines,
-            telemetry=HttpTelemetry(self.metrics),
+            telemetry=HttpTelemetry(self.metrics, tracer),
             api_keys=ApiKeys(api_keys),
             max_tokens_default=MAX_TOKENS_DEFAULT,
             check_grammar=GrammarChecker(),

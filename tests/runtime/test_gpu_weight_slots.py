@@ -1,15 +1,17 @@
 """Hot-swap on the GPU: CUDA graphs per weight slot, staging on a side stream, a flip copies
-nothing (marker `gpu`)."""
+nothing, canary probes in captured mixed-step graphs (marker `gpu`)."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
+from tests.runtime.test_prompt_logprobs import serve, transformers_logprobs
 from tests.runtime.test_weight_slots import greedy, tiny
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +74,53 @@ def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
     bad[name].view(-1)[0] = float("inf")  # in the first
     with pytest.raises(VersionRejected, match=name):
         check_finite(bad, names, serving, chunk_bytes=4096)
+
+
+def test_staging_copies_measure_their_transfer_time_and_keep_their_pinned_buffers():
+    arch, first = tiny(random.randrange(1000))
+    _, second = tiny(random.randrange(1000, 2000))
+    runner, _ = gpu_runner(first, arch, eager=True, version="v1")
+    slots = runner.slots
+    standby = slots.standby
+    assert slots.copy_seconds == 0.0
+    seen = []
+    slots.release(standby)
+    started = time.perf_counter()
+    nbytes = slots.copy_into(standby, second, chunk_bytes=4096,
+                             on_progress=lambda d, t: seen.append(slots.copy_seconds))  # fmt: skip
+    wall = time.perf_counter() - started
+    first_copy = slots.copy_seconds
+    assert 0.0 < first_copy <= wall
+    assert seen == sorted(seen), "it grows as the copy goes"
+    pinned = [b.data_ptr() for b in slots._upload._buffers]
+    slots.fill(standby, "v2")
+    slots.release(standby)
+    assert slots.copy_into(standby, first, chunk_bytes=4096) == nbytes
+    assert slots.copy_seconds > first_copy
+    assert [b.data_ptr() for b in slots._upload._buffers] == pinned, "no new pinned memory"
+
+
+def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax():
+    seeds = random.sample(range(1000), 2)
+    arch, first = tiny(seeds[0])
+    _, second = tiny(seeds[1])
+    runner, _ = gpu_runner(first, arch, eager=False, version="v1")
+    assert runner.slot_mixed, "steps with prompt tokens replay mixed-step graphs"
+    slots = runner.slots
+    slots.release(slots.standby)
+    slots.copy_into(slots.standby, second)
+    slots.fill(slots.standby, "v2")
+    rng = random.Random()
+    requests = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(9)], "v1", 10)
+                for i in range(3)}  # fmt: skip
+    probes = [([rng.randrange(arch.vocab_size) for _ in range(37)], "v1"),
+              ([rng.randrange(arch.vocab_size) for _ in range(21)], "v2")]  # fmt: skip
+    alone, _, _ = serve(runner, requests, [])
+    tokens, got, _ = serve(runner, requests, probes)
+    assert tokens == alone
+    for (prompt, version), logprobs in zip(probes, got):
+        want = transformers_logprobs(seeds[0] if version == "v1" else seeds[1], prompt)
+        torch.testing.assert_close(logprobs.cpu(), want, atol=2e-3, rtol=0)
 
 
 def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(tmp_path):

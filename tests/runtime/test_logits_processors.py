@@ -6,8 +6,13 @@ import random
 
 import pytest
 import torch
+from llguidance.torch import (
+    allocate_token_bitmask,
+    apply_token_bitmask_inplace,
+    fill_next_token_bitmask,
+)
 
-from sitsd.runtime.grammar import GrammarCompiler, GrammarError
+from sitsd.runtime.grammar import GrammarCompiler, GrammarError, GrammarMasks
 from sitsd.runtime.input_batch import CachedRequestState
 from sitsd.runtime.logits_processors import LogitsProcessors, SampledLogprobs
 from sitsd.types import GrammarSpec, SamplingParams
@@ -125,6 +130,30 @@ def test_a_grammar_mask_allows_exactly_the_tokens_that_continue_a_match(compiler
         processors.apply(logits, [row], torch.tensor([token_id]))
     allowed = torch.nonzero(logits[0] > float("-inf"))[:, 0].tolist()
     assert allowed == [tokenizer.eos_token_ids[0]]
+
+
+@pytest.mark.parametrize("layout", ["every row", "a run of rows", "scattered rows"])
+def test_grammar_masks_equal_llguidances_own_masking_row_by_row(compiler, layout):
+    grammars, tokenizer = compiler
+    num_rows = 6
+    rows = {"every row": [0, 1, 2, 3, 4, 5], "a run of rows": [2, 3, 4],
+            "scattered rows": sorted(random.sample(range(num_rows), 3))}[layout]  # fmt: skip
+    # Matchers at different points of one grammar: each has consumed a random prefix.
+    word = "".join(random.choices("abc", k=12))
+    ids = tokenizer.encode(word, add_special_tokens=False)
+    states = []
+    for _ in rows:
+        state = grammars.matcher(GrammarSpec("regex", "[abc]{12}"))
+        state.advance(ids[: random.randrange(len(ids))])
+        states.append(state)
+    logits = torch.randn(num_rows, tokenizer.vocab_size)
+    expected = logits.clone()
+    for state, row in zip(states, rows):
+        bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+        fill_next_token_bitmask(state.matcher, bitmask, 0)
+        apply_token_bitmask_inplace(expected[row : row + 1], bitmask)
+    GrammarMasks(tokenizer.vocab_size, num_rows, torch.device("cpu")).apply(logits, rows, states)
+    assert torch.equal(logits, expected)
 
 
 def test_a_schema_that_does_not_compile_is_a_grammar_error(compiler):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 
@@ -237,3 +239,42 @@ def test_sentencepiece_gguf_add_bos_false_is_honoured(tmp_path):
     tok = load_checkpoint(path, load_tensors=False).tokenizer
 
     assert tok.encode("a") == [5]
+
+
+@pytest.mark.parametrize("pair", ["hf_pair", "spm_pair"])
+def test_no_token_stands_for_more_text_than_max_token_bytes(request, pair, seed):
+    ours, _ = request.getfixturevalue(pair)
+    bound = ours.max_token_bytes
+    for token_id in range(ours.vocab_size):
+        assert len(ours.decode([token_id], skip_special_tokens=False).encode()) <= bound
+    rng = random.Random(seed)
+    for text in TEXTS + [random_text(rng, 400) for _ in range(50)]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert len(text.encode()) <= len(ids) * bound, text
+
+
+def test_encoding_a_long_text_lets_other_threads_run(hf_pair):
+    """The tokenizer must release the GIL: the daemon tokenizes long prompts on a worker thread
+    while the event loop streams tokens. Holding it, the encode would be one gap as long as
+    itself in this thread's turns; released, the gaps are the scheduler's."""
+    ours, _ = hf_pair
+    text = "the quick brown fox jumps over the lazy dog. " * 40_000  # 1.8 MB: long work
+    span: list[float] = []
+    done = threading.Event()
+
+    def encode() -> None:
+        span.append(time.perf_counter())
+        ours.encode(text)
+        span.append(time.perf_counter())
+        done.set()
+
+    worker = threading.Thread(target=encode)
+    turns = [time.perf_counter()]
+    worker.start()
+    while not done.is_set():
+        turns.append(time.perf_counter())
+    worker.join()
+    start, end = span
+    during = [t for t in turns if start <= t <= end] or [end]
+    longest_gap = max(b - a for a, b in zip([start, *during], [*during, end], strict=True))
+    assert longest_gap < 0.5 * (end - start)
