@@ -43,7 +43,9 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
-    flags = ("--scheduling-policy", "fcfs", "--kv-cache-memory", "256MiB")
+    # Dequantized: the float32 weights transformers reads from the same GGUF, so logprobs can be
+    # compared with its log-softmax exactly (the Q4_1 path computes in bfloat16).
+    flags = ("--scheduling-policy", "fcfs", "--kv-cache-memory", "256MiB", "--dequantize")
     with serving(tmp_path_factory.mktemp("state"), *flags) as process:
         yield process
 
