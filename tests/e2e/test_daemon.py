@@ -6,6 +6,7 @@ start-up test start daemons of their own.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -303,15 +304,28 @@ def test_sigterm_lets_the_in_flight_request_finish_then_exits_0(tmp_path):
         daemon.terminate()
 
 
-def test_model_that_fails_to_load_exits_nonzero_with_the_reason(tmp_path):
+def test_a_missing_model_path_exits_nonzero_before_loading_naming_it(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
     daemon = DaemonProcess(tmp_path, "--model", str(missing))
     try:
         assert daemon.proc.wait(120) != 0
     finally:
         daemon.terminate()
-    assert "failed to load model" in daemon.log
+    assert "does not exist" in daemon.log
     assert str(missing) in daemon.log
+    assert "Traceback" not in daemon.log
+
+
+def test_model_that_fails_to_load_exits_nonzero_with_the_reason(tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(256))
+    daemon = DaemonProcess(tmp_path, "--model", str(corrupt))
+    try:
+        assert daemon.proc.wait(120) != 0
+    finally:
+        daemon.terminate()
+    assert "failed to load model" in daemon.log
+    assert str(corrupt) in daemon.log
 
 
 def test_health_is_not_serving_while_loading_and_sigterm_then_exits_0(tmp_path):

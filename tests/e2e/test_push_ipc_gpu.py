@@ -100,9 +100,11 @@ def test_partial_then_full_ipc_pushes_under_load_fail_nothing_and_match_fresh_da
 
         return run
 
-    records, _ = push_under_load(daemons["v1"], prompts, push(layer0, "ipc-partial", True))
+    # A GPU streams 20 tokens faster than a push commits: requests long enough to span it.
+    long = (100, 200)
+    records, _ = push_under_load(daemons["v1"], prompts, push(layer0, "ipc-partial", True), long)
     check_tokens(records, daemons["partial"], "v1", "ipc-partial")
-    records, _ = push_under_load(daemons["v1"], prompts, push(pushed, "ipc-full", False))
+    records, _ = push_under_load(daemons["v1"], prompts, push(pushed, "ipc-full", False), long)
     check_tokens(records, daemons["full"], "ipc-partial", "ipc-full")
     assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")] * 2
     stages = [e.stage for e in events]

@@ -88,9 +88,12 @@ def client(daemon) -> Iterator[WeightsClient]:
     c.close()
 
 
-def push_under_load(daemon: DaemonProcess, prompts, push) -> tuple[list[Record], float]:
-    """Streams going, `push()` mid-load, streams after the commit; (records, commit time)."""
-    load = StreamLoad(daemon.address, prompts, num_clients=4, max_tokens=(10, 20)).start()
+def push_under_load(
+    daemon: DaemonProcess, prompts, push, max_tokens: tuple[int, int] = (10, 20)
+) -> tuple[list[Record], float]:
+    """Streams going, `push()` mid-load, streams after the commit; (records, commit time).
+    `max_tokens`: long enough that requests are still streaming when the push commits."""
+    load = StreamLoad(daemon.address, prompts, num_clients=4, max_tokens=max_tokens).start()
     try:
         wait_for(lambda: len(load.in_flight(min_tokens=3)) >= 3, 300, "requests streaming")
         push()

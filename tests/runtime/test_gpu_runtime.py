@@ -105,7 +105,8 @@ def greedy(runner, prompts, num_new):
 
 @pytest.fixture(scope="module")
 def smollm2_on_gpu(smollm2_path):
-    return load_checkpoint(smollm2_path)
+    # 16-bit serving: the GGUF's Q4_1 weights dequantized (quantized serving has its own tests).
+    return load_checkpoint(smollm2_path, keep_quantized=False)
 
 
 def chat_ids(ckpt, question):
