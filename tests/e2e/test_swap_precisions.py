@@ -1,9 +1,10 @@
 """A swap across precisions under load on the real daemon with SmolLM2 (CPU): its 16-bit version
 (the embedded model dequantized, written in bfloat16) and its INT4 version (the embedded Q4_1
 GGUF as shipped, in a version directory) swap both ways under a steady load of streaming
-requests. No request fails; every token after a commit is what a daemon started fresh on the
-new precision generates from the same prefix; `Admin.Status` and `sitsctl versions` show each
-version's precision and weight bytes."""
+requests (the 16-bit one with 2% noise, a stand-in for the 16-bit model the Q4_1 file was
+made from, which is not available offline). No request fails; every token after a commit is
+what a daemon started fresh on the new precision generates from the same prefix;
+`Admin.Status` and `sitsctl versions` show each version's precision and weight bytes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
-from sitsd.weights.export import write_version
+from sitsd.weights.export import perturbed, write_version
 from sitsd.weights.manifest import write_manifest
 from tests.e2e.daemon_process import DaemonProcess, process_env
 from tests.e2e.load import Record, StreamLoad
@@ -33,7 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # three daemons, two
 @pytest.fixture(scope="module")
 def versions(smollm2, smollm2_path, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("smollm2-precisions")
-    dense = {n: t.to(torch.bfloat16) if t.dim() == 2 else t for n, t in smollm2.tensors.items()}
+    # The only SmolLM2 offline is the Q4_1 file: its dequantized weights with 2% noise (a
+    # stand-in for the 16-bit model it came from) so that the two versions' tokens differ.
+    noisy = perturbed(smollm2.tensors, 0.02, seed=7)
+    dense = {n: t.to(torch.bfloat16) if t.dim() == 2 else t for n, t in noisy.items()}
     write_version(smollm2, root / "bf16", dense)
     (root / "int4").mkdir()
     shutil.copy(smollm2_path, root / "int4" / smollm2_path.name)

@@ -201,7 +201,7 @@ def test_the_canary_rejects_a_badly_quantized_version_and_passes_a_good_one(vers
         assert served.generate(prompt) == (want, {served.choice.version})  # serving goes on
         served.progress.clear()
         served.run(served.manager.deploy(str(versions["int4"]), "", served.progress.append))
-        (passed,) = [p for p in served.progress if p.stage == "canary"]
+        _, passed = [p for p in served.progress if p.stage == "canary"]  # started, measured
         assert 0 < passed.canary_kl <= 0.002
         assert served.manager.registry.get("int4").state is VersionState.VALIDATED
     finally:
