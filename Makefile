@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 LINT_PATHS := sitsd kernels tests bench grafana plugins scripts proto
 
-.PHONY: install install-test run test test-fast bench-cpu bench-telemetry bench-tiers dashboards proto lint clean
+.PHONY: install install-test run test test-fast bench-cpu bench-telemetry bench-tiers dashboards rules proto lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ bench-telemetry: install-test
 ## Regenerate grafana/dashboards/*.json from grafana/build_dashboards.py.
 dashboards: install-test
 	$(BIN)/python grafana/build_dashboards.py
+
+## Regenerate the SLO rules (deploy/prometheus/rules/) from the scheduler's tier targets.
+rules: install
+	$(BIN)/python scripts/build_slo_rules.py
 
 ## Overload benchmark: SLA tiers vs FCFS at 2x capacity on SmolLM2 (prints a table, draws a PNG).
 bench-tiers: install-test

@@ -1,23 +1,31 @@
-"""Hot-swap benchmark: a weight swap on the real daemon under a steady streaming load.
+"""Hot-swap benchmark: weight swaps on the real daemon under steady streaming load, ITL per phase.
 
 1. Write two versions as Hugging Face directories with manifests: CPU: SmolLM2 (the embedded
    weights) and a copy with 1% relative noise; `--device cuda`: random bf16 weights in
    Llama-3-8B shapes and a copy with 1% relative noise (about 16 GB each on disk, under
    `--work-dir`).
-2. Start `sitsd serve` on v1 (fcfs, two weight slots, a canary file) and keep `--clients`
-   streaming greedy requests going (a new one as soon as one ends).
-3. After `--steady` seconds, `Admin.Swap` to v2 (staged, validated, canary, committed with
-   `--policy`); keep the load `--after` seconds more.
-4. Report, from the client's token arrival times: inter-token latency P50/P99/max in steady
-   state, while staging, and in the seconds around the commit (target: P99 within 1.5x of
-   steady); from the daemon: the serving pause at the commit (the longest gap between two
-   engine steps around the flip) and the flip itself, each stage's time (/metrics), the memory
-   the second slot costs (the start-up log, and the daemon's RSS before and after staging on
-   the CPU). The load average is printed before and after; a table comes last.
+2. For each stream count (`--clients`, default 32 and 128): start `sitsd serve` on v1 (fcfs,
+   two weight slots, a canary file) and keep that many greedy streams going (a new request as
+   soon as one ends).
+3. For each policy (`--policies`, default migrate, drain, restart), one swap: `--steady`
+   seconds of load, `Admin.Deploy` of the other version under a fresh id (so every swap stages:
+   verify, validate, stage, canary), a second of load, `Admin.Swap` with the policy, the load
+   until the swap's effect is over (migrate: its commit, once the shadows caught up; drain: the
+   last request that ran on the old weights ends; restart: every request in flight has its
+   next token), then `--after` seconds more.
+4. Report, from the clients' token arrival times, for every phase of every swap: the
+   inter-token latency P50 / P99 / max and their ratios to that swap's steady P99; the swap's
+   wall time (deploy to the end of its effect) and serving pause; the largest gaps with the
+   phase they fell in (where to look when a phase stalls). The worst ratios come last, against
+   the targets (GPU: P99 at most 1.3x steady, max at most 3x steady P99; CPU: 1.5x and 4x).
 
-Never part of the test run; about 1 minute on the CPU.
+Phases, in order: steady, verify, validate, stage (the copy into the standby slot), canary,
+staged (the second between deploy and swap); then migrate (the swap call to its commit) | commit
+and drain (requests that started on the old weights finishing there) | restart (requests in
+flight recomputed until each has its next token); then after. A token belongs to the phase its
+arrival falls in. Never part of the test run; on the CPU about 10 minutes per stream count.
 
-    .venv/bin/python -m bench.bench_swap [--policy migrate] [--clients 8] [--json out.json]
+    .venv/bin/python -m bench.bench_swap [--clients 32,128] [--policies migrate,drain,restart]
     python3 -m bench.bench_swap --device cuda --work-dir /scratch/swap   # the GPU machine
 """
 
@@ -34,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -42,22 +50,21 @@ import grpc
 from bench.daemon import BenchDaemon
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now, percentile
-from sitsd.api.v1 import (
-    admin_pb2,
-    admin_pb2_grpc,
-    inference_pb2_grpc,
-)
+from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
 
 SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
-TYPICAL_GAP = re.compile(r"steps are ([\d.]+) ms apart otherwise")
-STAGES = ("verify", "validate", "stage", "canary", "commit", "pause")
+STAGES = ("verify", "validate", "stage", "canary")
+POLICY = {"migrate": admin_pb2.SWAP_POLICY_MIGRATE, "drain": admin_pb2.SWAP_POLICY_DRAIN,
+          "restart": admin_pb2.SWAP_POLICY_RESTART}  # fmt: skip
+TARGETS = {"cuda": (1.3, 3.0), "cpu": (1.5, 4.0)}  # P99 / steady P99, max / steady P99
 CANARY = [
     "The capital of France is",
     "Once upon a time, in a small village,",
     "def fibonacci(n):",
     "The three primary colours are",
 ]
+KV_TOKENS_PER_STREAM = 320  # a prompt of up to 160 tokens and up to 128 outputs, and slack
 
 
 # ------------------------------------------------------------------------------- versions
@@ -67,7 +74,8 @@ def write_cpu_versions(work: Path) -> tuple[Path, Path]:
     from sitsd.weights import load_checkpoint, resolve_model_path
     from sitsd.weights.export import perturbed, write_version
 
-    ckpt = load_checkpoint(resolve_model_path("default"))
+    # Dequantized: a version is a float32 Hugging Face directory (the GGUF's Q4_1 bytes are not).
+    ckpt = load_checkpoint(resolve_model_path("default"), keep_quantized=False)
     write_version(ckpt, work / "v1")
     write_version(ckpt, work / "v2", perturbed(ckpt.tensors, 0.01, seed=1))
     return work / "v1", work / "v2"
@@ -88,41 +96,26 @@ def write_gpu_versions(work: Path) -> tuple[Path, Path]:
     return work / "v1", work / "v2"
 
 
-# --------------------------------------------------------------------------------- daemon
-
-
-class Daemon(BenchDaemon):
-    """The bench's daemon: its log in `work/daemon.log`, state in `work/state`."""
-
-    def __init__(self, work: Path, flags: list[str]) -> None:
-        super().__init__(work / "state", flags, log_path=work / "daemon.log")
-
-    def stage_seconds(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
-            text = r.read().decode()
-        found = {}
-        for stage in STAGES:
-            m = re.search(
-                rf'sitsd_swap_stage_duration_seconds_sum{{[^}}]*stage="{stage}"[^}}]*}}'
-                rf" (\S+)",
-                text,
-            )
-            if m:
-                found[stage] = float(m.group(1))
-        return found
-
-
 # ----------------------------------------------------------------------------------- load
 
 
+@dataclass
+class Stream:
+    """One request: when it was sent, its tokens' arrival times, when it ended."""
+
+    started: float
+    times: list[float] = field(default_factory=list)
+    ended: float | None = None
+
+
 class Load:
-    """`clients` streaming greedy requests, one after another each; token arrival times."""
+    """`clients` streaming greedy requests, one after another each."""
 
     def __init__(self, address: str, prompts: list[list[int]], clients: int, seed: int) -> None:
         self.address, self.prompts, self.clients = address, prompts, clients
         self.rng = random.Random(seed)
-        self.streams: list[list[float]] = []  # token arrival times (`bench.timing.now`) per request
-        self.failed = 0
+        self.streams: list[Stream] = []
+        self.failures: list[float] = []  # when a request failed
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
@@ -133,147 +126,217 @@ class Load:
 
     async def _client(self, stub: inference_pb2_grpc.InferenceStub) -> None:
         while not self.stop_event.is_set():
-            times: list[float] = []
-            self.streams.append(times)
+            stream = Stream(now())
+            self.streams.append(stream)
             request = pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=self.rng.choice(self.prompts)),
                 ignore_eos=True,
                 sampling=pb.SamplingParams(max_tokens=self.rng.randint(64, 128), temperature=0),
             )
             try:
-                async for response in stub.Generate(request, timeout=600):
-                    times += [now()] * len(response.token_ids)
+                async for response in stub.Generate(request, timeout=1800):
+                    stream.times += [now()] * len(response.token_ids)
             except grpc.aio.AioRpcError:
-                self.failed += 1
+                self.failures.append(now())
+            stream.ended = now()
 
-    def itls(self, start: float, end: float) -> list[float]:
-        """Gaps between consecutive tokens of a request, for tokens arriving in [start, end)."""
-        streams = list(self.streams)
-        return [b - a for s in streams for a, b in itertools.pairwise(s) if start <= b < end]
+    def itls(self, start: float, end: float) -> list[tuple[float, float]]:
+        """(gap, arrival) between consecutive tokens of a request, arrivals in [start, end)."""
+        return [(b - a, b) for s in list(self.streams)
+                for a, b in itertools.pairwise(s.times) if start <= b < end]  # fmt: skip
+
+    def effect_end(self, policy: str, swap: float, committed: float, timeout_s: float) -> float:
+        """When the swap's effect on requests in flight is over (see the module docstring)."""
+        if policy == "migrate":
+            return committed
+        deadline = now() + timeout_s
+        while now() < deadline:
+            if policy == "drain":  # the requests that had tokens before the flip ran on v-old
+                old = [s for s in list(self.streams) if s.times and s.times[0] < committed]
+                if all(s.ended is not None for s in old):
+                    return max((s.ended for s in old if s.ended), default=committed)
+            else:  # restart: each request in flight at the swap has its next token
+                inflight = [
+                    s
+                    for s in list(self.streams)
+                    if s.started < swap and (s.ended is None or s.ended > swap)
+                ]
+                after = [next((t for t in s.times if t > committed), s.ended) for s in inflight]
+                if all(t is not None for t in after):
+                    return max([committed, *(t for t in after if t is not None)])
+            time.sleep(0.2)
+        raise RuntimeError(f"the {policy} swap's effect did not end in {timeout_s:.0f} s")
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """Count, P50 and P99 (nearest rank) and max of `values` seconds, in milliseconds."""
-    if len(values) < 2:
-        return {"n": len(values), "p50_ms": float("nan"), "p99_ms": float("nan"), "max_ms": 0}
-    return {
-        "n": len(values),
-        "p50_ms": percentile(values, 50) * 1e3,
-        "p99_ms": percentile(values, 99) * 1e3,
-        "max_ms": max(values) * 1e3,
-    }
+def stats(gaps: list[float], steady_p99: float | None = None) -> dict[str, float]:
+    """Count, P50, P99 (nearest rank), max of `gaps` in ms; and ratios to `steady_p99`."""
+    if len(gaps) < 2:
+        out = {"n": len(gaps), "p50_ms": float("nan"), "p99_ms": float("nan"),
+               "max_ms": max(gaps, default=0.0) * 1e3}  # fmt: skip
+    else:
+        out = {"n": len(gaps), "p50_ms": percentile(gaps, 50) * 1e3,
+               "p99_ms": percentile(gaps, 99) * 1e3, "max_ms": max(gaps) * 1e3}  # fmt: skip
+    if steady_p99:
+        out["p99_ratio"] = out["p99_ms"] / steady_p99
+        out["max_ratio"] = out["max_ms"] / steady_p99
+    return out
 
 
-# ----------------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- one swap
 
 
-def daemon_flags(args: argparse.Namespace, work: Path, v1: Path) -> list[str]:
-    flags = [
-        "--model",
-        str(v1),
-        "--served-model-name",
-        "bench",
-        "--device",
-        args.device,
-        "--scheduling-policy",
-        "fcfs",
-        "--max-num-seqs",
-        str(2 * args.clients),
-        "--weight-slots",
-        "2",
-        "--swap-policy",
-        args.policy,
-    ]
-    if args.staging_cpu_share is not None:
-        flags += ["--staging-cpu-share", str(args.staging_cpu_share)]
-    if args.migration_tokens_per_step is not None:
-        flags += ["--migration-tokens-per-step", str(args.migration_tokens_per_step)]
+def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -> list[str]:
+    flags = ["--model", str(v1), "--served-model-name", "bench", "--device", args.device,
+             "--scheduling-policy", "fcfs", "--max-num-seqs", str(2 * clients),
+             "--weight-slots", "2"]  # fmt: skip
+    for flag in ("swap_step_share", "staging_share", "migration_tokens_per_step",
+                 "migration_deadline"):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None:
+            flags += [f"--{flag.replace('_', '-')}", str(value)]
     if args.canary:
         (work / "canary.txt").write_text("\n".join(CANARY) + "\n")
         flags += ["--canary-file", str(work / "canary.txt"), "--canary-max-kl", "5"]
-    return flags + (["--kv-cache-memory", "256MiB"] if args.device == "cpu" else [])
+    if args.device == "cpu":  # float32 KV for every stream
+        a = SMOLLM2
+        per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
+        mib = max(256, clients * KV_TOKENS_PER_STREAM * per_token // 2**20)
+        flags += ["--kv-cache-memory", f"{mib}MiB"]
+    return flags
 
 
-def deploy_and_swap(daemon: Daemon, v2: Path, after_s: float) -> dict:
-    """Deploy v2 (timing each stage's start), wait a second, swap to it; the marks."""
+def one_swap(
+    args: argparse.Namespace, daemon: BenchDaemon, load: Load, path: Path, version: str,
+    policy: str,
+) -> dict:  # fmt: skip
+    """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
     stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
     metadata = [("authorization", f"Bearer {daemon.token()}")]
-    marks: dict = {"deploy": now(), "rss_before": daemon.rss_mib(), "stages": {}}
-    request = admin_pb2.DeployRequest(path=str(v2), version="v2")
+    time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
+    marks: dict = {"deploy": now(), "stages": {}, "failures_before": len(load.failures)}
+    request = admin_pb2.DeployRequest(path=str(path), version=version)
     for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
         marks["stages"].setdefault(progress.stage, now())
     assert progress.stage == "staged", progress
-    marks["staged"], marks["rss_staged"] = now(), daemon.rss_mib()
+    marks["staged"] = now()
     time.sleep(1.0)  # a second of plain load between staging and the commit
     marks["swap"] = now()
-    swap = list(stub.Swap(admin_pb2.SwapRequest(version="v2"), metadata=metadata, timeout=3600))
-    marks["committed"], marks["last"] = now(), swap[-1]
-    assert marks["last"].stage == "committed", marks["last"]
-    time.sleep(after_s)
+    swap = admin_pb2.SwapRequest(version=version, policy=POLICY[policy])
+    events = list(stub.Swap(swap, metadata=metadata, timeout=3600))
+    marks["committed"], last = now(), events[-1]
+    assert last.stage == "committed", last
+    marks.update(pause_ms=last.pause_ms, flip_ms=last.flip_ms, num_migrating=last.num_migrating,
+                 num_restarted=last.num_restarted, num_draining=last.num_draining)  # fmt: skip
+    marks["effect_end"] = load.effect_end(policy, marks["swap"], marks["committed"], 1800)
+    time.sleep(args.after)
+    marks["end"] = now()
     return marks
 
 
-def run(args: argparse.Namespace, work: Path) -> dict:
-    v1, v2 = write_gpu_versions(work) if args.device == "cuda" else write_cpu_versions(work)
-    daemon = Daemon(work, daemon_flags(args, work, v1))
+def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[str, float, float]]:
+    """(name, start, end) of every phase of one swap, in order."""
+    staged = sorted(((s, t) for s, t in marks["stages"].items() if s in STAGES),
+                    key=lambda st: st[1])  # fmt: skip
+    bounds = [t for _, t in staged] + [marks["staged"]]
+    phases = [("steady", marks["deploy"] - args.steady, marks["deploy"])]
+    phases += [(name, bounds[i], bounds[i + 1]) for i, (name, _) in enumerate(staged)]
+    phases.append(("staged", marks["staged"], marks["swap"]))
+    swap, committed, effect = marks["swap"], marks["committed"], marks["effect_end"]
+    if policy == "drain":
+        phases += [("commit", swap, committed), ("drain", committed, effect)]
+    else:
+        phases.append((policy, swap, effect))
+    phases.append(("after", effect, marks["end"]))
+    return phases
+
+
+def summarize(args: argparse.Namespace, load: Load, marks: dict, policy: str, clients: int) -> dict:
+    phases = phases_of(args, marks, policy)
+    steady = stats([g for g, _ in load.itls(phases[0][1], phases[0][2])])
+    by_phase = {name: stats([g for g, _ in load.itls(a, b)], steady["p99_ms"]) | {"s": b - a}
+                for name, a, b in phases}  # fmt: skip
+    gaps = sorted(load.itls(phases[0][1], marks["end"]), reverse=True)[:5]
+    largest = []
+    for gap, at in gaps:
+        name, start, _ = next(p for p in phases if p[1] <= at < p[2])
+        largest.append({"ms": gap * 1e3, "phase": name, "into_phase_s": at - start})
+    started = [s for s in load.streams if phases[0][1] <= s.started < marks["end"]]
+    return {
+        "clients": clients,
+        "policy": policy,
+        "phases": by_phase,
+        "swap_s": marks["effect_end"] - marks["deploy"],
+        "pause_ms": marks["pause_ms"],
+        "flip_ms": marks["flip_ms"],
+        "in_flight": {k: marks[k] for k in ("num_migrating", "num_restarted", "num_draining")},
+        "requests": len(started),
+        "failed": len(load.failures) - marks["failures_before"],
+        "largest_gaps": largest,
+    }
+
+
+def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path],
+                clients: int) -> list[dict]:  # fmt: skip
+    """One daemon, one swap per policy under `clients` streams."""
+    v1, v2 = versions
+    daemon = BenchDaemon(work / f"state-{clients}", daemon_flags(args, work, v1, clients),
+                         log_path=work / f"daemon-{clients}.log")  # fmt: skip
+    results = []
     try:
         daemon.wait_until_serving()
         slot_mib = float(SLOT_COST.search(daemon.log_text()).group(1))
         rng = random.Random(args.seed)
         vocab = (SMOLLM2 if args.device == "cpu" else LLAMA3_8B).vocab_size
-        prompts = [
-            [rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))] for _ in range(32)
-        ]
-        load = Load(daemon.address, prompts, args.clients, args.seed)
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))]
+                   for _ in range(64)]  # fmt: skip
+        load = Load(daemon.address, prompts, clients, args.seed)
         load.thread.start()
-        time.sleep(args.warmup + args.steady)  # the load runs meanwhile; nothing is timed by this
-        marks = deploy_and_swap(daemon, v2, args.after)
+        time.sleep(args.warmup)
+        for i, policy in enumerate(args.policies):
+            path = v2 if i % 2 == 0 else v1
+            marks = one_swap(args, daemon, load, path, f"{path.name}-{policy}-{i}", policy)
+            result = summarize(args, load, marks, policy, clients)
+            result["second_slot_mib"] = slot_mib
+            results.append(result)
+            print(table(result, args.device), flush=True)
         load.stop_event.set()
-        load.thread.join(600)
-        stages = daemon.stage_seconds()
-        gap = TYPICAL_GAP.search(daemon.log_text())
-        marks["typical_gap_ms"] = float(gap.group(1)) if gap else float("nan")
+        load.thread.join(1800)
     finally:
         daemon.stop()
-    return summarize(args, load, marks, stages, slot_mib)
+    return results
 
 
-def summarize(
-    args: argparse.Namespace, load: Load, marks: dict, stages: dict, slot_mib: float
-) -> dict:
-    steady = percentiles(load.itls(marks["deploy"] - args.steady, marks["deploy"]))
-    staging = percentiles(load.itls(marks["deploy"], marks["staged"]))
-    around = percentiles(load.itls(marks["swap"], marks["committed"] + args.window))
-    bounds = [*sorted(marks["stages"].items(), key=lambda kv: kv[1]), ("", marks["staged"])]
-    by_stage = {
-        name: percentiles(load.itls(start, bounds[i + 1][1]))
-        for i, (name, start) in enumerate(bounds[:-1])
-        if name != "staged"
-    }
-    last = marks["last"]
-    return {
-        "device": args.device,
-        "policy": args.policy,
-        "clients": args.clients,
-        "canary": args.canary,
-        "failed_requests": load.failed,
-        "requests": len(load.streams),
-        "itl_steady": steady,
-        "itl_staging": staging,
-        "itl_by_stage": by_stage,
-        "itl_around_commit": around,
-        "p99_ratio_around_commit": around["p99_ms"] / steady["p99_ms"],
-        "p99_ratio_staging": staging["p99_ms"] / steady["p99_ms"],
-        "pause_ms": last.pause_ms,
-        "flip_ms": last.flip_ms,
-        "typical_gap_ms": marks["typical_gap_ms"],
-        "num_migrating": last.num_migrating,
-        "num_restarted": last.num_restarted,
-        "num_draining": last.num_draining,
-        "stage_s": stages,
-        "second_slot_mib": slot_mib,
-        "rss_growth_mib": marks["rss_staged"] - marks["rss_before"],
-    }
+# --------------------------------------------------------------------------------- report
+
+
+def table(r: dict, device: str) -> str:
+    p99_target, max_target = TARGETS[device]
+    lines = [
+        f"\n{r['clients']} streams, {r['policy']}: swap {r['swap_s']:.1f} s (deploy to the end "
+        f"of its effect), pause {r['pause_ms']:.2f} ms, {r['in_flight']['num_migrating']} "
+        f"migrated / {r['in_flight']['num_restarted']} restarted / "
+        f"{r['in_flight']['num_draining']} draining, {r['requests']} requests, "
+        f"{r['failed']} failed",
+        f"{'phase':<9} {'s':>6} {'n':>7} {'P50':>8} {'P99':>8} {'max':>8}  "
+        f"{'P99/steady':>10} {'max/steadyP99':>13}   (ms; targets {p99_target}x, {max_target}x)",
+    ]
+    for name, p in r["phases"].items():
+        lines.append(
+            f"{name:<9} {p['s']:>6.1f} {p['n']:>7} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} "
+            f"{p['max_ms']:>8.1f}  {p['p99_ratio']:>9.2f}x {p['max_ratio']:>12.2f}x"
+        )
+    gaps = ", ".join(f"{g['ms']:.0f} ms in {g['phase']} (+{g['into_phase_s']:.1f} s)"
+                     for g in r["largest_gaps"])  # fmt: skip
+    lines.append(f"largest gaps: {gaps}")
+    return "\n".join(lines)
+
+
+def worst(results: list[dict], key: str) -> tuple[float, str]:
+    """The largest ratio over every phase but steady (phases with at least 20 gaps)."""
+    found = [(p[key], f"{r['clients']} streams, {r['policy']}, {name}")
+             for r in results for name, p in r["phases"].items()
+             if name != "steady" and p["n"] >= 20]  # fmt: skip
+    return max(found, default=(float("nan"), "no phase"))
 
 
 def wait_for_quiet(max_load: float, timeout_s: float) -> float:
@@ -284,79 +347,28 @@ def wait_for_quiet(max_load: float, timeout_s: float) -> float:
     return os.getloadavg()[0]
 
 
-def table(r: dict, load_before: float, load_after: float) -> str:
-    rows = [("measure", "value", "target")]
-    for key, name in (
-        ("itl_steady", "ITL steady"),
-        ("itl_staging", "ITL while staging"),
-        ("itl_around_commit", "ITL around the commit"),
-    ):
-        p = r[key]
-        rows.append(
-            (
-                f"{name} P50 / P99 / max (n={p['n']})",
-                f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f} / {p['max_ms']:.1f} ms",
-                "",
-            )
-        )
-    rows += [
-        ("P99 around the commit / steady", f"{r['p99_ratio_around_commit']:.2f}x", "<= 1.5x"),
-        ("P99 while staging / steady", f"{r['p99_ratio_staging']:.2f}x", "<= 1.5x"),
-        (
-            "serving pause at the commit",
-            f"{r['pause_ms']:.3f} ms",
-            "< 1 ms (GPU)" if r["device"] == "cuda" else "",
-        ),
-        ("the step gap otherwise (median)", f"{r['typical_gap_ms']:.3f} ms", ""),
-        ("the flip itself", f"{r['flip_ms']:.3f} ms", ""),
-        (
-            f"requests in flight ({r['policy']})",
-            f"{r['num_migrating']} migrated, "
-            f"{r['num_restarted']} restarted, {r['num_draining']} draining",
-            "",
-        ),
-        *((f"stage {s}", f"{v * 1e3:.0f} ms", "") for s, v in r["stage_s"].items()),
-        ("second weight slot", f"{r['second_slot_mib']:.0f} MiB", ""),
-        ("daemon RSS growth while staging", f"{r['rss_growth_mib']:.0f} MiB", ""),
-        ("requests served / failed", f"{r['requests']} / {r['failed_requests']}", "0 failed"),
-        ("load average before / after", f"{load_before:.2f} / {load_after:.2f}", ""),
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--policy", default="migrate", choices=("migrate", "drain", "restart"))
-    parser.add_argument("--clients", type=int, default=8, help="concurrent streams (default 8)")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring")
-    parser.add_argument("--steady", type=float, default=15.0, help="steady-state seconds")
-    parser.add_argument("--after", type=float, default=8.0, help="load seconds after the commit")
-    parser.add_argument(
-        "--window",
-        type=float,
-        default=3.0,
-        help="seconds after the commit counted as around it (default 3)",
-    )
-    parser.add_argument(
-        "--migration-tokens-per-step",
-        type=int,
-        default=None,
-        help="the daemon's --migration-tokens-per-step (default: the daemon's)",
-    )
-    parser.add_argument(
-        "--staging-cpu-share",
-        type=float,
-        default=None,
-        help="the daemon's --staging-cpu-share (CPU; default: the daemon's)",
-    )
+    parser.add_argument("--policies", default="migrate,drain,restart",
+                        type=lambda t: [p for p in t.split(",") if p],
+                        help="swap policies, one swap each (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--clients", default="32,128",
+                        type=lambda t: [int(c) for c in t.split(",") if c],
+                        help="stream counts, one daemon each (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds before the first swap")
+    parser.add_argument("--steady", type=float, default=15.0, help="steady seconds before a swap")
+    parser.add_argument("--after", type=float, default=8.0, help="seconds after a swap's effect")
+    for flag, help_text in (("--swap-step-share", "FRACTION"), ("--staging-share", "FRACTION"),
+                            ("--migration-tokens-per-step", "N"),
+                            ("--migration-deadline", "SECONDS")):  # fmt: skip
+        parser.add_argument(flag, default=None, metavar=help_text,
+                            help=f"the daemon's {flag} (default: the daemon's)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where versions are written")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument(
-        "--no-canary", dest="canary", action="store_false", help="stage without a canary file"
-    )
+    parser.add_argument("--no-canary", dest="canary", action="store_false",
+                        help="stage without a canary file")  # fmt: skip
     parser.add_argument(
         "--max-load",
         type=float,
@@ -364,21 +376,37 @@ def main() -> int:
         help="wait (up to 3 min) for the load average to fall below this first",
     )
     args = parser.parse_args()
+    unknown = set(args.policies) - set(POLICY)
+    if unknown:
+        parser.error(f"--policies: unknown {sorted(unknown)} (choose from {sorted(POLICY)})")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     load_before = wait_for_quiet(args.max_load, 180.0)
     print(f"load average before: {load_before:.2f}", flush=True)
+    results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="sitsd-swap-") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        result = run(args, work)
+        write = write_gpu_versions if args.device == "cuda" else write_cpu_versions
+        versions = write(work)
+        for clients in args.clients:
+            results += run_streams(args, work, versions, clients)
     load_after = os.getloadavg()[0]
-    result["load_average"] = [load_before, load_after]
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    canary = "with a canary" if args.canary else "no canary"
-    print(f"\nhot-swap under load ({args.device}, {args.clients} streams, {args.policy}, {canary})")
-    print(table(result, load_before, load_after))
-    for name, p in result["itl_by_stage"].items():
-        print(f"  while {name}: ITL P50 {p['p50_ms']:.1f} P99 {p['p99_ms']:.1f} ms (n={p['n']})")
+        args.json.write_text(json.dumps({"device": args.device, "load_average": [load_before,
+                                         load_after], "runs": results}, indent=2))  # fmt: skip
+    p99_target, max_target = TARGETS[args.device]
+    print(f"\nload average before / after: {load_before:.2f} / {load_after:.2f}; "
+          f"failed requests: {sum(r['failed'] for r in results)}; longest swap: "
+          f"{max(r['swap_s'] for r in results):.1f} s")  # fmt: skip
+    max_ratio, where_max = worst(results, "max_ratio")
+    p99_ratio, where_p99 = worst(results, "p99_ratio")
+    print(f"worst max ITL / steady P99: {max_ratio:.2f}x ({where_max}; target {max_target}x)")
+    print(f"worst phase ITL P99 / steady P99: {p99_ratio:.2f}x ({where_p99}; target "
+          f"{p99_target}x)")  # fmt: skip
     return 0
 
 

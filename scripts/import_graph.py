@@ -89,6 +89,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.app",
             "sitsd.cli",
             "sitsd.cli_observability",
+            "sitsd.cli_quantize",
             "sitsd.daemon",
             "sitsd.__main__",
             "sitsd.builder",

@@ -27,6 +27,7 @@ from sitsd.engine.async_engine import AsyncEngine
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import EngineObserver
+from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, ServingFormat, build_weights
@@ -215,10 +216,10 @@ def build_engine(
     scfg = config.scheduler
     if scfg.async_scheduling is None:
         scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
-    scheduler = Scheduler(
-        scfg, kv_cache, info.max_model_len, tiers=config.tiers,
-        migration_tokens_per_step=config.swap.tokens_per_step(str(runner.device.type)),
-    )  # fmt: skip
+    swap = config.swap
+    pacing = PacingSettings(swap.step_share, swap.migration_tokens_per_step,
+                            swap.migration_deadline_s)  # fmt: skip
+    scheduler = Scheduler(scfg, kv_cache, info.max_model_len, tiers=config.tiers, pacing=pacing)
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,
         default_tier=Tier(config.tiers.default_tier), observer=observer,

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from sitsd import __version__
 from sitsd.cli_observability import add_observability_flags, observability_config
+from sitsd.cli_quantize import add_quantize_command, run_quantize
 from sitsd.config import (
     ADMIN_TOKEN_FILE_NAME,
     CPU_TIME_SCALE,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weights_flags(serve.add_argument_group("weights and hot-swap"))
     _add_server_flags(serve.add_argument_group("server"))
     _add_http_flags(serve.add_argument_group("OpenAI-compatible HTTP API"))
+    add_quantize_command(commands)
     add_observability_flags(serve.add_argument_group("observability"))
     return parser
 
@@ -331,20 +333,39 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "restart (recompute them on the new ones) (default: %(default)s)",
     )
     group.add_argument(
+        "--swap-step-share",
+        type=fraction,
+        default=sw.step_share,
+        metavar="FRACTION",
+        help="the most a swap's work inside an engine step (canary prompts, migration "
+        "recompute) may add to the step, of its measured steady time (default: %(default)s)",
+    )
+    group.add_argument(
         "--migration-tokens-per-step",
         type=int_at_least(1),
         default=sw.migration_tokens_per_step or None,
         metavar="N",
-        help="KV tokens recomputed for migrating requests per engine step at most "
-        "(default: 32 on a CPU, 128 on a GPU)",
+        help="a fixed allowance of swap work per engine step, in KV tokens, instead of the "
+        "one measured from --swap-step-share (default: measured)",
     )
     group.add_argument(
+        "--migration-deadline",
+        type=positive_float,
+        default=sw.migration_deadline_s,
+        metavar="SECONDS",
+        help="a migration ends within this many seconds of its commit (its recompute grows "
+        "past --swap-step-share near the end if it must) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--staging-share",
         "--staging-cpu-share",
+        dest="staging_share",
         type=fraction,
         default=None,
         metavar="FRACTION",
-        help="CPU device: the most of one core staging a new version may use (it sleeps between "
-        "chunks, so decoding keeps its cores); 1 = as fast as it can (default: 0.1)",
+        help="the most of what it shares with serving staging a new version may use (it "
+        "sleeps between chunks): on a CPU device, one core; on a GPU, the host-to-device "
+        "link; 1 = as fast as it can (default: 0.1)",
     )
     group.add_argument(
         "--keep-pushed-versions",
@@ -486,11 +507,14 @@ def config_from_args(
             weight_slots=args.weight_slots,
             canary_file=args.canary_file,
             canary_max_kl=args.canary_max_kl,
-            staging_cpu_share=args.staging_cpu_share or 0.0,
+            staging_share=args.staging_share or 0.0,
             keep_pushed_versions=args.keep_pushed_versions,
         ),
         swap=SwapConfig(
-            policy=args.swap_policy, migration_tokens_per_step=args.migration_tokens_per_step or 0
+            policy=args.swap_policy,
+            step_share=args.swap_step_share,
+            migration_tokens_per_step=args.migration_tokens_per_step or 0,
+            migration_deadline_s=args.migration_deadline,
         ),
     )
 
@@ -521,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sitsd` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "quantize":
+        return run_quantize(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

@@ -232,11 +232,13 @@ class WeightsConfig:
     # Mean KL(active || new) per prompt token, in nats, above which a version is rejected.
     canary_max_kl: float = 0.5
     canary_max_tokens: int = 256  # canary prompts are cut to this many tokens
-    # Staging copies and checks move at most this much at once (4 MiB on a CPU device).
+    # Staging copies and checks move at most this much at once (4 MiB on a CPU device; the
+    # copy to a GPU 8 MiB).
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    # Of one core, the most staging uses on a CPU device (it sleeps between chunks, so serving
-    # keeps its cores); 0 = 0.1. With CUDA the copies are the GPU's and staging runs unpaced.
-    staging_cpu_share: float = 0.0
+    # Of what it shares with serving, the most staging uses (it sleeps between chunks): on a
+    # CPU device one core; on a GPU the host-to-device link (the host's checks then run
+    # unpaced, on cores the engine leaves free); 0 = 0.1.
+    staging_share: float = 0.0
     # Versions pushed by trainers that are remembered (`sitsctl versions`), the newest; older
     # ones are forgotten (never the active one, the rollback target or one in a slot).
     keep_pushed_versions: int = 8
@@ -247,18 +249,15 @@ class SwapConfig:
     """What a commit does with requests in flight (`sitsd.engine.migration`)."""
 
     policy: str = "migrate"  # migrate, drain or restart; an Admin.Swap call may choose another
-    # KV tokens recomputed for migrating requests per engine step at most (the rest of the
-    # step's token budget stays with decodes and new requests); 0: by device (below).
+    # Of a step's steady time, the most a swap's work inside it (the canary's prompts, the
+    # migration's recompute) may add to it (`sitsd.engine.pacing`), whatever the device.
+    step_share: float = 0.2
+    # A fixed allowance of swap work per engine step instead (KV tokens; less the step's
+    # other prefill); 0: measured, from `step_share`.
     migration_tokens_per_step: int = 0
-
-    def tokens_per_step(self, device: str) -> int:
-        """The migration allowance: a CPU step pays ~0.1 s for the extra sub-batch alone, so
-        there migration goes in 32-token pieces (SmolLM2 ITL P99 around a commit 1.46x of
-        steady, 1.74x with 128); a GPU step's cost barely moves with 128 more tokens."""
-        if self.migration_tokens_per_step:
-            return self.migration_tokens_per_step
-        return 32 if device == "cpu" else 128
-
+    # A migration ends within this many seconds of its commit: near the end its recompute
+    # grows past `step_share` if it must.
+    migration_deadline_s: float = 10.0
     slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
 
 

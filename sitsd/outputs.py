@@ -15,6 +15,7 @@ No object here holds a tensor: crossing the scheduler/runner boundary costs list
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from sitsd.types import SamplingParams, TokenLogprob
@@ -35,6 +36,9 @@ class NewRequestData:
     # Set for a migration shadow: it computes KV under `weights_version` for the tokens of
     # the request named here (the runner shares that request's token list) and never samples.
     shadow_of: str | None = None
+    # A canary probe: it never samples; the runner keeps the log-probabilities of every
+    # position it computes until the swap controller takes them (`sitsd.engine.probes`).
+    probe: bool = False
 
 
 @dataclass(slots=True)
@@ -56,6 +60,34 @@ class MigratedRequest:
     weights_version: str  # the version it runs on from this step
 
 
+class PreemptionReason(enum.StrEnum):
+    """Why a running request lost its blocks (it is recomputed later)."""
+
+    BLOCKS = "blocks"  # a running request needed KV blocks and none were free
+    TIER = "tier"  # a higher tier's request took its place in the batch
+    SWAP = "swap"  # a weight swap restarts it on the new weights
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """One request taken out of the batch, why, and for whom (what telemetry reports)."""
+
+    req_id: str  # the request preempted
+    reason: PreemptionReason
+    for_req_id: str = ""  # the request it made room for ("" for a swap)
+    for_tier: str = ""  # that request's tier
+
+
+@dataclass(frozen=True, slots=True)
+class SwapWork:
+    """A step as the pacing of a swap's work sees it (`sitsd.engine.pacing`): that work in
+    it (canary probes, migration recompute; often none) and what it served."""
+
+    num_tokens: int  # tokens of a swap's work in the step (0: none)
+    alone: bool  # that work ran as a sub-batch of its own: its version served nothing else
+    num_serving_versions: int  # weights versions the step's serving requests ran on
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What the runner computes in one step."""
@@ -66,12 +98,14 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # runner drops their state too
+    preemptions: list[Preemption] = field(default_factory=list)  # why, one per preempted id
     # Applied before `cached_reqs`: requests that flipped to new weights at this step's start.
     migrated: list[MigratedRequest] = field(default_factory=list)
     committed_version: str | None = None  # a migration to this version completed this step
     # Asynchronous scheduling: the next `schedule()` already advanced the requests' computed
     # tokens by this step's, so `update_from_output` must not again.
     applied_ahead: bool = False
+    swap_work: SwapWork | None = None  # for the pacing of a swap's work (not the runner's)
 
     @property
     def is_empty(self) -> bool:
@@ -149,4 +183,6 @@ class EngineStatus:
     tiers: tuple[TierStats, ...] = ()  # gold, silver, bronze
     slot_versions: tuple[str, ...] = ()  # the version in each weight slot ("" = none)
     active_slot: int = 0  # the slot new requests run on
+    slot_precisions: tuple[str, ...] = ()  # what runs in which bits in each slot
+    slot_weight_bytes: tuple[int, ...] = ()  # bytes each slot's weights take
     swapping: bool = False  # a commit is in progress (a migration catching up)

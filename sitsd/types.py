@@ -51,6 +51,23 @@ class AbortCause(enum.StrEnum):
     OVERLOADED = "overloaded"  # refused or shed to keep its tier's queue wait (RESOURCE_EXHAUSTED)
 
 
+class EndReason(enum.StrEnum):
+    """How a request ended, as telemetry tells it: finer than the client's `FinishReason`.
+
+    A trace attribute and a metric label (`sitsd_requests_finished_total{finish_reason}`);
+    the API keeps answering with `FinishReason` and its statuses.
+    """
+
+    STOP = "stop"  # finished normally: EOS, a stop token or a stop string
+    LENGTH = "length"  # finished normally: max_tokens or the context
+    REFUSED = "refused"  # admission control refused it on arrival: never queued
+    SHED = "shed"  # dropped after waiting past its tier's queue limit without a token
+    DEADLINE = "deadline"  # its deadline passed (the engine's clock or the client's)
+    CANCELLED = "cancelled"  # the client cancelled the call or went away
+    SHUTDOWN = "shutdown"  # the daemon stopped while it was live
+    ERROR = "error"  # the engine failed while serving it
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; `field` names it for the client."""
 

@@ -163,6 +163,9 @@ def status_response(
         response.num_steps = status.num_steps
         response.scheduling_policy = status.scheduling_policy
         response.tiers.extend(tier_status(t) for t in status.tiers)
+        if status.active_slot < len(status.slot_precisions):
+            response.weights_precision = status.slot_precisions[status.active_slot]
+            response.weight_bytes = status.slot_weight_bytes[status.active_slot]
     return response
 
 
@@ -228,4 +231,6 @@ def weight_version(record: WeightVersion, slot: str) -> admin_pb2.WeightVersion:
         updated_at=record.updated_at,
         active=record.state is VersionState.ACTIVE,
         slot=slot,
+        precision=record.precision,
+        weight_bytes=record.weight_bytes,
     )

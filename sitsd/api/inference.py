@@ -3,7 +3,8 @@
 Generate turns a request into prompt token ids (text, token ids, or chat messages rendered with
 the model's chat template) and `SamplingParams`, hands them to the engine, and streams one
 response per engine delta. Whatever ends the call early (client cancellation, a passed deadline,
-a failure) aborts the request in the engine, so its KV blocks are freed at once.
+a failure) aborts the request in the engine, so its KV blocks are freed at once; the abort says
+whether the client cancelled or ran out of time (`sitsd.api.deadlines`).
 
 `EngineRef` holds the engine the servicers talk to: the server starts before the model is loaded
 and the daemon attaches the engine once it is warm. The rules a request must meet are
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import grpc.aio
 
 from sitsd.api import convert
+from sitsd.api.deadlines import CallDeadline
 from sitsd.api.interceptors import status_for_finish
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
@@ -36,7 +38,7 @@ from sitsd.engine.validation import (
 )
 from sitsd.observability.tracing import current_request_span
 from sitsd.outputs import EngineStatus, ModelInfo
-from sitsd.types import RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, RequestDelta, SamplingParams, Tier
 
 
 class TokenizerLike(Protocol):
@@ -58,7 +60,7 @@ class RequestStreamLike(Protocol):
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
 
-    def abort(self, reason: str = ...) -> None: ...
+    def abort(self, reason: str = ..., cause: EndReason = ...) -> None: ...
 
     @property
     def finished(self) -> bool: ...
@@ -215,6 +217,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        deadline = CallDeadline.after(context.time_remaining())
         engine = self._engines.get()
         info = engine.model_info
         check_model(request.model, info)
@@ -227,19 +230,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             max_model_len=info.max_model_len,
             max_tokens_default=self._max_tokens_default,
         )
-        remaining = context.time_remaining()
         stream = engine.add_request(
             prompt_ids,
             params,
             req_id=request.request_id or None,
             tier=convert.tier_from_proto(request.tier),
-            deadline=None if remaining is None else time.monotonic() + remaining,
+            deadline=deadline.at,
             trace_context=current_request_span(),  # engine spans become its children
         )
         try:
             async for delta in stream:
                 failure = status_for_finish(
-                    delta, draining=self._engines.draining, deadline_passed=_expired(context)
+                    delta, draining=self._engines.draining, deadline_passed=deadline.passed()
                 )
                 if failure is not None:
                     await context.abort(*failure)
@@ -248,8 +250,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # Reached on cancellation, a passed deadline or any failure too: the engine must
             # stop the request and free its blocks. A no-op for a finished stream.
             if not stream.finished:
-                reason = "deadline exceeded" if _expired(context) else "cancelled by the client"
-                stream.abort(reason)
+                if deadline.explains_leaving():
+                    stream.abort("deadline exceeded", EndReason.DEADLINE)
+                else:
+                    stream.abort("cancelled by the client", EndReason.CANCELLED)
 
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -271,8 +275,3 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if engine is None:
             raise EngineStoppedError("the model is still loading; retry when health is SERVING")
         return inference_pb2.ListModelsResponse(models=[convert.model_card(engine.model_info)])
-
-
-def _expired(context: grpc.aio.ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0

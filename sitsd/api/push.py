@@ -46,8 +46,8 @@ class PushRpcs:
         requests: AsyncIterator[admin_pb2.UpdateWeightsRequest],
         context: grpc.aio.ServicerContext,
     ) -> admin_pb2.WeightUpdate:
+        first = await anext(aiter(requests), None)  # bytes that do not parse: refused here
         pushes = self._pushes()
-        first = await anext(aiter(requests), None)
         if first is None or first.WhichOneof("item") != "header":
             raise InvalidRequestError("header", "the first message of a push is its header")
         header, plan = header_of(first.header)

@@ -4,10 +4,14 @@
 
 - continues the caller's trace from the W3C `traceparent`/`tracestate` metadata and starts a
   SERVER span `sitsd.api.v1.<Service>/<Method>` that is current while the servicer runs (the
-  servicer hands it to the engine: `tracing.current_request_span()`);
+  servicer hands it to the engine: `tracing.current_request_span()`), with the request's tier
+  and the client's `request_id` from the start, so a call that fails before the engine sees
+  it still says whose it was;
 - maps the call's outcome to an error class (`error_class`): invalid_argument, not_found,
   resource_exhausted, deadline, cancelled, unavailable, unauthenticated, aborted, internal, ...;
-- counts it (`sitsd_requests_total`, `sitsd_request_errors_total{error_class}`), logs a failure
+  a client that leaves at its deadline is `deadline`, not `cancelled` (`sitsd.api.deadlines`);
+- counts it (`sitsd_requests_total`, `sitsd_request_errors_total{error_class}`: every sitsd
+  method, tier and error class is created at 0 when the interceptor is built), logs a failure
   inside the span (so the log line carries its trace id; failures a client can cause at a
   bounded rate per method and class) and sets the span's status.
 
@@ -31,11 +35,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from sitsd.api.deadlines import CallDeadline
 from sitsd.api.interceptors import SITSD_METHOD_PREFIX, Behavior, replace_behavior
-from sitsd.api.v1 import inference_pb2
+from sitsd.api.v1 import admin_pb2, inference_pb2
 from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.observability.metrics import Metrics
-from sitsd.types import Tier
+from sitsd.types import TIER_ORDER, Tier
 
 log = logging.getLogger("sitsd.rpc")
 
@@ -58,10 +63,20 @@ ERROR_CLASSES: dict[grpc.StatusCode, str] = {
 }
 # Failures that are the client's doing, logged at INFO; the others at WARNING.
 CLIENT_ERROR_CLASSES = frozenset({"invalid_argument", "not_found", "cancelled", "unauthenticated"})
+# A client that left (or ran out of time): the call's span says so as its finish reason.
+LEAVING_CLASSES = frozenset({"cancelled", "deadline"})
 
 _TIER_NAMES = {
     value: name.removeprefix("TIER_").lower() for name, value in inference_pb2.Tier.items()
 }
+GENERATE = "Inference/Generate"  # the one method with a tier
+
+
+def sitsd_methods() -> list[str]:
+    """Every sitsd RPC as the metrics name it: "<Service>/<Method>"."""
+    services = [*inference_pb2.DESCRIPTOR.services_by_name.values(),
+                *admin_pb2.DESCRIPTOR.services_by_name.values()]  # fmt: skip
+    return [f"{service.name}/{method.name}" for service in services for method in service.methods]
 
 
 def error_class_of(code: grpc.StatusCode | None) -> str | None:
@@ -79,6 +94,11 @@ def request_tier(request: Any) -> str:
     return DEFAULT_TIER if name == "unspecified" else name
 
 
+def request_id_of(request: Any) -> str:
+    """The client's `request_id` of a request message ("" when it names none)."""
+    return request.request_id if isinstance(request, inference_pb2.GenerateRequest) else ""
+
+
 def _operation_name(request: Any) -> str:
     if isinstance(request, inference_pb2.GenerateRequest):
         return "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
@@ -93,6 +113,9 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         self._tracer = tracer or trace.NoOpTracer()
         self._limited = RateLimitedLog(log)
         self._propagator = TraceContextTextMapPropagator()
+        others = [m for m in sitsd_methods() if m != GENERATE]
+        metrics.declare_calls("grpc", [GENERATE], [t.value for t in TIER_ORDER])
+        metrics.declare_calls("grpc", others, [""])  # `request_tier`: no tier
 
     async def intercept_service(
         self,
@@ -118,6 +141,9 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         if operation:
             attributes["gen_ai.operation.name"] = operation
             attributes["gen_ai.provider.name"] = "sitsd"
+            attributes["sitsd.tier"] = request_tier(request)
+        if request_id_of(request):
+            attributes["sitsd.request_id"] = request_id_of(request)
         return self._tracer.start_span(
             rpc_name,
             context=self._propagator.extract(carrier),
@@ -129,11 +155,13 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         self,
         span: Span,
         rpc_name: str,
-        tier: str,
+        request: Any,
         context: grpc.aio.ServicerContext,
         exc: BaseException | None,
+        deadline: CallDeadline,
     ) -> None:
-        code = _final_code(context, exc)
+        tier = request_tier(request)
+        code = _final_code(context, exc, deadline)
         error_class = error_class_of(code)
         short_name = rpc_name.removeprefix(SITSD_METHOD_PREFIX[1:])
         self._metrics.count_rpc(short_name, tier, error_class)
@@ -141,6 +169,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         if error_class is not None:
             message = _details(context, exc)
             span.set_attribute("error.type", error_class)
+            if error_class in LEAVING_CLASSES:  # the engine hears of it after the call ended
+                span.set_attribute("sitsd.finish_reason", error_class)
             if error_class not in CLIENT_ERROR_CLASSES:
                 span.set_status(Status(StatusCode.ERROR, message))
             level = logging.INFO if error_class in CLIENT_ERROR_CLASSES else logging.WARNING
@@ -150,6 +180,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
                 "grpc_code": code.name if code is not None else "UNKNOWN",
                 "grpc_message": message,
                 "tier": tier,
+                "request_id": request_id_of(request),
             }
             if error_class == "internal":
                 log.log(level, "rpc failed", extra=fields)
@@ -170,6 +201,7 @@ class _Call:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             span = self.owner.start(self.rpc_name, self.carrier, request)
             token = otel_context.attach(trace.set_span_in_context(span))
+            deadline = CallDeadline.after(context.time_remaining())
             failure: BaseException | None = None
             try:
                 return await behavior(request, context)
@@ -178,7 +210,7 @@ class _Call:
                 raise
             finally:
                 try:  # inside the span's context: the failure log line carries its trace id
-                    self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                    self.owner.finish(span, self.rpc_name, request, context, failure, deadline)
                 finally:
                     _detach(token)
 
@@ -193,6 +225,7 @@ class _Call:
         ) -> AsyncIterator[Any]:
             span = self.owner.start(self.rpc_name, self.carrier, request)
             token = otel_context.attach(trace.set_span_in_context(span))
+            deadline = CallDeadline.after(context.time_remaining())
             failure: BaseException | None = None
             try:
                 async for response in behavior(request, context):
@@ -202,7 +235,7 @@ class _Call:
                 raise
             finally:
                 try:  # inside the span's context: the failure log line carries its trace id
-                    self.owner.finish(span, self.rpc_name, request_tier(request), context, failure)
+                    self.owner.finish(span, self.rpc_name, request, context, failure, deadline)
                 finally:
                     _detach(token)
 
@@ -214,9 +247,10 @@ def _detach(token: object) -> None:
 
 
 def _final_code(
-    context: grpc.aio.ServicerContext, exc: BaseException | None
+    context: grpc.aio.ServicerContext, exc: BaseException | None, deadline: CallDeadline
 ) -> grpc.StatusCode | None:
-    """The status the call ends with: what the servicer set, or what the exception means."""
+    """The status the call ends with: what the servicer set, or what the exception means (a
+    cancellation at the call's deadline is the deadline)."""
     code = context.code()
     if isinstance(code, int):  # grpc.aio may hand back the raw enum value
         code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
@@ -225,9 +259,9 @@ def _final_code(
     if exc is None or isinstance(exc, GeneratorExit):
         return None
     if isinstance(exc, asyncio.CancelledError):
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        if deadline.explains_leaving():
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 

@@ -32,6 +32,11 @@ def run_status(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _weights(precision: str, nbytes: int) -> str:
+    """`int4-g128; lm_head bf16, embedding bf16 (117.2 MiB)`, or "-" when unknown."""
+    return f"{precision} ({nbytes / 2**20:.1f} MiB)" if precision else "-"
+
+
 def format_status(status: admin_pb2.StatusResponse) -> str:
     """The status as aligned `name  value` lines."""
     state = admin_pb2.DaemonState.Name(status.state).removeprefix("DAEMON_STATE_").lower()
@@ -41,6 +46,7 @@ def format_status(status: admin_pb2.StatusResponse) -> str:
         ("state", state),
         ("model", status.model or "-"),
         ("weights version", status.weights_version or "-"),
+        ("weights", _weights(status.weights_precision, status.weight_bytes)),
         ("requests", f"{status.num_running} running, {status.num_waiting} waiting"),
         (
             "kv cache",

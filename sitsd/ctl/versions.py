@@ -156,11 +156,14 @@ def run_versions(args: argparse.Namespace, client: Client) -> int:
 
 def format_versions(response: admin_pb2.ListVersionsResponse) -> str:
     """A table of the versions, newest last, and a line about the slots."""
-    rows = [["VERSION", "STATE", "SLOT", "SOURCE", "UPDATED", "PATH / REASON"]]
+    rows = [["VERSION", "STATE", "SLOT", "PRECISION", "WEIGHTS", "SOURCE", "UPDATED",
+             "PATH / REASON"]]  # fmt: skip
     for v in response.versions:
         state = admin_pb2.VersionState.Name(v.state).removeprefix("VERSION_STATE_").lower()
         updated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v.updated_at))
-        rows.append([v.version, state, v.slot or "-", v.source, updated, v.reason or v.path])
+        size = f"{v.weight_bytes / 2**20:.1f} MiB" if v.weight_bytes else "-"
+        rows.append([v.version, state, v.slot or "-", v.precision or "-", size, v.source,
+                     updated, v.reason or v.path])  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]) for row in rows]
     busy = (

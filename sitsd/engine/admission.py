@@ -15,16 +15,19 @@ arrived since the last snapshot. The estimate, in engine steps times the measure
 - the tier's batch cap: the same, over the running requests of its own tier;
 
 and the wait is the largest of the three. What to do with the estimate (refuse when it exceeds
-the tier's `max_queue_wait_s`) is the scheduler's decision.
+the tier's `max_queue_wait_s`) is the scheduler's decision. A refusal (`Refusal`) keeps what
+it saw, and `QueuePlace` says where any request stood when it arrived: what telemetry reports
+of the wait.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sitsd.engine.request import Request
-from sitsd.types import Tier
+from sitsd.types import TIER_ORDER, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,33 @@ class QueueSnapshot:
     waiting: tuple[WaitingEntry, ...] = ()  # in queue order
     running: tuple[RunningEntry, ...] = ()
     caps: dict[Tier, int] = field(default_factory=dict)  # per-tier batch caps
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePlace:
+    """Where a request stood in the queue when it arrived: whom it waited behind."""
+
+    position: int  # waiting requests ahead of it in queue order
+    num_ahead: dict[Tier, int]  # of those, by tier
+    num_running: int  # requests in the batch it waited to join
+
+    @staticmethod
+    def behind(ahead: Iterable[Tier], num_running: int) -> QueuePlace:
+        """The place behind requests of these tiers (in queue order)."""
+        num_ahead = dict.fromkeys(TIER_ORDER, 0)
+        for tier in ahead:
+            num_ahead[tier] += 1
+        return QueuePlace(sum(num_ahead.values()), num_ahead, num_running)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why admission control refused a request, and what it saw then."""
+
+    message: str  # for the client (RESOURCE_EXHAUSTED, HTTP 429)
+    expected_wait_s: float  # the queue wait it expected
+    limit_s: float  # the tier's maximum queue wait
+    place: QueuePlace  # where the request would have queued
 
 
 def waiting_entry(request: Request, key: float) -> WaitingEntry:
@@ -110,15 +140,19 @@ def expected_queue_wait(snapshot: QueueSnapshot, tier: Tier, key: float) -> floa
     return max(prefill_steps, slot_steps, cap_steps) * snapshot.step_time_s
 
 
-def refusal_reason(snapshot: QueueSnapshot, tier: Tier, key: float, limit_s: float) -> str | None:
-    """The client's message when the expected wait exceeds `limit_s`, else None."""
+def refusal_reason(
+    snapshot: QueueSnapshot, tier: Tier, key: float, limit_s: float
+) -> Refusal | None:
+    """The refusal when the expected wait exceeds `limit_s`, else None."""
     wait = expected_queue_wait(snapshot, tier, key)
     if wait <= limit_s:
         return None
-    return (
+    message = (
         f"overloaded: expected queue wait {wait * 1000:.0f} ms exceeds the {tier.value} "
         f"tier's {limit_s * 1000:.0f} ms; {what_to_change(tier)}"
     )
+    ahead = (w.tier for w in snapshot.waiting if w.key <= key)
+    return Refusal(message, wait, limit_s, QueuePlace.behind(ahead, len(snapshot.running)))
 
 
 def what_to_change(tier: Tier) -> str:

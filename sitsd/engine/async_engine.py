@@ -27,7 +27,7 @@ from sitsd.engine.messages import AbortRequest, AddRequest
 from sitsd.engine.swap_port import SwapPort
 from sitsd.engine.validation import validate_request
 from sitsd.outputs import EngineStatus, ModelInfo
-from sitsd.types import FinishReason, RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, FinishReason, RequestDelta, SamplingParams, Tier
 
 
 class RequestStream:
@@ -46,6 +46,7 @@ class RequestStream:
         self._pending: deque[RequestDelta] = deque()
         self._ready = asyncio.Event()
         self._finished = False
+        self.aborted = False  # abort() was called: on its way out, no longer in flight
 
     def _put(self, delta: RequestDelta) -> None:
         self._pending.append(delta)
@@ -70,10 +71,13 @@ class RequestStream:
                 self._finished = True
             yield delta
 
-    def abort(self, reason: str = "cancelled by the client") -> None:
-        """Cancel the request; its blocks are freed by the engine. Idempotent."""
+    def abort(
+        self, reason: str = "cancelled by the client", cause: EndReason = EndReason.CANCELLED
+    ) -> None:
+        """Cancel the request (`cause`: what happened, for telemetry); its blocks are freed
+        by the engine. Idempotent."""
         if not self._finished:
-            self._engine._abort(self.req_id, reason)
+            self._engine._abort(self, reason, cause)
 
     @property
     def finished(self) -> bool:
@@ -88,6 +92,7 @@ class AsyncEngine:
         self.model_info = model_info
         self.tokenizer = core.tokenizer
         self._streams: dict[str, RequestStream] = {}
+        self._num_aborted = 0  # of `_streams`, those aborted and waiting for their last delta
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -116,7 +121,7 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for stream in list(self._streams.values()):
-            stream.abort("the daemon is shutting down")
+            stream.abort("the daemon is shutting down", EndReason.SHUTDOWN)
         await asyncio.to_thread(self.core.stop)
         # The engine thread has gone: finish any stream it could not answer.
         for req_id in list(self._streams):
@@ -166,9 +171,11 @@ class AsyncEngine:
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("the engine is not accepting requests")
         params = validate_request(prompt_token_ids, params, self.model_info)
-        if len(self._streams) >= self.core.max_num_live_requests:
+        # Aborted streams are not in flight: the engine takes their abort before this add.
+        num_in_flight = len(self._streams) - self._num_aborted
+        if num_in_flight >= self.core.max_num_live_requests:
             raise QueueFullError(
-                f"{len(self._streams)} requests are in flight, the limit is "
+                f"{num_in_flight} requests are in flight, the limit is "
                 f"{self.core.max_num_live_requests}; retry later"
             )
         if req_id is None:
@@ -177,27 +184,30 @@ class AsyncEngine:
             raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
         elif "\x00" in req_id:  # the engine names migration shadows with it
             raise InvalidRequestError("request_id", "must not contain a NUL character")
-        arrival_time = time.monotonic()
-        refusal = self.core.admission_refusal(tier, arrival_time)
+        message = AddRequest(
+            req_id=req_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            tier=tier,
+            deadline=deadline,
+            arrival_time=time.monotonic(),
+            trace_context=trace_context,
+        )
+        refusal = self.core.admission_refusal(message)
         if refusal is not None:
-            raise OverloadedError(refusal)
+            raise OverloadedError(refusal.message)
         stream = RequestStream(self, req_id, len(prompt_token_ids))
         self._streams[req_id] = stream
-        self.core.submit(
-            AddRequest(
-                req_id=req_id,
-                prompt_token_ids=list(prompt_token_ids),
-                params=params,
-                tier=tier,
-                deadline=deadline,
-                arrival_time=arrival_time,
-                trace_context=trace_context,
-            )
-        )
+        self.core.submit(message)
         return stream
 
-    def _abort(self, req_id: str, reason: str) -> None:
-        self.core.submit(AbortRequest(req_id=req_id, reason=reason))
+    def _abort(self, stream: RequestStream, reason: str, cause: EndReason) -> None:
+        if stream.aborted:
+            return  # told the engine already
+        stream.aborted = True
+        if self._streams.get(stream.req_id) is stream:  # not finished yet
+            self._num_aborted += 1
+        self.core.submit(AbortRequest(stream.req_id, reason, cause))
 
     # ------------------------------------------------------------------------------- outputs
 
@@ -214,6 +224,7 @@ class AsyncEngine:
                 continue
             if delta.finished:
                 del self._streams[delta.req_id]
+                self._num_aborted -= stream.aborted  # counted while it was in `_streams`
             stream._put(delta)
 
     # ---------------------------------------------------------------------------- hot-swap

@@ -15,7 +15,7 @@ from typing import Protocol
 from sitsd.config import SchedulerConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.request import Request
-from sitsd.outputs import SchedulerOutput
+from sitsd.outputs import PreemptionReason, SchedulerOutput
 
 
 class WaitingQueue(Protocol):
@@ -59,13 +59,20 @@ class Batch(Protocol):
         to check)."""
         ...
 
-    def preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a running request's blocks back; it is recomputed later (a counted preemption)."""
+    def preempt(
+        self,
+        request: Request,
+        out: SchedulerOutput,
+        reason: PreemptionReason,
+        for_request: Request,
+    ) -> None:
+        """Take a running request's blocks back to make room for `for_request`; it is
+        recomputed later (a counted preemption; `out.preemptions` says why and for whom)."""
         ...
 
     def take_back(self, request: Request, out: SchedulerOutput | None) -> None:
-        """Free a running request's blocks and queue it to be recomputed, keeping its place
-        (not counted as a preemption; `out` None: between steps)."""
+        """Free a running request's blocks and queue it to be recomputed, keeping its place:
+        a swap restarts it (not counted as a preemption; `out` None: between steps)."""
         ...
 
     def unschedule(self, req_id: str, out: SchedulerOutput) -> None:

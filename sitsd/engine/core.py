@@ -2,8 +2,9 @@
 
 Each turn of the loop:
 
-    inbox      new requests (one admission control refuses is finished at once), aborts,
-               swap commands (the swap controller's), engine calls (short work between steps)
+    inbox      new requests (one admission control refuses is finished at once), aborts
+               (the client's, a passed deadline, shutdown), swap commands (the swap
+               controller's), engine calls (short work between steps)
     expiry     requests whose deadline has passed are aborted; those that waited past their
                tier's queue limit are shed
     step       schedule -> execute -> update -> deltas (`sitsd.engine.step`: in turn, or one
@@ -13,11 +14,11 @@ Each turn of the loop:
 Its parts: the `Scheduler` (which tokens to compute), the model runner (computing them), the
 `OutputProcessor` (token updates -> `RequestDelta`s), the `SwapController` (weight slots and
 commits, `sitsd.engine.swap_controller`) and an `EngineObserver` (telemetry), told of every
-request added, preempted, migrated and finished, of every step and of the status after each
-turn. Swap commands and engine calls first finish a step launched ahead. Nothing else touches
-the scheduler or the runner, so no lock guards them; other threads read `status()`, a snapshot
-replaced after every turn, and `admission_refusal()`, which checks a new request against the
-queue snapshot of the last turn.
+request added (and where it queued), refused, preempted, migrated and finished (and how), of
+every step and of the status after each turn. Swap commands, and engine calls that may run the
+model, first finish a step launched ahead. Nothing else touches the scheduler or the runner, so
+no lock guards them; other threads read `status()`, a snapshot replaced after every turn, and
+`admission_refusal()`, which checks a new request against the queue snapshot of the last turn.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sitsd.engine.admission import QueueSnapshot
+from sitsd.engine.admission import QueuePlace, QueueSnapshot, Refusal
 from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall, SwapCommand
 from sitsd.engine.observer import EngineObserver, GuardedObserver, NullObserver
 from sitsd.engine.output import OutputProcessor
@@ -40,7 +41,7 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.engine.step import AheadStep, HookList, InTurnStep, ObserverHooks, StepParts
 from sitsd.engine.swap_controller import SwapController
 from sitsd.outputs import EngineStatus
-from sitsd.types import AbortCause, FinishReason, RequestDelta, Tier, TokenizerLike
+from sitsd.types import EndReason, RequestDelta, Tier, TokenizerLike
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class EngineCore:
         self.output = OutputProcessor(scheduler, tokenizer, self.observer)
         # Replies and swap events go out after the status snapshot shows their effect.
         self.swaps = SwapController(scheduler, runner, self.observer, self._refresh)
-        hooks = HookList([self.swaps, ObserverHooks(self.observer, scheduler)])
+        hooks = HookList([self.swaps, scheduler.pacer, ObserverHooks(self.observer, scheduler)])
         in_turn = InTurnStep(StepParts(scheduler, runner, self.output, hooks))
         # The step function, chosen once.
         self._step: InTurnStep | AheadStep = (
@@ -130,17 +131,21 @@ class EngineCore:
     def status(self) -> EngineStatus:
         return self._status
 
-    def admission_refusal(self, tier: Tier | None, arrival_time: float) -> str | None:
+    def admission_refusal(self, msg: AddRequest) -> Refusal | None:
         """Why a new request must be refused at once (RESOURCE_EXHAUSTED), or None.
 
         Called on the API's thread against the queue as of the last engine turn; the engine
-        thread checks again with its live queue (`Scheduler.admission_refusal`).
+        thread checks again with its live queue (`Scheduler.admission_refusal`). A refused
+        request is reported to the observer from the calling thread (`on_request_refused`).
         """
-        tier = tier or self.default_tier
-        reason = self.scheduler.policy.early_refusal(self._queue, tier, arrival_time)
-        if reason is not None:
+        tier = msg.tier or self.default_tier
+        refusal = self.scheduler.policy.early_refusal(self._queue, tier, msg.arrival_time)
+        if refusal is not None:
             self._early_refusals[tier.value] = self._early_refusals.get(tier.value, 0) + 1
-        return reason
+            request = self._request(msg, seed=0)  # never runs: any seed
+            request.end_reason = EndReason.REFUSED
+            self.observer.on_request_refused(request, time.monotonic(), refusal)
+        return refusal
 
     # ---------------------------------------------------------------------------------- loop
 
@@ -162,9 +167,9 @@ class EngineCore:
                     self.swaps.when_idle()
             except Exception as exc:  # a bug must cost requests, never the engine thread
                 log.exception("engine loop failed; failing every live request")
-                deltas += self.output.finish_all(
-                    f"internal engine error: {type(exc).__name__}: {exc}"
-                )
+                message = f"internal engine error: {type(exc).__name__}: {exc}"
+                deltas += self.output.finish_all(message)
+                self.scheduler.probes.fail_all(message)
             # Snapshot before delivering, so a client that sees its last delta also sees the
             # blocks it held returned.
             self._status = self._snapshot()
@@ -173,7 +178,8 @@ class EngineCore:
             self._deliver(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self.output.flush() + self._drain_inbox(block=False)
-        deltas += self.output.finish_all("the engine stopped", FinishReason.ABORT)
+        deltas += self.output.finish_all("the engine stopped", EndReason.SHUTDOWN)
+        self.scheduler.probes.fail_all("the engine stopped")
         self._status = self._snapshot()
         self._deliver(deltas)
 
@@ -187,14 +193,15 @@ class EngineCore:
                     if refused is not None:
                         deltas.append(refused)
                 elif isinstance(message, AbortRequest):
-                    delta = self.output.finish(message.req_id, FinishReason.ABORT, message.reason)
+                    delta = self.output.finish(message.req_id, message.cause, message.reason)
                     if delta is not None:
                         deltas.append(delta)
                 elif isinstance(message, SwapCommand):
                     deltas += self._step.finish_ahead()  # a commit goes between finished steps
                     self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
-                    deltas += self._step.finish_ahead()  # the call may run the model
+                    if message.finishes_ahead:  # the call may run the model
+                        deltas += self._step.finish_ahead()
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -213,10 +220,8 @@ class EngineCore:
     def _refresh(self) -> None:
         self._status = self._snapshot()
 
-    def _add(self, msg: AddRequest) -> RequestDelta | None:
-        """Queue a new request; the finishing delta instead if admission control refuses it."""
-        seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(
+    def _request(self, msg: AddRequest, seed: int) -> Request:
+        return Request(
             req_id=msg.req_id,
             prompt_token_ids=msg.prompt_token_ids,
             params=msg.params,
@@ -228,11 +233,24 @@ class EngineCore:
             eos_token_ids=self._eos_token_ids,
             weights_version=self.runner.slots.active_version,
         )
+
+    def _add(self, msg: AddRequest) -> RequestDelta | None:
+        """Queue a new request; the finishing delta instead if admission control refuses it."""
+        seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(63)
+        request = self._request(msg, seed)
         refusal = self.scheduler.admission_refusal(request)
         if refusal is not None:  # never queued: nothing to free
-            return self.output.refused(request, refusal)
-        self.scheduler.add_request(request)
-        self.observer.on_request_added(request)
+            delta = self.output.refused(request, refusal.message)
+            self.observer.on_request_refused(request, time.monotonic(), refusal)
+            return delta
+        scheduler = self.scheduler
+        scheduler.add_request(request)
+        ahead = []  # whom it queues behind, in the policy's order
+        for queued in scheduler.waiting:
+            if queued is request:
+                break
+            ahead.append(queued.tier)
+        self.observer.on_request_added(request, QueuePlace.behind(ahead, scheduler.num_running))
         self.output.add(request)
         return None
 
@@ -240,12 +258,11 @@ class EngineCore:
         now = time.monotonic()
         finish = self.output.finish
         deltas = [
-            finish(r, FinishReason.ABORT, "deadline exceeded", AbortCause.DEADLINE)
+            finish(r, EndReason.DEADLINE, "deadline exceeded")
             for r in self.scheduler.expired_req_ids(now)
         ]
         deltas += [
-            finish(r, FinishReason.ABORT, why, AbortCause.OVERLOADED)
-            for r, why in self.scheduler.overdue_requests(now)
+            finish(r, EndReason.SHED, why) for r, why in self.scheduler.overdue_requests(now)
         ]
         return [d for d in deltas if d is not None]
 
@@ -281,6 +298,8 @@ class EngineCore:
             ),
             slot_versions=tuple(v or "" for v in slots.versions),
             active_slot=slots.active,
+            slot_precisions=tuple(slots.precision(i) for i in range(slots.num_slots)),
+            slot_weight_bytes=tuple(slots.nbytes(i) for i in range(slots.num_slots)),
             swapping=self.swaps.busy,
         )
 

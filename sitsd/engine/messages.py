@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sitsd.types import SamplingParams, Tier
+from sitsd.types import EndReason, SamplingParams, Tier
 
 if TYPE_CHECKING:
     import torch
@@ -30,10 +30,11 @@ class AddRequest:
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """Stop a request (client cancel, passed deadline); its blocks are freed."""
+    """Stop a request (client cancel, passed deadline, shutdown); its blocks are freed."""
 
     req_id: str
-    reason: str = "aborted"
+    reason: str = "aborted"  # for the client, in the last delta
+    cause: EndReason = EndReason.CANCELLED  # what happened, for telemetry
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,11 @@ class EngineCall:
     """Run `fn()` on the engine thread between two steps; then `reply(result, error)`.
 
     For short work that must not race the step loop (the swap controller's slot operations,
-    one canary prompt). It delays the next step by as long as it takes; a step launched ahead
-    is finished first.
+    queueing a canary prompt). It delays the next step by as long as it takes; a step launched
+    ahead is finished first unless `finishes_ahead` is False (work that runs nothing on the
+    model, such as queueing a prompt for the next steps).
     """
 
     fn: Callable[[], object]
     reply: Callable[[object, BaseException | None], None]
+    finishes_ahead: bool = True

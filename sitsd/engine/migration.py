@@ -3,11 +3,15 @@
 When a swap commits with `migrate`, every running request that has produced tokens gets a
 shadow: a `Request` that shares its token lists (so it sees every token decoding appends), has
 blocks of its own and the new weights version. The scheduler runs shadows as prefill work on
-the new slot, under a per-step token allowance (less the prefill already in the step), next to
-the decodes that go on on the old slot;
-a shadow never samples. A shadow's target in a step is every known token when its original
-computes its last token in the same step, else all but the last one: a flipped request always
-has a token left to compute, and so samples at once.
+the new slot, under the per-step allowance of a swap's work (`sitsd.engine.pacing`), next to
+the decodes that go on on the old slot; a shadow never samples. The migration ends in bounded
+time: `tokens_to_finish` says how many tokens a step must give shadows for every one that
+will still be needed then to have caught up by a deadline, which the scheduler's allowance
+never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
+migration takes longer than its deadline rather than stall the streams). A shadow's target in
+a step is every known token when its original computes its last token in the same step, else
+all but the last one: a flipped request always has a token left to compute, and so samples at
+once.
 
 When, at the start of a step, every shadow has computed at least as many tokens as its
 original, all migrating requests flip in that step: each takes its shadow's blocks, computed
@@ -24,6 +28,7 @@ The scheduler owns a `Migration` and is its only caller; this module writes only
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sitsd.engine.kv_cache_manager import KVCacheManager
@@ -46,11 +51,10 @@ class Shadow:
 class Migration:
     """The requests migrating from one weights version to another; see the module docstring."""
 
-    def __init__(self, from_version: str, to_version: str, started: float, tokens_per_step: int):
+    def __init__(self, from_version: str, to_version: str, started: float) -> None:
         self.from_version = from_version
         self.to_version = to_version
         self.started = started
-        self.tokens_per_step = max(1, tokens_per_step)
         self.shadows: dict[str, Shadow] = {}  # by the original's req_id
         self.num_restarted = 0  # requests whose shadow found no blocks (recomputed instead)
         self.flip_s = 0.0  # how long the flip took (set by the scheduler)
@@ -98,33 +102,51 @@ class Migration:
             for s in self.shadows.values()
         )
 
-    def schedule(self, out: SchedulerOutput, budget: int, kv: KVCacheManager) -> list[Request]:
-        """Schedule shadow chunks into `out`, last in the step, within `budget` tokens.
+    def tokens_to_finish(self, now: float, deadline_s: float, step_s: float | None) -> int:
+        """Tokens shadows need in each step from now on for the migration to end within
+        `deadline_s` of its start, steps being `step_s` apart (0: not measured yet).
 
-        A step's extra cost is its prefill: shadows get `tokens_per_step` less the prefill
-        tokens already scheduled (a new prompt, a chunk), and at least an eighth of it, so a
-        migration always moves.
+        A shadow whose original ends before then (it has fewer tokens left to generate than
+        there are steps) needs none: its shadow is dropped when it ends. Every other one
+        catches up with its deficit over the steps left (a quarter of them kept for steps
+        without swap work) and with the token its original adds in each.
+        """
+        if step_s is None or step_s <= 0:
+            return 0
+        steps_left = max(1.0, 0.75 * (self.started + deadline_s - now) / step_s)
+        needed = 0.0
+        for entry in self.shadows.values():
+            original = entry.original
+            if original.params.max_tokens - original.num_output_tokens < steps_left:
+                continue
+            needed += self._deficit(entry) / steps_left + 1
+        return math.ceil(needed)
+
+    def schedule(
+        self, out: SchedulerOutput, allowance: int, kv: KVCacheManager
+    ) -> tuple[list[Request], int]:
+        """Schedule shadow chunks into `out`, last in the step, within `allowance` tokens.
 
         Returns:
-            Originals whose shadow found no free block: the caller recomputes them instead.
+            Originals whose shadow found no free block (the caller recomputes them instead),
+            and the tokens scheduled.
         """
-        prefill = out.total_num_scheduled_tokens - len(out.num_scheduled_tokens)
-        floor = max(1, self.tokens_per_step // 8)
-        allowance = min(budget, max(floor, self.tokens_per_step - prefill))
+        left = allowance
         starved = []
         # Nearly caught-up shadows first: keeping them in step is cheap, and then the flip
         # waits only for the ones far behind.
         for entry in sorted(self.shadows.values(), key=self._deficit):
-            if allowance <= 0:
+            if left <= 0:
                 break
-            num_new = min(self._target(entry, out) - entry.request.num_computed_tokens, allowance)
+            num_new = min(self._target(entry, out) - entry.request.num_computed_tokens, left)
             if num_new <= 0:
                 continue
-            if self._schedule_one(entry, num_new, out, kv):
-                allowance -= num_new
-            else:
+            scheduled = self._schedule_one(entry, num_new, out, kv)
+            if scheduled is None:
                 starved.append(entry.original)
-        return starved
+            else:
+                left -= scheduled
+        return starved, allowance - left
 
     def advance(self, sched_out: SchedulerOutput, kv: KVCacheManager) -> None:
         """After a successful step: count the shadows' computed tokens, cache their full blocks."""
@@ -155,13 +177,15 @@ class Migration:
 
     def _schedule_one(
         self, entry: Shadow, num_new: int, out: SchedulerOutput, kv: KVCacheManager
-    ) -> bool:
+    ) -> int | None:
+        """Schedule up to `num_new` tokens of a shadow; the tokens scheduled (0: its prefix
+        was all in the cache), None when its blocks do not fit."""
         shadow = entry.request
         if entry.known_to_runner:
             computed = shadow.num_computed_tokens
             new_block_ids = kv.allocate_slots(shadow, num_new)
             if new_block_ids is None:
-                return False
+                return None
             out.cached_reqs.append(CachedRequestData(shadow.req_id, new_block_ids, computed))
         else:
             hits = kv.get_computed_blocks(shadow)  # KV the new weights wrote for this prefix
@@ -169,7 +193,7 @@ class Migration:
             num_new = min(num_new, max(0, self._target(entry, out) - num_hit))
             if num_new <= 0 or kv.allocate_slots(shadow, num_new, hits) is None:
                 kv.free(shadow)  # hits taken by a failed allocation are given back
-                return num_new <= 0
+                return 0 if num_new <= 0 else None
             shadow.num_computed_tokens = num_hit
             entry.known_to_runner = True
             out.new_reqs.append(
@@ -187,4 +211,4 @@ class Migration:
             )
         out.num_scheduled_tokens[shadow.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
-        return True
+        return num_new

@@ -3,18 +3,25 @@
 `EngineCore` calls an `EngineObserver` on its own thread at fixed points of the loop:
 
     on_engine_started(model, weights_version)   once, when the loop starts
-    on_request_added(request)                   after the scheduler queued it
-    on_request_preempted(request, now)          after `schedule()` took its blocks back
+    on_request_added(request, place)            after the scheduler queued it (and where)
+    on_request_refused(request, now, refusal)   admission control refused it: never queued
+    on_request_preempted(request, now, preemption)
+                                                after `schedule()` took its blocks back (why,
+                                                and for whom)
     on_step(step)                               after `update_from_output()`, before deltas
-    on_request_finished(request, now)           once per request, whatever ended it
+    on_request_finished(request, now)           once per queued request, whatever ended it
+                                                (`request.end_reason` says what)
     on_request_migrated(request, start, end, from_version, to_version)
                                                 a swap moved its KV to new weights (migrate)
     on_status(status)                           after every loop turn (idle turns too)
 
-Hooks run on the engine thread between steps, so they must be cheap and must not block; what
-they record (metrics, spans, logs) is `sitsd.observability`'s business. The core wraps the
-observer in `GuardedObserver`: a failing hook is logged and ignored, never costs a request.
-`NullObserver` is the default and does nothing.
+Every request is told of once as it ends: refused, or added and then finished. Hooks run on
+the engine thread between steps, so they must be cheap and must not block; the one exception
+is `on_request_refused` for the API's early check (`EngineCore.admission_refusal`), which runs
+on the API's thread and must touch no per-request state. What they record (metrics, spans,
+logs) is `sitsd.observability`'s business. The core wraps the observer in `GuardedObserver`:
+a failing hook is logged and ignored, never costs a request. `NullObserver` is the default and
+does nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from sitsd.engine.admission import QueuePlace, Refusal
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import TokenUpdate
-from sitsd.outputs import EngineStatus, SchedulerOutput
+from sitsd.outputs import EngineStatus, Preemption, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,7 @@ class StepRecord:
     updates: list[TokenUpdate]  # sampled tokens per request (requests mid-prefill have none)
     start: float  # before `schedule()`
     end: float  # after `update_from_output()`
+    index: int = 0  # the step's number since the engine started (1 = the first)
 
 
 class EngineObserver(Protocol):
@@ -46,9 +55,13 @@ class EngineObserver(Protocol):
 
     def on_engine_started(self, model: str, weights_version: str) -> None: ...
 
-    def on_request_added(self, request: Request) -> None: ...
+    def on_request_added(self, request: Request, place: QueuePlace) -> None: ...
 
-    def on_request_preempted(self, request: Request, now: float) -> None: ...
+    def on_request_refused(self, request: Request, now: float, refusal: Refusal) -> None: ...
+
+    def on_request_preempted(
+        self, request: Request, now: float, preemption: Preemption
+    ) -> None: ...
 
     def on_step(self, step: StepRecord) -> None: ...
 
@@ -67,10 +80,13 @@ class NullObserver:
     def on_engine_started(self, model: str, weights_version: str) -> None:
         pass
 
-    def on_request_added(self, request: Request) -> None:
+    def on_request_added(self, request: Request, place: QueuePlace) -> None:
         pass
 
-    def on_request_preempted(self, request: Request, now: float) -> None:
+    def on_request_refused(self, request: Request, now: float, refusal: Refusal) -> None:
+        pass
+
+    def on_request_preempted(self, request: Request, now: float, preemption: Preemption) -> None:
         pass
 
     def on_step(self, step: StepRecord) -> None:
@@ -107,11 +123,19 @@ class GuardedObserver:
         observer = self.observer
         self._call("on_engine_started", lambda: observer.on_engine_started(model, weights_version))
 
-    def on_request_added(self, request: Request) -> None:
-        self._call("on_request_added", lambda: self.observer.on_request_added(request))
+    def on_request_added(self, request: Request, place: QueuePlace) -> None:
+        self._call("on_request_added", lambda: self.observer.on_request_added(request, place))
 
-    def on_request_preempted(self, request: Request, now: float) -> None:
-        self._call("on_request_preempted", lambda: self.observer.on_request_preempted(request, now))
+    def on_request_refused(self, request: Request, now: float, refusal: Refusal) -> None:
+        observer = self.observer
+        self._call("on_request_refused", lambda: observer.on_request_refused(request, now, refusal))
+
+    def on_request_preempted(self, request: Request, now: float, preemption: Preemption) -> None:
+        observer = self.observer
+        self._call(
+            "on_request_preempted",
+            lambda: observer.on_request_preempted(request, now, preemption),
+        )
 
     def on_step(self, step: StepRecord) -> None:
         self._call("on_step", lambda: self.observer.on_step(step))

@@ -5,7 +5,10 @@ token ids per request) into the `RequestDelta`s the API streams: the new text (h
 across incomplete UTF-8 and possible stop strings by each request's `IncrementalDetokenizer`),
 the finish reason and, on the last delta, the usage. A stop string the detokenizer finds
 finishes the request in the scheduler (its blocks are freed at once). It also builds the
-deltas of requests that end outside a step: refused at admission, aborted, failed.
+deltas of requests that end outside a step: refused at admission, aborted, failed. Every
+request it finishes gets its `end_reason` (what happened, for telemetry) before the observer
+hears of it; the delta keeps the client's `FinishReason` and, for the API's status, the
+`AbortCause`.
 
 Updates may be deferred (`defer`) and turned into deltas later (`flush`): on a GPU the engine
 does that work after the next step is launched, while the device computes. A request that
@@ -21,7 +24,14 @@ from sitsd.engine.detokenizer import Decoder, IncrementalDetokenizer
 from sitsd.engine.observer import EngineObserver
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler, TokenUpdate
-from sitsd.types import AbortCause, FinishReason, RequestDelta, Usage
+from sitsd.types import AbortCause, EndReason, FinishReason, RequestDelta, Usage
+
+# What the API must answer for a request the engine ended: overloaded, or out of time.
+_ABORT_CAUSES = {
+    EndReason.REFUSED: AbortCause.OVERLOADED,
+    EndReason.SHED: AbortCause.OVERLOADED,
+    EndReason.DEADLINE: AbortCause.DEADLINE,
+}
 
 
 class OutputProcessor:
@@ -54,19 +64,15 @@ class OutputProcessor:
         # A request may have finished since (abort): its detokenizer is gone, skip it.
         return [self._to_delta(u) for u in updates if u.request.req_id in self._detok]
 
-    def finish(
-        self,
-        req_id: str,
-        reason: FinishReason,
-        message: str,
-        cause: AbortCause | None = None,
-    ) -> RequestDelta | None:
-        """End a live request outside a step (abort, error): its last delta, or None if it is
-        not live."""
+    def finish(self, req_id: str, end: EndReason, message: str) -> RequestDelta | None:
+        """End a live request outside a step (shed, deadline, cancelled, shutdown, error): its
+        last delta (ERROR for `EndReason.ERROR`, else ABORT), or None if it is not live."""
+        reason = FinishReason.ERROR if end is EndReason.ERROR else FinishReason.ABORT
         request = self._scheduler.finish_request(req_id, reason)
         detok = self._detok.pop(req_id, None)
         if request is None:
             return None
+        request.end_reason = end
         self._observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=req_id,
@@ -75,25 +81,24 @@ class OutputProcessor:
             usage=usage_of(request),
             weights_version=request.weights_version,
             error=message,
-            abort_cause=cause,
+            abort_cause=_ABORT_CAUSES.get(end),
         )
 
-    def finish_all(
-        self, message: str, reason: FinishReason = FinishReason.ERROR
-    ) -> list[RequestDelta]:
+    def finish_all(self, message: str, end: EndReason = EndReason.ERROR) -> list[RequestDelta]:
         """End every live request (the engine failed or stops)."""
-        deltas = [self.finish(req_id, reason, message) for req_id in list(self._scheduler.requests)]
+        deltas = [self.finish(req_id, end, message) for req_id in list(self._scheduler.requests)]
         return [d for d in deltas if d is not None]
 
     @staticmethod
-    def refused(request: Request, reason: str) -> RequestDelta:
+    def refused(request: Request, message: str) -> RequestDelta:
         """The one delta of a request admission control refused (it was never queued)."""
+        request.end_reason = EndReason.REFUSED
         return RequestDelta(
             req_id=request.req_id,
             finish_reason=FinishReason.ABORT,
             usage=usage_of(request),
             weights_version=request.weights_version,
-            error=reason,
+            error=message,
             abort_cause=AbortCause.OVERLOADED,
         )
 
@@ -108,6 +113,7 @@ class OutputProcessor:
         if reason is not None:
             text += detok.flush()
             del self._detok[request.req_id]
+            request.end_reason = EndReason.STOP if reason is FinishReason.STOP else EndReason.LENGTH
             self._observer.on_request_finished(request, time.monotonic())
         return RequestDelta(
             req_id=request.req_id,

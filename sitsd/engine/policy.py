@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from sitsd.config import SchedulerConfig, TiersConfig
-from sitsd.engine.admission import QueueSnapshot
+from sitsd.engine.admission import QueueSnapshot, Refusal
 from sitsd.engine.batch import Batch, WaitingQueue
 from sitsd.engine.request import Request
 from sitsd.engine.tiers import TierTracker
@@ -57,9 +57,11 @@ class SchedulingPolicy(Protocol):
 
     def admit(self, batch: Batch, out: SchedulerOutput) -> None: ...
 
-    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> str | None: ...
+    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> Refusal | None: ...
 
-    def early_refusal(self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float) -> str | None:
+    def early_refusal(
+        self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float
+    ) -> Refusal | None:
         """`refusal` on another thread, against a snapshot of the last engine turn."""
         ...
 
@@ -97,10 +99,12 @@ class FcfsPolicy:
             if batch.try_admit(batch.waiting.peek(), out) is None:
                 break
 
-    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> str | None:
+    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> Refusal | None:
         return None
 
-    def early_refusal(self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float) -> str | None:
+    def early_refusal(
+        self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float
+    ) -> Refusal | None:
         return None
 
     def overdue(self, batch: Batch, now: float) -> list[tuple[str, str]]:

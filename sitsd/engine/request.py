@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sitsd.types import FinishReason, SamplingParams, Tier
+from sitsd.types import EndReason, FinishReason, SamplingParams, Tier
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +45,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     weights_version: str = ""
     finish_reason: FinishReason | None = None
+    end_reason: EndReason | None = None  # how it ended, for telemetry (`OutputProcessor` sets it)
     num_preemptions: int = 0
 
     # Timing (time.monotonic()), for metrics and traces.

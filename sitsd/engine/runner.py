@@ -1,8 +1,8 @@
 """What the engine needs of the model runner and its weight slots (`sitsd.runtime` has them).
 
 The engine core launches steps (`ModelRunnerLike.launch`); the swap controller flips, fills and
-releases weight slots (`WeightSlotsLike`) and scores canary prompts on a slot
-(`prompt_logprobs`). Nothing in the engine holds a tensor except the canary's log-probabilities,
+releases weight slots (`WeightSlotsLike`) and takes the log-probabilities of canary prompts the
+steps computed (`take_prompt_logprobs`). Nothing in the engine holds a tensor except those,
 which it hands to the weights subsystem untouched.
 """
 
@@ -54,6 +54,11 @@ class WeightSlotsLike(Protocol):
     @property
     def slot_nbytes(self) -> int: ...
 
+    @property
+    def copy_seconds(self) -> float:
+        """Device seconds of the staging copies' host-to-device transfers so far."""
+        ...
+
     def index_of(self, version: str) -> int | None: ...
 
     def weights(self, index: int) -> LlamaWeights: ...
@@ -98,7 +103,8 @@ class ModelRunnerLike(Protocol):
 
     def launch(self, sched_out: SchedulerOutput) -> PendingStepLike: ...
 
-    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
-        """Next-token log-probabilities at every position of a prompt under slot `slot`'s
-        weights ([len(token_ids), vocab] float32, on the device), outside any request."""
+    def take_prompt_logprobs(self, req_id: str) -> torch.Tensor:
+        """The next-token log-probabilities at every position of canary probe `req_id`
+        (`NewRequestData.probe`), whose last chunk a step computed ([num_tokens, vocab]
+        float32, on the device); the runner keeps them no longer."""
         ...

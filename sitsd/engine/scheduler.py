@@ -12,14 +12,17 @@ to the queue keeping its place). `schedule()` runs the step's phases:
                  order of the running requests and this step's prompt allowance
     2. running   running requests in the policy's order, preempting from the end for blocks
     3. admission the policy admits waiting requests (`policy.admit`), possibly preempting
-    4. shadows   migration shadows, in what the step has left (`swaps.schedule_shadows`)
+    4. swap work a swap's work, in what the step has left and the pacer allows: migration
+                 shadows, then canary probes (`sitsd.engine.swap_work`)
 
 Its composed parts decide, it moves: the scheduling policy (`sitsd.engine.policy`: FCFS, or
 the SLA tiers of `sitsd.engine.tier_policy`) answers order, caps, chunk sizes, admission and
 preemption victims; the swap policies (`sitsd.engine.swap_policies`) switch requests in
-flight to a new weights version. Both act through the primitives of `sitsd.engine.batch`,
-so this class stays the one writer of request state. The per-tier statistics (latency
-windows, counters: every request has a tier under either policy) are a `TierTracker`.
+flight to a new weights version; the canary's probes (`sitsd.engine.probes`) wait for room in
+a step; the pacer (`sitsd.engine.pacing`) says how many tokens of a swap's work a step may
+take. They act through the primitives of `sitsd.engine.batch`, so this class stays the one
+writer of request state. The per-tier statistics (latency windows, counters: every request
+has a tier under either policy) are a `TierTracker`.
 
 Asynchronous scheduling (`SchedulerConfig.async_scheduling`): `schedule()` may run while the
 last step it scheduled is still computing. Its phase 0 then counts that step's tokens as
@@ -40,16 +43,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sitsd.config import SchedulerConfig, TiersConfig
-from sitsd.engine.admission import QueueSnapshot
+from sitsd.engine.admission import QueueSnapshot, Refusal
 from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.pacing import PacingSettings, StepPacer
 from sitsd.engine.policy import make_policy
+from sitsd.engine.probes import Probes
 from sitsd.engine.request import Request, RequestStatus
 from sitsd.engine.swap_policies import SwapPolicies
+from sitsd.engine.swap_work import SwapWorkPhase
 from sitsd.engine.tiers import TierTracker
 from sitsd.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    Preemption,
+    PreemptionReason,
     SchedulerOutput,
     TierStats,
 )
@@ -81,7 +89,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         tiers: TiersConfig | None = None,
         controller: BatchController | None = None,
-        migration_tokens_per_step: int = 128,
+        pacing: PacingSettings | None = None,
     ) -> None:
         """Args:
         config: batch limits and the policy ("tiers" or "fcfs").
@@ -90,7 +98,7 @@ class Scheduler:
         clock: monotonic seconds; the same clock as requests' arrival times.
         tiers: the tiers' targets and limits (default: the SITS table).
         controller: the tiers policy's batch controller (default: the one `tiers` names).
-        migration_tokens_per_step: the most tokens migration shadows compute in one step.
+        pacing: how much of a swap's work (migration, canary) a step may take.
 
         Raises:
             ValueError: an unknown policy or batch controller.
@@ -102,7 +110,11 @@ class Scheduler:
         self.tiers_config = tiers or TiersConfig()
         self.tracker = TierTracker(self.tiers_config, config.max_num_seqs)
         self.policy = make_policy(config, self.tiers_config, self.tracker, controller)
-        self.swaps = SwapPolicies(self, migration_tokens_per_step)
+        pacing = pacing or PacingSettings()
+        self.pacer = StepPacer(pacing)
+        self.swaps = SwapPolicies(self, pacing.migration_deadline_s)
+        self.probes = Probes(self)
+        self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []
@@ -112,6 +124,7 @@ class Scheduler:
         # Told to the runner with the next SchedulerOutput, so it can drop their state.
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()  # preempted between steps (swap restarts)
+        self._preemptions: list[Preemption] = []  # and why, for the next step's observers
         # Asynchronous scheduling: the last scheduled step whose output is not in yet.
         self._ahead: SchedulerOutput | None = None
 
@@ -124,9 +137,11 @@ class Scheduler:
         self.waiting.push(request)
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
-        """Finish a live request (abort, stop string, error): free its blocks. None if unknown."""
+        """Finish a live request (abort, stop string, error): free its blocks. None if unknown
+        (a canary probe's id fails the probe: its step failed)."""
         request = self.requests.pop(req_id, None)
         if request is None:
+            self.probes.fail(req_id, f"its engine step failed ({reason.value})")
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -141,7 +156,9 @@ class Scheduler:
 
     def has_work(self) -> bool:
         # A pending migration completes at the start of a step, even one with nothing to run.
-        return bool(self.waiting or self.running or self.swaps.migration is not None)
+        return bool(
+            self.waiting or self.running or self.swaps.migration is not None or self.probes.pending
+        )
 
     @property
     def num_running(self) -> int:
@@ -163,9 +180,11 @@ class Scheduler:
         """Pick this step's work, phase by phase (see the module docstring)."""
         now = self._step_started = self._clock()
         out = SchedulerOutput(
-            finished_req_ids=self._finished_req_ids, preempted_req_ids=self._preempted_req_ids
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+            preemptions=self._preemptions,
         )
-        self._finished_req_ids, self._preempted_req_ids = set(), set()
+        self._finished_req_ids, self._preempted_req_ids, self._preemptions = set(), set(), []
         if self._ahead is not None:
             self._apply_ahead(self._ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out)  # 0: migrated requests take their shadows' KV
@@ -175,9 +194,10 @@ class Scheduler:
         # would thrash.
         if not preempted:
             self.policy.admit(self, out)  # 3
-            self.swaps.schedule_shadows(out)  # 4: in what is left
+            self.swap_work.schedule(out)  # 4: in what is left
         if out.is_empty:
-            # Not launched: the runner hears of these with the next step that runs.
+            # Not launched: the runner hears of these with the next step that runs (observers
+            # heard of `out.preemptions` already).
             self._finished_req_ids |= out.finished_req_ids
             self._preempted_req_ids |= out.preempted_req_ids
         elif self.config.async_scheduling:
@@ -218,7 +238,7 @@ class Scheduler:
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
-                self.preempt(victim, out)
+                self.preempt(victim, out, PreemptionReason.BLOCKS, request)
                 preempted = True
                 if victim is request:
                     break
@@ -296,6 +316,9 @@ class Scheduler:
         out.new_reqs = [n for n in out.new_reqs if n.req_id != req_id]
 
     def take_back(self, request: Request, out: SchedulerOutput | None) -> None:
+        self._take_back(request, out, Preemption(request.req_id, PreemptionReason.SWAP))
+
+    def _take_back(self, request: Request, out: SchedulerOutput | None, record: Preemption) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
         migrating_to = self.swaps.drop_shadow(request, out)
@@ -306,13 +329,22 @@ class Scheduler:
         self.waiting.push_preempted(request)
         if out is None:
             self._preempted_req_ids.add(request.req_id)
+            self._preemptions.append(record)
         else:
             out.preempted_req_ids.add(request.req_id)
+            out.preemptions.append(record)
 
-    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def preempt(
+        self,
+        request: Request,
+        out: SchedulerOutput,
+        reason: PreemptionReason,
+        for_request: Request,
+    ) -> None:
         # Block-pressure victims come from the end of `running`, which this step has not
         # scheduled yet; tier victims scheduled already are taken out by `unschedule`.
-        self.take_back(request, out)
+        record = Preemption(request.req_id, reason, for_request.req_id, for_request.tier.value)
+        self._take_back(request, out, record)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.tracker.num_preempted[request.tier] += 1
@@ -327,6 +359,7 @@ class Scheduler:
     ) -> list[TokenUpdate]:
         """Advance computed tokens, append sampled tokens, finish what hit a stop condition."""
         self.swaps.advance(sched_out)
+        self.probes.advance(sched_out)  # finished probes are reported to their owner
         if self._ahead is sched_out:
             self._ahead = None  # updated before anything was scheduled after it
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
@@ -386,7 +419,7 @@ class Scheduler:
 
     # ---------------------------------------------------------- admission control and status
 
-    def admission_refusal(self, request: Request) -> str | None:
+    def admission_refusal(self, request: Request) -> Refusal | None:
         """Why `request` (not added yet) must be refused at once (the policy's rule), or None."""
         return self.policy.refusal(request, self, self.step_time_s)
 

@@ -34,7 +34,7 @@ from sitsd.engine.output import OutputProcessor
 from sitsd.engine.runner import ModelRunnerLike, PendingStepLike
 from sitsd.engine.scheduler import Scheduler
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
-from sitsd.types import FinishReason, RequestDelta
+from sitsd.types import EndReason, RequestDelta
 
 log = logging.getLogger("sitsd.engine.core")
 
@@ -69,8 +69,11 @@ class ObserverHooks:
         pass
 
     def scheduled(self, sched_out: SchedulerOutput, started: float) -> None:
-        for req_id in sched_out.preempted_req_ids:
-            self._observer.on_request_preempted(self._scheduler.requests[req_id], started)
+        requests = self._scheduler.requests
+        for preemption in sched_out.preemptions:
+            request = requests.get(preemption.req_id)
+            if request is not None:  # a swap restart may have finished since
+                self._observer.on_request_preempted(request, started, preemption)
 
     def step_ended(self, record: StepRecord | None, end: float) -> None:
         if record is not None:
@@ -163,7 +166,7 @@ class InTurnStep:
         self.num_steps += 1
         updates = parts.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
-        parts.hooks.step_ended(StepRecord(sched_out, updates, started, end), end)
+        parts.hooks.step_ended(StepRecord(sched_out, updates, started, end, self.num_steps), end)
         if defer and parts.scheduler.has_work():
             parts.output.defer(updates)
             return []
@@ -175,7 +178,7 @@ class InTurnStep:
         message = f"internal error in the model step: {type(exc).__name__}: {exc}"
         output = self.parts.output
         deltas = output.flush()
-        failed = [output.finish(r, FinishReason.ERROR, message) for r in req_ids]
+        failed = [output.finish(r, EndReason.ERROR, message) for r in req_ids]
         return deltas + [d for d in failed if d is not None]
 
 

@@ -7,7 +7,9 @@ reaches it only through `sitsd.engine.swap_port.SwapPort`, whose calls run here:
     fill / release    the stager copied a version into it (or gave up on it); a version of
                       another structure (another precision) has its CUDA graphs captured
                       again first, between two steps
-    prompt_logprobs   a canary prompt through the model runner on one slot
+    prompt_logprobs   a canary prompt on one version, handed to the scheduler as low-priority
+                      work in the next steps (`sitsd.engine.probes`); its log-probabilities
+                      come back from the runner once its last chunk has been computed
     handle            a `SwapCommand`: commit a version
 
 A commit, between two steps:
@@ -31,6 +33,7 @@ Which version to stage, validate and commit, and when, is `sitsd.weights.swap`'s
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -50,6 +53,9 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+# Told a canary prompt's log-probabilities ([n, vocab] on the engine's device), or the error.
+LogprobsDone = Callable[["torch.Tensor | None", "BaseException | None"], None]
 
 _GAP_WINDOW = 64  # step gaps remembered, for the typical gap a commit's pause compares with
 _IDLE_GAP_S = 0.1  # a longer gap between steps is the engine waiting for work
@@ -125,7 +131,7 @@ class SwapController:
         num = self._scheduler.swaps.num_on_version(held) if held else 0
         if num or self.busy:
             raise StandbyBusy(held or "", num)
-        slots.release(index)
+        self._release(index)
         return index
 
     def fill(self, index: int, version: str) -> None:
@@ -139,18 +145,20 @@ class SwapController:
 
     def release(self, index: int) -> None:
         """Slot `index` holds no version (a rejected one must never serve)."""
-        self._slots.release(index)
+        self._release(index)
 
-    def prompt_logprobs(self, token_ids: list[int], version: str) -> torch.Tensor:
-        """A canary prompt's next-token log-probabilities under `version` ([n, vocab]).
+    def prompt_logprobs(self, token_ids: list[int], version: str, on_done: LogprobsDone) -> None:
+        """Queue a canary prompt on `version`: it runs as low-priority work in the next steps,
+        then `on_done(log-probabilities of every position [n, vocab] float32, None)`, or
+        `on_done(None, error)` when it could not run.
 
         Raises:
             KeyError: `version` is in no slot.
         """
-        index = self._slots.index_of(version)
-        if index is None:
+        if self._slots.index_of(version) is None:
             raise KeyError(f"weights version {version!r} is in no slot ({self._slots.versions})")
-        return self._runner.prompt_logprobs(token_ids, index)
+        done = functools.partial(self._probe_done, on_done)
+        self._scheduler.probes.add(token_ids, version, done)
 
     def handle(self, command: SwapCommand) -> None:
         """Start committing `command.version` (between two steps)."""
@@ -236,6 +244,22 @@ class SwapController:
             self._committed(inflight, pause_s=inflight.flip_s)
 
     # ------------------------------------------------------------------------------ internal
+
+    def _release(self, index: int) -> None:
+        held = self._slots.versions[index]
+        self._slots.release(index)
+        if held is not None:  # nothing may run on a slot being rewritten
+            self._scheduler.probes.fail_versions([held], f"version {held} left its weight slot")
+
+    def _probe_done(self, on_done: LogprobsDone, probe_id: str, error: str | None) -> None:
+        """A probe ended (the scheduler tells it): hand its log-probabilities over."""
+        try:
+            if error is None:
+                on_done(self._runner.take_prompt_logprobs(probe_id), None)
+            else:
+                on_done(None, RuntimeError(f"the canary prompt could not run: {error}"))
+        except Exception:  # the caller's problem; never the engine thread's
+            log.exception("canary prompt callback failed")
 
     def _committed(
         self, inflight: _InFlight, pause_s: float, num_restarted: int | None = None

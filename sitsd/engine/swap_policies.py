@@ -9,9 +9,9 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step): once every shadow has caught up, each migrating request
     takes its shadow's blocks and version, and its old blocks are freed;
-  - `schedule_shadows` (last in a step, after admission): shadow chunks under the migration's
-    per-step allowance less the step's prefill; a starved shadow's request is recomputed
-    instead;
+  - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
+    allowance of swap work (`sitsd.engine.pacing`), raised when the migration must speed up
+    to end within its deadline; a starved shadow's request is recomputed instead;
   - `drop_shadow` when a migrating request finishes or is preempted.
 
 Which slot holds which version is the runner's business (`sitsd.runtime.weight_slots`); when a
@@ -43,13 +43,13 @@ class VersionSwitch:
 class SwapPolicies:
     """Switches the requests in flight to a new weights version; see the module docstring."""
 
-    def __init__(self, batch: Batch, tokens_per_step: int) -> None:
+    def __init__(self, batch: Batch, migration_deadline_s: float) -> None:
         """Args:
         batch: the scheduler whose requests this part switches.
-        tokens_per_step: the most tokens migration shadows compute in one step.
+        migration_deadline_s: a migration ends within this many seconds of its commit.
         """
         self._batch = batch
-        self.tokens_per_step = tokens_per_step
+        self.migration_deadline_s = migration_deadline_s
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
 
@@ -70,7 +70,7 @@ class SwapPolicies:
         for request in batch.waiting:  # no blocks held: they simply start on the new version
             if policy != "drain" or not request.num_output_tokens:
                 request.weights_version = version
-        migration = Migration(from_version or "", version, batch.now(), self.tokens_per_step)
+        migration = Migration(from_version or "", version, batch.now())
         num_restarted = 0
         for request in list(batch.running):
             if request.weights_version == version or policy == "drain":
@@ -120,16 +120,25 @@ class SwapPolicies:
         migration.flip_s = time.perf_counter() - started
         self.last_migration, self.migration = migration, None
 
-    def schedule_shadows(self, out: SchedulerOutput) -> None:
-        """Last phase: shadow chunks; a shadow without blocks: its request is recomputed."""
+    def schedule_shadows(
+        self, out: SchedulerOutput, allowance: int, step_s: float | None, most: int
+    ) -> int:
+        """Last phase: shadow chunks within `allowance` tokens, or what the deadline needs
+        (`Migration.tokens_to_finish`, steps `step_s` apart; None: no floor) when more, up
+        to `most`; a shadow without blocks: its request is recomputed. Returns the shadows'
+        tokens."""
         migration = self.migration
         if migration is None:
-            return
+            return 0
         batch = self._batch
-        for request in migration.schedule(out, batch.budget(out), batch.kv_cache):
+        needed = migration.tokens_to_finish(batch.now(), self.migration_deadline_s, step_s)
+        allowance = max(allowance, min(needed, most))
+        starved, used = migration.schedule(out, min(allowance, batch.budget(out)), batch.kv_cache)
+        for request in starved:
             batch.unschedule(request.req_id, out)
             batch.take_back(request, out)  # drops the shadow, moves it to the new version
             migration.num_restarted += 1
+        return used
 
     def advance(self, sched_out: SchedulerOutput) -> None:
         """After a step: count what the shadows computed."""

@@ -7,10 +7,12 @@ controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
     reserve_standby()              the standby slot's index, released to the caller (or
                                    `StandbyBusy` while requests still run on its version)
     copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
+                                   (`copy_seconds`: the device time its transfers took)
     slot_writer(index)             or writes a pushed one into it, piece by piece (`SlotWriter`)
     fill(index, version)           the copy is complete: the slot holds `version`
     release(index)                 give the slot back empty (a rejected version)
-    prompt_logprobs(ids, version)  a canary prompt through the model runner on that version
+    prompt_logprobs(ids, version)  a canary prompt on that version, computed as low-priority
+                                   work in the engine's next steps (the batch never pauses)
     commit(version, policy)        flip to `version`; its `SwapEvent`s until committed/failed
                                    (with one slot, `in_place` is copied over the only slot)
 
@@ -93,10 +95,26 @@ class SwapPort:
         await self._call(functools.partial(self._controller.release, index))
 
     async def prompt_logprobs(self, token_ids: list[int], version: str) -> torch.Tensor:
-        """Next-token log-probabilities of every prompt position under `version` (one
-        prefill between two steps; [len(token_ids), vocab] float32 on the engine's device)."""
-        call = functools.partial(self._controller.prompt_logprobs, list(token_ids), version)
-        return await self._call(call)
+        """Next-token log-probabilities of every prompt position under `version`
+        ([len(token_ids), vocab] float32 on the engine's device), computed in the engine's
+        steps next to the requests they serve, under the pacing of a swap's work.
+
+        Raises:
+            KeyError: `version` is in no slot.
+            RuntimeError: the prompt could not run (its version left its slot, its step
+                failed, the engine stopped).
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[torch.Tensor] = loop.create_future()
+
+        def on_done(result: torch.Tensor | None, exc: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, done, result, exc)
+
+        call = functools.partial(self._controller.prompt_logprobs, list(token_ids), version,
+                                 on_done)  # fmt: skip
+        await self._call(call, finishes_ahead=False)  # queueing it runs nothing yet
+        return await done
 
     def copy_into(
         self,
@@ -112,6 +130,11 @@ class SwapPort:
         the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
                                      on_progress=on_progress, source=source)  # fmt: skip
+
+    def copy_seconds(self) -> float:
+        """Device seconds the copies' host-to-device transfers took so far (0 on a CPU): the
+        clock staging paces a copy to a GPU on. Read it on the copying thread."""
+        return self._slots.copy_seconds
 
     def slot_writer(self, index: int, *, chunk_bytes: int) -> SlotWriter:
         """A writer into reserved slot `index` for a pushed version; what the push leaves out
@@ -150,22 +173,24 @@ class SwapPort:
             if event.kind in ("committed", "failed"):
                 return
 
-    async def _call(self, fn: Callable[[], T]) -> T:
+    async def _call(self, fn: Callable[[], T], *, finishes_ahead: bool = True) -> T:
         """Run `fn()` on the engine thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
 
-        def settle(result: T, exc: BaseException | None) -> None:
-            if done.done():
-                return
-            if exc is None:
-                done.set_result(result)
-            else:
-                done.set_exception(exc)
-
         def reply(result: object, exc: BaseException | None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(settle, cast(T, result), exc)
+                loop.call_soon_threadsafe(_settle, done, cast(T, result), exc)
 
-        self._core.submit(EngineCall(fn, reply))
+        self._core.submit(EngineCall(fn, reply, finishes_ahead))
         return await done
+
+
+def _settle(done: asyncio.Future[T], result: T | None, exc: BaseException | None) -> None:
+    """Resolve `done` (on its loop) unless it is already (a caller gave up waiting)."""
+    if done.done():
+        return
+    if exc is None:
+        done.set_result(cast(T, result))
+    else:
+        done.set_exception(exc)

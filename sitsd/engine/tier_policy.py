@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from sitsd.config import TiersConfig
 from sitsd.engine.admission import (
     QueueSnapshot,
+    Refusal,
     refusal_reason,
     running_entry,
     waiting_entry,
@@ -40,7 +41,7 @@ from sitsd.engine.tiers import (
     queue_key,
 )
 from sitsd.engine.waiting_queue import TierQueue
-from sitsd.outputs import SchedulerOutput
+from sitsd.outputs import PreemptionReason, SchedulerOutput
 from sitsd.plugins.interface import BatchController, TierEstimate
 from sitsd.types import Tier
 
@@ -127,7 +128,7 @@ class TierPolicy:
             return None
         for victim in victims:
             batch.unschedule(victim.req_id, out)
-            batch.preempt(victim, out)
+            batch.preempt(victim, out, PreemptionReason.TIER, request)
         if len(batch.running) >= batch.config.max_num_seqs:
             return None
         return batch.try_admit(request, out)
@@ -162,7 +163,7 @@ class TierPolicy:
 
     # ---------------------------------------------------------------------- admission control
 
-    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> str | None:
+    def refusal(self, request: Request, batch: Batch, step_time_s: float) -> Refusal | None:
         """Why `request` (not added yet) must be refused at once, or None to admit it: its
         expected queue wait exceeds its tier's maximum."""
         if not self.config.admission_control:
@@ -174,7 +175,9 @@ class TierPolicy:
             self.tracker.num_refused[request.tier] += 1
         return reason
 
-    def early_refusal(self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float) -> str | None:
+    def early_refusal(
+        self, snapshot: QueueSnapshot, tier: Tier, arrival_time: float
+    ) -> Refusal | None:
         """`refusal` on the API's thread, against the queue as of the last engine turn."""
         if not snapshot.enabled:
             return None

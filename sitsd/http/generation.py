@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from sitsd.api.inference import EngineLike, RequestStreamLike
 from sitsd.http.sampling import for_choice
-from sitsd.types import RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, RequestDelta, SamplingParams, Tier
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,13 @@ class Generation:
         self.streams[choice] = stream
         return stream
 
-    def abort(self, reason: str = "cancelled by the client") -> None:
+    def abort(
+        self, reason: str = "cancelled by the client", cause: EndReason = EndReason.CANCELLED
+    ) -> None:
         """Abort every request that has not finished (idempotent)."""
         for stream in self.streams.values():
             if not stream.finished:
-                stream.abort(reason)
+                stream.abort(reason, cause)
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) until every choice has finished."""

@@ -6,7 +6,9 @@ Each handler does the same steps as gRPC's `Generate`: check the model, tokenize
 headers, so a request refused or shed in the queue still gets its status (429, 504, ...); after
 that a failure is an `error` event. Whatever ends a request early (the client gone, a passed
 deadline, a failure) reaches a `finally` that aborts its engine requests, which frees their
-blocks. The routes, auth and error rendering are `sitsd.http.app`'s.
+blocks; a client that leaves at its deadline (`x-sitsd-timeout-ms`, often its own timeout too)
+counts as the deadline, not as a cancellation (`sitsd.api.deadlines`). The routes, auth and
+error rendering are `sitsd.http.app`'s.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sitsd.api.deadlines import CallDeadline
 from sitsd.api.inference import EngineLike, EngineRef, check_model
 from sitsd.http import prompts, sampling
 from sitsd.http.errors import (
     HttpError,
     bad_request,
     client_closed,
+    deadline_exceeded,
     error_for_exception,
     error_for_finish,
 )
@@ -47,7 +51,7 @@ from sitsd.http.responses import (
 )
 from sitsd.http.sse import DONE, ClientGone, SseResponse, event, until_disconnect
 from sitsd.http.telemetry import HttpTelemetry, RequestSpan
-from sitsd.types import GrammarSpec, RequestDelta, SamplingParams, Tier
+from sitsd.types import EndReason, GrammarSpec, RequestDelta, SamplingParams, Tier
 
 TIER_HEADER = "x-sitsd-tier"
 TIMEOUT_HEADER = "x-sitsd-timeout-ms"  # the request's deadline, in ms from its arrival
@@ -62,6 +66,7 @@ class _Call:
     request: Request
     span: RequestSpan
     tier: str
+    deadline: CallDeadline
     generation: Generation
     collected: Collected
     header: Header
@@ -163,9 +168,10 @@ class GenerationHandlers:
         grammar = params[0].grammar
         if grammar is not None and self._check_grammar is not None:
             self._check_grammar(engine, grammar)
+        deadline = _deadline(request)
         options = RequestOptions(
             tier=Tier(tier) if tier else None,
-            deadline=_deadline(request),
+            deadline=deadline.at,
             trace_context=span.trace_context,
         )
         generation = Generation(engine, prompt_ids, params, body.n, options)
@@ -174,7 +180,7 @@ class GenerationHandlers:
         header = Header(f"{id_prefix}-{os.urandom(12).hex()}", int(time.time()), name)
         options_usage = body.stream_options is not None and body.stream_options.include_usage
         return _Call(
-            request=request, span=span, tier=tier, generation=generation,
+            request=request, span=span, tier=tier, deadline=deadline, generation=generation,
             collected=Collected(generation.num_choices, [len(p) for p in prompt_ids], body.n),
             header=header, texts=self._token_texts(engine), stream=body.stream,
             include_usage=options_usage,
@@ -191,26 +197,24 @@ class GenerationHandlers:
         return error
 
     def _finish_error(self, call: _Call, delta: RequestDelta) -> HttpError | None:
-        deadline = call.generation.options.deadline
         return error_for_finish(
             delta,
             draining=self._engines.draining,
-            deadline_passed=deadline is not None and time.monotonic() >= deadline,
+            deadline_passed=call.deadline.passed(),
             retry_after_s=self._retry_after_s,
         )
 
     async def _collect(self, call: _Call) -> Collected:
         """Every choice to its end (the whole answer), or the error that ended one."""
-        generation, error = call.generation, None
+        error = None
         try:
             error = await until_disconnect(self._gather(call), call.request.receive)
         except ClientGone:
-            error = client_closed()
+            error = _client_gone(call)
         except Exception as exc:
             error = error_for_exception(exc, self._retry_after_s)
         finally:
-            generation.abort()
-            call.span.finish(call.tier, error)
+            _end(call, error)
         if error is not None:
             raise error
         return call.collected
@@ -264,7 +268,7 @@ class GenerationHandlers:
                 yield event(self._usage_chunk(call))
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):
-            error = error or client_closed()
+            error = error or _client_gone(call)
             raise
         except HttpError as exc:
             error = exc
@@ -276,8 +280,7 @@ class GenerationHandlers:
             else:
                 raise error from exc
         finally:
-            call.generation.abort()
-            call.span.finish(call.tier, error)
+            _end(call, error)
 
     @staticmethod
     def _usage_chunk(call: _Call) -> str:
@@ -339,18 +342,32 @@ def _tier(body_tier: str | None, request: Request) -> str:
     return value
 
 
-def _deadline(request: Request) -> float | None:
-    """`time.monotonic()` after which the engine aborts the request, from its header."""
+def _deadline(request: Request) -> CallDeadline:
+    """The request's deadline, from its header (the engine aborts it then)."""
     text = request.headers.get(TIMEOUT_HEADER)
     if text is None:
-        return None
+        return CallDeadline()
     try:
         ms = float(text)
     except ValueError:
         ms = -1.0
     if not ms > 0:
         raise bad_request(TIMEOUT_HEADER, f"must be a positive number of ms, got {text!r}")
-    return time.monotonic() + ms / 1e3
+    return CallDeadline.after(ms / 1e3)
+
+
+def _client_gone(call: _Call) -> HttpError:
+    """What a client that closed the connection counts as: its deadline, or a cancellation."""
+    return deadline_exceeded() if call.deadline.explains_leaving() else client_closed()
+
+
+def _end(call: _Call, error: HttpError | None) -> None:
+    """Abort whatever of the request still runs (saying why), then count and end its span."""
+    if error is not None and error.error_class == "deadline":
+        call.generation.abort("deadline exceeded", EndReason.DEADLINE)
+    else:
+        call.generation.abort()
+    call.span.finish(call.tier, error)
 
 
 def _json(body: BaseModel) -> Response:

@@ -4,8 +4,9 @@ For every `/v1/*` request `HttpTelemetry.start` continues the caller's W3C `trac
 `tracestate` and starts a SERVER span `POST /v1/chat/completions` (GenAI attributes, the
 route); the handlers hand it to the engine as the request's trace context, so the engine's
 spans become its children exactly as for gRPC. `finish` counts the request in
-`sitsd_requests_total{protocol="http"}` (and its error class in `sitsd_request_errors_total`),
-logs a failure inside the span and ends it. Which status a failure gets is
+`sitsd_requests_total{protocol="http"}` (and its error class in `sitsd_request_errors_total`;
+both generation routes are created at 0 for every tier and error class), logs a failure
+inside the span and ends it. Which status a failure gets is
 `sitsd.http.errors`'; the metrics are `sitsd.observability.metrics`'.
 """
 
@@ -21,11 +22,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from sitsd.http.errors import HttpError
 from sitsd.observability.metrics import Metrics
-from sitsd.types import Tier
+from sitsd.types import TIER_ORDER, Tier
 
 log = logging.getLogger("sitsd.http")
 
 DEFAULT_TIER = Tier.SILVER.value  # the engine's default for requests that name no tier
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 # Failures that are the client's doing, logged at INFO; the others at WARNING.
 CLIENT_ERROR_CLASSES = frozenset({"invalid_argument", "not_found", "cancelled", "unauthenticated"})
@@ -38,6 +40,8 @@ class HttpTelemetry:
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
         self._propagator = TraceContextTextMapPropagator()
+        if metrics is not None:
+            metrics.declare_calls("http", GENERATION_ROUTES, [t.value for t in TIER_ORDER])
 
     def start(self, route: str, headers: Mapping[str, str], operation: str) -> RequestSpan:
         """The span of one request to `route`, ended by `RequestSpan.finish`."""
@@ -93,6 +97,8 @@ class RequestSpan:
             span.set_attribute("http.response.status_code", 200 if error is None else error.status)
             if error is not None:
                 span.set_attribute("error.type", error.error_class)
+                if error.error_class in ("cancelled", "deadline"):  # the engine hears it later
+                    span.set_attribute("sitsd.finish_reason", error.error_class)
                 client = error.error_class in CLIENT_ERROR_CLASSES
                 if not client:
                     span.set_status(Status(StatusCode.ERROR, error.message))

@@ -6,6 +6,12 @@ Names are `sitsd_*` without colons (colons belong to recording rules). Labels: `
 boundary is exact. Latency histograms carry exemplars with the request's `trace_id` (served
 only in the OpenMetrics format, which Prometheus asks for).
 
+Every label set a counter or histogram can take is created at 0 once the model is bound
+(`bind_model`), so `increase()` sees the first swap and the first error of each class: the
+swap outcomes, stages and version events below, the engine's per-tier series
+(`telemetry.py`), and the API calls the front ends declare (`declare_calls`) with every error
+class in `ERROR_CLASSES`.
+
 What is observed when is `telemetry.py`'s (engine), `sitsd.api.telemetry`'s (RPCs) and
 `sitsd.http`'s (HTTP requests) business; this module also holds the small APIs that later
 subsystems call: the swap recorder's metrics (`record_swap_stage`, `record_swap`), the weights
@@ -58,6 +64,15 @@ STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 MODEL_TIER = ("model", "tier")
+
+# The label values known in advance (each series exists, at 0, from the start).
+ERROR_CLASSES = (
+    "invalid_argument", "not_found", "resource_exhausted", "deadline", "cancelled",
+    "unavailable", "unauthenticated", "aborted", "unimplemented", "internal",
+)  # fmt: skip
+SWAP_OUTCOMES = ("staged", "committed", "rejected", "failed", "rolled_back")
+SWAP_STAGES = ("receive", "verify", "validate", "stage", "canary", "commit", "pause")
+VERSION_EVENTS = ("detected", "rejected", "staged", "committed", "failed")
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 
@@ -73,6 +88,9 @@ class Metrics:
         self._init_engine_state(self.registry)
         self._init_swap(self.registry)
         self._init_tier_scheduler(self.registry)
+        self._calls: list[tuple[str, str, str]] = []  # declared (method, tier, protocol)
+        self._step: tuple[Histogram, Histogram, Histogram] | None = None  # this model's
+        self._create_zero_series()
 
     def _init_request_latencies(self, r: CollectorRegistry) -> None:
         """Metrics: request latencies."""
@@ -141,13 +159,16 @@ class Metrics:
         )
         self.preemptions = Counter(
             "sitsd_num_preemptions",
-            "Requests preempted (blocks taken back, recomputed later).",
-            MODEL_TIER,
+            "Requests preempted (blocks taken back, recomputed later), by reason (blocks: a "
+            "running request needed them; tier: a higher tier took the slot; swap: a weight "
+            "swap restarted it).",
+            (*MODEL_TIER, "reason"),
             registry=r,
         )
         self.requests_finished = Counter(
             "sitsd_requests_finished",
-            "Requests the engine finished, by finish reason (stop, length, abort, error).",
+            "Requests the engine ended, by what happened (stop, length, refused, shed, "
+            "deadline, cancelled, shutdown, error).",
             (*MODEL_TIER, "finish_reason"),
             registry=r,
         )
@@ -275,14 +296,62 @@ class Metrics:
         )
 
     def bind_model(self, model: str) -> None:
-        """Label everything recorded from now on with `model` (known once the model loads)."""
+        """Label everything recorded from now on with `model` (known once the model loads);
+        every label set known in advance is created at 0 for it."""
         self.model = model
+        self._create_zero_series()
+
+    def declare_calls(self, protocol: str, methods: Iterable[str], tiers: Iterable[str]) -> None:
+        """The API calls a front end counts (`count_rpc`): each (method, tier) is created at
+        0, with every error class, once the model is bound."""
+        tiers = tuple(tiers)
+        declared = [(method, tier, protocol) for method in methods for tier in tiers]
+        self._calls += declared
+        if self.model:
+            self._create_call_series(declared)
+
+    def _create_zero_series(self) -> None:
+        if not self.model:  # before the model loads: nothing labelled `model=""`
+            return
+        model = self.model
+        for outcome in SWAP_OUTCOMES:
+            self.swaps.labels(model, outcome)
+        for stage in SWAP_STAGES:
+            self.swap_stage_duration.labels(model, stage)
+        for event in VERSION_EVENTS:
+            self.version_events.labels(model, event)
+        self.kv_cache_usage.labels(model)
+        self._step = (
+            self.batch_size.labels(model),
+            self.step_tokens.labels(model),
+            self.step_duration.labels(model),
+        )  # resolved once: observed every step
+        self._create_call_series(self._calls)
+
+    def _create_call_series(self, calls: Iterable[tuple[str, str, str]]) -> None:
+        for method, tier, protocol in calls:
+            self.requests.labels(self.model, tier, method, protocol)
+            for error_class in ERROR_CLASSES:
+                self.request_errors.labels(self.model, tier, method, protocol, error_class)
 
     # ------------------------------------------------------------ APIs for other subsystems
 
     def set_weights_version(self, version: str) -> None:
         """Publish the weights version now serving (at start-up and after each swap)."""
         self.weights_version.labels(self.model).info({"version": version})
+
+    def observe_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+        """One engine step: its requests, its tokens and its duration."""
+        if self._step is None:
+            return  # no model bound yet: no engine runs
+        batch, tokens, duration = self._step
+        batch.observe(batch_size)
+        tokens.observe(num_tokens)
+        duration.observe(seconds)
+
+    def set_kv_cache_usage(self, fraction: float) -> None:
+        """The fraction of KV cache blocks in use."""
+        self.kv_cache_usage.labels(self.model).set(fraction)
 
     def record_swap_stage(self, stage: str, seconds: float) -> None:
         """Record that one stage of a weight swap took `seconds`."""

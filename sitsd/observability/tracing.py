@@ -2,9 +2,12 @@
 
 `build_tracer_provider` makes a `TracerProvider` that batches spans to an OTLP/gRPC endpoint;
 it is an object the daemon owns and passes around, never installed as the global provider, so
-tests and benchmarks can run several side by side. `MonotonicClock` turns the engine's
-`time.monotonic()` stamps into the epoch nanoseconds spans need, so engine spans are made after
-the fact with explicit start and end times (cheaper than keeping spans open across steps).
+tests and benchmarks can run several side by side. Its sampler keeps `--trace-sample-ratio` of
+the traces, and a root span that links to sampled spans (an engine step, linked to the requests
+it served) is sampled with them (`FollowLinksSampler`), so a sampled request keeps every step.
+`MonotonicClock` turns the engine's `time.monotonic()` stamps into the epoch nanoseconds spans
+need, so engine spans are made after the fact with explicit start and end times (cheaper than
+keeping spans open across steps).
 
 Which spans exist is decided by `telemetry.py` (engine), `sitsd.api.telemetry` (server spans)
 and `swap.py` (swap traces); the resource and exporter settings come from `ObservabilityConfig`.
@@ -15,13 +18,23 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Link, Span, SpanKind
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 from sitsd import __version__
 from sitsd.config import ObservabilityConfig
@@ -68,11 +81,36 @@ def build_tracer_provider(
         if not config.otlp_endpoint:
             return None
         exporter = otlp_span_exporter(config)
-    provider = TracerProvider(
-        resource=resource, sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio))
-    )
+    sampler = ParentBased(FollowLinksSampler(TraceIdRatioBased(config.trace_sample_ratio)))
+    provider = TracerProvider(resource=resource, sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+class FollowLinksSampler(Sampler):
+    """Samples a span that links to a sampled span; asks `root` about the others."""
+
+    def __init__(self, root: Sampler) -> None:
+        self._root = root
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        if links and any(link.context.trace_flags.sampled for link in links):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
+        return self._root.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+
+    def get_description(self) -> str:
+        return f"FollowLinks{{{self._root.get_description()}}}"
 
 
 def tracer_of(provider: TracerProvider | None) -> trace.Tracer:

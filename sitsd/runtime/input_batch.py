@@ -35,7 +35,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     weights_version: str = ""  # the weights slot it runs on
-    samples: bool = True  # False for a migration shadow: it computes KV, never samples
+    samples: bool = True  # False for a migration shadow or a probe: they never sample
+    probe: bool = False  # a canary probe: the runner keeps its positions' log-probabilities
     grammar: GrammarState | None = None  # structured output: its matcher, made on first use
 
     @property

@@ -71,6 +71,9 @@ class MixedGraphs:
         self.buckets = sorted(buckets)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # bucket -> [rows, vocab] float32
+        # bucket -> [bucket, hidden]: every token's final hidden state, from the last run (a
+        # captured graph's own output buffer once captured); canary probes' logits read it.
+        self._hidden: dict[int, torch.Tensor] = {}
 
     @property
     def max_tokens(self) -> int:
@@ -98,8 +101,14 @@ class MixedGraphs:
         hidden = self.model.forward(
             self.weights, d.input_ids[:bucket], d.positions[:bucket], meta, self.kv_caches
         )  # [bucket, hidden]
+        self._hidden[bucket] = hidden  # kept alive, so a capture never reuses its memory
         sampled = torch.index_select(hidden, 0, d.logits_indices[:rows])  # [rows, hidden]
         return self.model.compute_logits(self.weights, sampled)
+
+    def hidden(self, bucket: int) -> torch.Tensor:  # [bucket, hidden]
+        """Every token's final hidden state in the bucket's last run (valid until the next
+        run of any graph sharing its pool: read it right after `run`)."""
+        return self._hidden[bucket]
 
     def run(self, bucket: int) -> torch.Tensor:  # [rows, vocab] float32
         """Replay the bucket's graph if captured, else run the same forward eagerly."""

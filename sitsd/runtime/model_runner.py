@@ -17,11 +17,10 @@ Weights versions (hot-swap): every request runs on the slot holding its version
 (`weight_slots.py`). A step whose requests use two versions runs one sub-batch per version, one
 after the other, each on its own slot and with its own CUDA graphs: no forward pass mixes
 versions. A migration shadow (`NewRequestData.shadow_of`) shares its request's token list and
-never samples.
-
-`prompt_logprobs(token_ids, slot)` scores a prompt outside any request (the canary gate of a
-swap): one prefill on that slot's weights over a small KV pool of its own (allocated at the
-first call, grown for a longer prompt), so no request's blocks are touched.
+never samples. A canary probe (`NewRequestData.probe`, a swap's canary prompt) never samples
+either: it rides in its version's sub-batch like a prompt chunk, and the log-probabilities of
+every position it computes are kept (on the device) until `take_prompt_logprobs` hands them
+over; the probe's blocks are the scheduler's, like any request's.
 """
 
 from __future__ import annotations
@@ -39,14 +38,12 @@ from sitsd.runtime.input_batch import (
     CachedRequestState,
     StepInputBuilder,
     StepInputs,
-    build_step_inputs,
 )
-from sitsd.runtime.kv_cache import allocate_kv_caches
 from sitsd.runtime.logits_processors import LogitsProcessors, SampledLogprobs
 from sitsd.runtime.mixed_graphs import MixedGraphs
 from sitsd.runtime.sampler import sample_on_device
 from sitsd.runtime.weight_slots import WeightSlots
-from sitsd.types import SamplingParams, TokenLogprob
+from sitsd.types import TokenLogprob
 
 if TYPE_CHECKING:
     from sitsd.runtime.cuda_graphs import GraphPool
@@ -89,8 +86,8 @@ class ModelRunner:
         # the tokens it sampled from the device (asynchronous scheduling).
         self._last: PendingStep | None = None
         self._patch = _InputPatch(builder.max_num_seqs, self.device)
-        # `prompt_logprobs`' own KV pool (allocated at its first call).
-        self._scratch_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Canary probes' log-probabilities, one [chunk tokens, vocab] float32 per chunk.
+        self._probe_logprobs: dict[str, list[torch.Tensor]] = {}
         # Logit bias, penalties and grammar masks of the requests that ask for them.
         self.logits_processors = LogitsProcessors(builder.max_num_seqs, self.device, grammars)
 
@@ -176,28 +173,15 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(sched_out).result()
 
-    @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
-        """Next-token log-probabilities of every position of a prompt under slot `slot`'s
-        weights: one prefill over the runner's scratch KV ([len(token_ids), vocab] float32,
-        left on the device). Runs between steps; no request's state is touched."""
-        n = len(token_ids)
-        num_blocks = -(-n // self.block_size)
-        if not self._scratch_kv or self._scratch_kv[0][0].shape[0] < num_blocks:
-            slots = self.slots
-            self._scratch_kv = allocate_kv_caches(
-                slots.arch, num_blocks, self.block_size, slots.dtype, self.device
-            )
-        state = CachedRequestState(
-            "prompt", list(token_ids), n, SamplingParams(), 0, list(range(num_blocks)), 0
-        )
-        inputs = build_step_inputs([state], {"prompt": n}, self.block_size, self.device)
-        weights = self.slots.weights(slot)
-        # The prefill writes every position's KV before reading it: the pool is reused.
-        hidden = self.model.forward(
-            weights, inputs.input_ids, inputs.positions, inputs.meta, self._scratch_kv
-        )
-        return torch.log_softmax(self.model.compute_logits(weights, hidden), -1)  # [n, vocab]
+    def take_prompt_logprobs(self, req_id: str) -> torch.Tensor:
+        """The log-probabilities of every position canary probe `req_id` computed, in order
+        ([num_tokens, vocab] float32, on the device); they are kept no longer.
+
+        Raises:
+            KeyError: no step computed a token of `req_id`.
+        """
+        chunks = self._probe_logprobs.pop(req_id)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     @torch.inference_mode()
     def launch(self, sched_out: SchedulerOutput) -> PendingStep:
@@ -219,9 +203,11 @@ class ModelRunner:
         for version, states in groups.items():
             # One sub-batch per version, in turn: on CUDA they queue on one stream, so the next
             # one's input copies wait for this one's forward, and its sampling is queued first.
-            logits, inputs = self._forward(
+            logits, inputs, hidden = self._forward(
                 version, states, sched_out.num_scheduled_tokens, awaiting, source
             )
+            if hidden is not None and any(s.probe for s in states):
+                self._keep_probe_logprobs(version, inputs, hidden, sched_out.num_scheduled_tokens)
             group_rows = [self.requests[r] for r in inputs.sampled_req_ids]
             if group_rows:
                 tokens, group_logprobs = self._sample(logits, group_rows, inputs, awaiting)
@@ -298,9 +284,10 @@ class ModelRunner:
         num_sched: dict[str, int],
         awaiting: dict[str, int] | None = None,
         source: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, StepInputs]:
-        """Logits of the rows to sample ([num_sampled, vocab] float32) and the inputs, for a
-        sub-batch of one version, on that version's slot."""
+    ) -> tuple[torch.Tensor, StepInputs, torch.Tensor | None]:
+        """Logits of the rows to sample ([num_sampled, vocab] float32), the inputs and the
+        final hidden states of every token ([num_tokens (padded), hidden]; None from a decode
+        graph, which never carries a probe), for a sub-batch of one version, on its slot."""
         index = self.slots.index_of(version)
         if index is None:
             raise RuntimeError(f"weights version {version!r} is in no slot ({self.slots.versions})")
@@ -316,7 +303,7 @@ class ModelRunner:
             inputs = self.builder.build(states, num_sched, pad_decodes_to=bucket)
             self._patch.apply(inputs, awaiting, source)
             # Decode rows are laid out in order and each samples: row i is request i.
-            return graphs.replay(bucket)[: len(states)], inputs
+            return graphs.replay(bucket)[: len(states)], inputs, None
         mixed = self.slot_mixed.get(index)
         num_tokens = sum(num_sched[s.req_id] for s in states) if mixed is not None else 0
         if mixed is not None and mixed.fits(num_tokens, len(states)):
@@ -324,17 +311,40 @@ class ModelRunner:
             inputs = self.builder.build(states, num_sched, pad_tokens_to=bucket)
             self._patch.apply(inputs, awaiting, source)
             # Row i of the graph's logits is the i-th sampled row; the rest are padding.
-            return mixed.run(bucket)[: len(inputs.sampled_req_ids)], inputs
+            logits = mixed.run(bucket)[: len(inputs.sampled_req_ids)]
+            return logits, inputs, mixed.hidden(bucket)
         inputs = self.builder.build(states, num_sched)
         self._patch.apply(inputs, awaiting, source)
         hidden = self.model.forward(
             weights, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
         )
-        return self.model.compute_logits(weights, hidden[inputs.logits_indices]), inputs
+        return self.model.compute_logits(weights, hidden[inputs.logits_indices]), inputs, hidden
+
+    def _keep_probe_logprobs(
+        self,
+        version: str,
+        inputs: StepInputs,
+        hidden: torch.Tensor,  # [num_tokens (padded), hidden]
+        num_sched: dict[str, int],
+    ) -> None:
+        """Keep the log-probabilities of the probes' tokens in this sub-batch."""
+        spans: list[tuple[str, int, int]] = []  # (probe, first token row, tokens)
+        row = 0
+        for req_id in inputs.req_ids:  # the batch's token order: each request's chunk in turn
+            n = num_sched[req_id]
+            if self.requests[req_id].probe:
+                spans.append((req_id, row, n))
+            row += n
+        weights = self.slots.weights_for(version)
+        picked = torch.cat([hidden[start : start + n] for _, start, n in spans])  # [probes, H]
+        logprobs = torch.log_softmax(self.model.compute_logits(weights, picked), -1)
+        for (req_id, _, _), chunk in zip(spans, logprobs.split([n for _, _, n in spans])):
+            self._probe_logprobs.setdefault(req_id, []).append(chunk)  # [n, vocab]
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self._probe_logprobs.pop(req_id, None)  # a probe that failed: nobody takes them
         # Requests first, then shadows, which share their request's token list: the tokens it
         # samples show in the shadow's rows too.
         for new in sorted(sched_out.new_reqs, key=lambda n: n.shadow_of is not None):
@@ -351,7 +361,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 weights_version=new.weights_version,
-                samples=new.shadow_of is None,
+                samples=new.shadow_of is None and not new.probe,
+                probe=new.probe,
             )
         for migrated in sched_out.migrated:  # took its shadow's KV: new table, new version
             state = self.requests[migrated.req_id]

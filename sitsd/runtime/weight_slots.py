@@ -11,8 +11,11 @@ Threads: the engine thread reads `versions` and `active` and flips; a slot is wr
 the engine has released it (`release`, its version becomes None, so no request can run on it),
 by the stager's thread (or by the engine thread itself with one slot). On CUDA the copies run on
 a side stream that is synchronized before the slot is handed back, so every later step sees the
-whole version, from pinned buffers this thread fills (`PinnedUpload`). Which version goes where,
-and when, is `sitsd.weights.swap`'s business.
+whole version, from pinned buffers this thread fills (`PinnedUpload`, allocated at the first
+copy and kept: allocating pinned memory takes driver locks the engine's launches wait on). The
+device time of those transfers is measured (`copy_seconds`): the link is what a copy shares
+with serving, and staging paces itself on it. Which version goes where, and when, is
+`sitsd.weights.swap`'s business.
 
 Precisions: every slot is built by one `ServingFormat` (device, dtype, `--quantize`), but two
 versions may differ in what their checkpoints store quantized (a bf16 version and its INT4
@@ -58,20 +61,37 @@ class PinnedUpload:
     def __init__(self, device: torch.device, nbytes: int) -> None:
         self.device = device
         self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # each buffer's last upload
+        # Each buffer's last upload: its start and end on the device, and whether the time
+        # between them is still to be counted.
+        self._started = [torch.cuda.Event(enable_timing=True) for _ in "ab"]
+        self._copied = [torch.cuda.Event(enable_timing=True) for _ in "ab"]
+        self._uncounted = [False, False]
         self._turn = 0
+        self.busy_s = 0.0  # device seconds the uploads counted so far took
+
+    def wait(self) -> None:
+        """Wait for every upload (the caller synchronizes the stream too) and count them."""
+        for turn in (0, 1):
+            self._settle(turn)
+
+    def _settle(self, turn: int) -> None:
+        """Wait for buffer `turn`'s last upload; count its device time."""
+        self._copied[turn].synchronize()
+        if self._uncounted[turn]:
+            self._uncounted[turn] = False
+            self.busy_s += self._started[turn].elapsed_time(self._copied[turn]) / 1e3
 
     def upload(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
         """`src` on the device: copied into `dst` (any dtype, same shape) or a new tensor.
         Ordered on the current stream; `src` may be reused as soon as this returns."""
         turn, self._turn = self._turn, self._turn ^ 1
         nbytes = src.numel() * src.element_size()
+        self._settle(turn)  # the upload that last read this buffer is done
         if nbytes > self._buffers[turn].numel():  # a row longer than the chunk size
-            self._copied[turn].synchronize()
             self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self._copied[turn].synchronize()  # the upload that last read this buffer is done
         staged = self._buffers[turn][:nbytes].view(src.dtype).view(src.shape)
         staged.copy_(src)  # the pageable read, on this thread
+        self._started[turn].record()
         if dst is None:
             dst = staged.to(self.device, non_blocking=True)
         elif dst.dtype == src.dtype:
@@ -79,6 +99,7 @@ class PinnedUpload:
         else:
             dst.copy_(staged.to(self.device, non_blocking=True))  # cast on the device
         self._copied[turn].record()
+        self._uncounted[turn] = True
         return dst
 
 
@@ -122,6 +143,17 @@ class WeightSlots:
         self.dtype = first.norm.dtype  # the activations' (a 16-bit embedding may differ)
         self.fmt = fmt or ServingFormat(self.device, self.dtype)
         self._restructured: set[int] = set()  # slots whose tensors moved since their graphs
+        # (precision, bytes) of each slot's version, taken when it is filled (status reads it)
+        self._described: list[tuple[str, int]] = [(first.precision, first.nbytes)] * num_slots
+        # CUDA staging copies: their stream and pinned buffers, made at the first copy.
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._upload: PinnedUpload | None = None
+
+    @property
+    def copy_seconds(self) -> float:
+        """Device seconds the staging copies' host-to-device transfers have taken so far
+        (CUDA; 0 on a CPU). Read it on the copying thread: it grows as `copy_into` goes."""
+        return self._upload.busy_s if self._upload is not None else 0.0
 
     @property
     def num_slots(self) -> int:
@@ -149,12 +181,13 @@ class WeightSlots:
         return self._slots[0].nbytes
 
     def nbytes(self, index: int) -> int:
-        """Bytes slot `index` holds now."""
-        return self._slots[index].nbytes
+        """Bytes slot `index`'s version takes (as of its last `fill`)."""
+        return self._described[index][1]
 
     def precision(self, index: int) -> str:
-        """What runs in which bits in slot `index` (`LlamaWeights.precision`)."""
-        return self._slots[index].precision
+        """What runs in which bits in slot `index` (`LlamaWeights.precision`, as of its last
+        `fill`)."""
+        return self._described[index][0]
 
     def take_restructured(self, index: int) -> bool:
         """Whether slot `index`'s tensors moved since its graphs were captured (cleared)."""
@@ -200,6 +233,8 @@ class WeightSlots:
 
     def fill(self, index: int, version: str) -> None:
         """Slot `index` now holds `version` (its copy has completed)."""
+        weights = self._slots[index]
+        self._described[index] = (weights.precision, weights.nbytes)
         self.versions[index] = version
 
     # ----------------------------------------------------------------- the copy (stager)
@@ -221,7 +256,8 @@ class WeightSlots:
         memory-mapped: pages are read as they are copied; a dtype cast happens per chunk); the
         others are built on the device (`build_field`) and copied in, or take the new tensors
         (see the module docstring). On CUDA the copies run on a side stream, synchronized
-        before returning. The slot must have been released (`release`).
+        before returning, and their device time adds to `copy_seconds`. The slot must have been
+        released (`release`).
 
         Args:
             index: the slot.
@@ -241,8 +277,7 @@ class WeightSlots:
         total = sum(dst.numel() * dst.element_size() for dst, _ in plan)
         total += sum(weight_nbytes(getattr(f.owner(weights), f.field)) for f in rebuilt)
         done = 0
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        uploads = PinnedUpload(self.device, chunk_bytes) if stream is not None else None
+        stream, uploads = self._copy_path(chunk_bytes)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for dst, name in plan:
                 src = tensors[name]
@@ -260,9 +295,20 @@ class WeightSlots:
                     on_progress(min(done, total), total)
             if self.arch.tie_word_embeddings:
                 weights.lm_head = weights.embed_tokens
-        if stream is not None:
+        if stream is not None and uploads is not None:
+            uploads.wait()
             stream.synchronize()  # every later step (any stream) sees the whole version
         return total
+
+    def _copy_path(self, chunk_bytes: int) -> tuple[torch.cuda.Stream | None, PinnedUpload | None]:
+        """CUDA: the copies' side stream and pinned buffers (made once); CPU: neither."""
+        if self.device.type != "cuda":
+            return None, None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        if self._upload is None:
+            self._upload = PinnedUpload(self.device, chunk_bytes)
+        return self._copy_stream, self._upload
 
     def _copies_in_place(
         self,

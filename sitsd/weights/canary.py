@@ -2,12 +2,13 @@
 
 `--canary-file FILE` holds prompts, one per line, or JSON lines `{"prompt": "..."}` or
 `{"token_ids": [...]}` (cut to `canary_max_tokens`). Before a staged version may commit, each
-prompt runs through the active slot and the standby slot: two prefills through the model
-runner, one per engine turn (so serving waits at most one short prefill at a time), over a
-small KV pool of the runner's own (`SwapPort.prompt_logprobs`). Per prompt: the mean over its
-positions of KL(active || new) of the next-token distributions, and each version's perplexity
-on the prompt's own tokens. The version is rejected when the mean KL over the prompts exceeds
-`--canary-max-kl` (nats), with the measured values in the reason.
+prompt runs on the active slot and on the standby slot as low-priority work inside the
+engine's normal steps, next to the requests they serve (`SwapPort.prompt_logprobs`: the
+scheduler fits its chunks into what a step's swap allowance leaves, so the batch never pauses
+for it). Per prompt: the mean over its positions of KL(active || new) of the next-token
+distributions, and each version's perplexity on the prompt's own tokens. The version is
+rejected when the mean KL over the prompts exceeds `--canary-max-kl` (nats), with the measured
+values in the reason.
 
 When to run it is `sitsd.weights.staging`'s business.
 """
@@ -116,5 +117,5 @@ def compare(active: torch.Tensor, new: torch.Tensor, prompt: list[int]) -> Canar
     targets = torch.tensor(prompt[1:], device=active.device).unsqueeze(-1)  # [n - 1, 1]
     nll_active = -active[: n - 1].gather(-1, targets).mean()
     nll_new = -new[: n - 1].gather(-1, targets).mean()
-    # Host syncs: once per canary prompt, while staging, never in a step.
+    # Host syncs: once per canary prompt, on a staging thread (never the engine's or the loop's).
     return CanaryScore(kl.item(), nll_active.item(), nll_new.item(), n)

@@ -70,30 +70,35 @@ class NoTrace:
 
 class Pacer:
     """Spreads background work over time: called after each piece of work, it sleeps so that
-    the thread's CPU time is at most `share` of the wall time (1 = no pause). One per worker
-    thread: it reads the CPU clock of the thread that calls it.
+    the work takes at most `share` of the wall time (1 = no pause). One per worker thread.
 
-    On a CPU device every core runs the engine's OpenMP team; a stager busy at the same time
-    stalls the team's parallel regions (measured: inter-token P99 x1.5 while hashing). Small
-    pieces with pauses between them bound what any one engine step can lose.
+    The work is counted on the clock of what it shares with serving, `clock`: by default the
+    calling thread's CPU time, for work that shares the cores (on a CPU device every core runs
+    the engine's OpenMP team: a stager busy at the same time stalls the team's parallel
+    regions, measured inter-token P99 x1.5 while hashing); for a copy to a GPU, the device
+    time of its transfers (`SwapPort.copy_seconds`: the host-to-device link is what it shares
+    with the engine's own uploads). Small pieces with pauses between them bound what any one
+    engine step can lose.
     """
 
-    def __init__(self, share: float = 1.0) -> None:
+    def __init__(self, share: float = 1.0, clock: Callable[[], float] = time.thread_time) -> None:
         self.share = share
-        self._mark: float | None = None  # the worker's CPU clock at its last pause
+        self._clock = clock
+        self._mark: float | None = None  # the clock at the last call
 
     def __call__(self) -> None:
-        """After a piece of work on the calling thread: sleep in proportion to its CPU time.
+        """After a piece of work on the calling thread: sleep in proportion to its work.
 
-        CPU time, not wall time: time spent waiting for a core is no work, and counting it
-        would slow staging down most exactly when the machine is busiest.
+        CPU time, not wall time, for work on the cores: time spent waiting for a core is no
+        work, and counting it would slow staging down most exactly when the machine is
+        busiest.
         """
         if self.share >= 1.0:
             return
+        now = self._clock()  # a clock of work: the sleep below does not advance it
         if self._mark is not None:
-            work = max(0.0, time.thread_time() - self._mark)
-            time.sleep(work * (1.0 - self.share) / self.share)
-        self._mark = time.thread_time()
+            time.sleep(max(0.0, now - self._mark) * (1.0 - self.share) / self.share)
+        self._mark = now
 
 
 class ByteProgress:

@@ -41,7 +41,10 @@ log = logging.getLogger("sitsd.swap")
 # On a CPU device staging shares the cores with the engine's OpenMP team: small pieces, and
 # at most a tenth of one core (bench/bench_swap.py measured what more costs).
 _CPU_CHUNK_BYTES = 4 * 2**20
-_CPU_SHARE = 0.1
+# A copy to a GPU in pieces that hold the host-to-device link ~0.2 ms each: an engine step's
+# own uploads wait behind one at most.
+_GPU_COPY_CHUNK_BYTES = 8 * 2**20
+_STAGING_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,12 @@ def create_swap_manager(
             log.warning("--canary-file: with one weight slot there is no canary (it compares "
                         "both slots); versions commit after validation alone")  # fmt: skip
     on_cpu = port.device.type == "cpu"
+    chunk = min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes
     staging = StagingSettings(
-        chunk_bytes=min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes,
-        cpu_share=(wcfg.staging_cpu_share or _CPU_SHARE) if on_cpu else 1.0,
+        chunk_bytes=chunk,
+        copy_chunk_bytes=chunk if on_cpu else min(chunk, _GPU_COPY_CHUNK_BYTES),
+        share=wcfg.staging_share or _STAGING_SHARE,
+        to_gpu=not on_cpu,
         slot_wait_s=config.swap.slot_wait_s,
         canary_prompts=tuple(tuple(p) for p in prompts) if port.num_slots == 2 else (),
         canary_max_kl=wcfg.canary_max_kl,

@@ -271,12 +271,13 @@ class SwapManager:
         return done
 
     def versions(self) -> VersionsView:
-        """Every version, and which slot holds which."""
+        """Every version, and which slot holds which (with its precision and bytes there)."""
         status = self.port.status()
         where = {}
         for index, held in enumerate(status.slot_versions):
             if held:
                 where[held] = "active" if index == status.active_slot else "standby"
+        self._describe_slots()
         return VersionsView(
             self.registry.list(),
             where,
@@ -284,6 +285,16 @@ class SwapManager:
             self.registry.previous,
             len(status.slot_versions),
         )
+
+    def _describe_slots(self) -> None:
+        """Remember each slot's version's precision and bytes (ListVersions shows them, also
+        once the slot holds another version)."""
+        status = self.port.status()
+        for held, precision, nbytes in zip(
+            status.slot_versions, status.slot_precisions, status.slot_weight_bytes, strict=False
+        ):
+            if held:
+                self.registry.describe(held, precision, nbytes)
 
     # ---------------------------------------------------------------------------- staging
 
@@ -322,6 +333,7 @@ class SwapManager:
             )
             raise
         self.registry.set_state(version, VersionState.VALIDATED)
+        self._describe_slots()
         log.info("weights version %s validated", version, extra={"weights_version": version})
 
     def _reject(
@@ -361,6 +373,7 @@ class SwapManager:
         with trace.stage("commit"):
             event = await self._follow_commit(version, policy, in_place, progress, trace)
         update = _progress_of(event)
+        self._describe_slots()
         await self._persist(version)
         if self.telemetry is not None:
             self.telemetry.metrics.record_swap_stage("pause", event.pause_s)

@@ -101,6 +101,8 @@ class WeightVersion:
     reason: str = ""  # why it was rejected
     created_at: float = 0.0  # time.time() when registered
     updated_at: float = 0.0  # time.time() of the last state change
+    precision: str = ""  # what runs in which bits once in a slot ("" until it was in one)
+    weight_bytes: int = 0  # bytes its weights take in a slot (0 until it was in one)
 
 
 class VersionRegistry:
@@ -190,6 +192,13 @@ class VersionRegistry:
             known.reason = reason if state is VersionState.REJECTED else ""
             known.updated_at = time.time()
             return dataclasses.replace(known)
+
+    def describe(self, version: str, precision: str, weight_bytes: int) -> None:
+        """Record what `version` runs in which bits and its bytes, as a slot holds it."""
+        with self._lock:
+            known = self._versions.get(version)
+            if known is not None:
+                known.precision, known.weight_bytes = precision, weight_bytes
 
     def restore(self, version: str, state: VersionState) -> None:
         """Put `version` back in the state it had before an operation that failed (whatever

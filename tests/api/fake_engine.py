@@ -30,6 +30,7 @@ from sitsd.engine.validation import validate_request
 from sitsd.outputs import EngineStatus, ModelInfo, TierStats
 from sitsd.types import (
     AbortCause,
+    EndReason,
     FinishReason,
     RequestDelta,
     SamplingParams,
@@ -162,10 +163,13 @@ class FakeStream:
         delta.usage = Usage(len(self._record.prompt_token_ids), self.num_output_tokens, 0)
         return delta
 
-    def abort(self, reason: str = "cancelled by the client") -> None:
+    def abort(
+        self, reason: str = "cancelled by the client", cause: EndReason = EndReason.CANCELLED
+    ) -> None:
         if self._finished or self._aborted.is_set():
             return
         self._engine.aborts[self.req_id] = reason
+        self._engine.abort_causes[self.req_id] = cause
         self._engine._live.pop(self.req_id, None)  # the engine frees the blocks at once
         self._abort_reason = reason
         self._aborted.set()
@@ -209,6 +213,7 @@ class FakeEngine:
         self.block_size = block_size
         self.requests: dict[str, RecordedRequest] = {}
         self.aborts: dict[str, str] = {}  # req_id -> reason
+        self.abort_causes: dict[str, EndReason] = {}  # req_id -> what the API said happened
         self._live: dict[str, FakeStream] = {}
         self._ids = itertools.count()
         self._accepting = False

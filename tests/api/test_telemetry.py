@@ -23,8 +23,10 @@ from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.config import ServerConfig
 from sitsd.observability.logs import stdout_formatter
 from sitsd.observability.metrics import Metrics
+from sitsd.types import EndReason
 from tests.api.fake_engine import FakeEngine
 from tests.api.harness import ADMIN_TOKEN, MAX_TOKENS_DEFAULT, ServerThread
+from tests.api.late_proxy import LateStartProxy
 
 GENERATE = "Inference/Generate"
 TIMEOUT = 10.0
@@ -208,6 +210,62 @@ def test_a_passed_deadline_is_classed_deadline(rig):
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: rig.errors("deadline") == 1)
     assert rig.errors("cancelled") == 0
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 2.0])
+def test_a_client_that_gives_up_at_its_deadline_is_classed_deadline_though_its_clock_led(
+    rig, timeout_s
+):
+    # The call reaches the server 0.2 s after the client started its deadline's clock, so the
+    # client cancels 0.2 s before the server's deadline passes (a busy machine's latency).
+    engine = attach(rig)
+    engine.stall_after = 1
+    proxy = LateStartProxy(rig.server.port, delay_s=0.2)
+    with proxy, grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=timeout_s))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: rig.errors("deadline") + rig.errors("cancelled") == 1)
+    assert rig.errors("deadline") == 1
+    (cause,) = engine.abort_causes.values()
+    assert cause is EndReason.DEADLINE  # the engine hears the same
+    wait_for(lambda: rig.server_spans())
+    (span,) = rig.server_spans()
+    assert span.attributes["sitsd.finish_reason"] == "deadline"
+
+
+def test_a_client_that_cancels_well_before_its_deadline_stays_cancelled(rig):
+    engine = attach(rig)
+    engine.stall_after = 1
+    proxy = LateStartProxy(rig.server.port, delay_s=0.2)
+    with proxy, grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(pb.GenerateRequest(text="hi"), timeout=60)
+        next(call)
+        call.cancel()
+        wait_for(lambda: rig.errors("cancelled") == 1)
+    assert rig.errors("deadline") == 0
+    (cause,) = engine.abort_causes.values()
+    assert cause is EndReason.CANCELLED
+    wait_for(lambda: rig.server_spans())
+    (span,) = rig.server_spans()
+    assert span.attributes["sitsd.finish_reason"] == "cancelled"
+
+
+def test_the_server_span_names_the_tier_and_request_id_even_when_the_engine_refuses(rig):
+    engine = attach(rig)
+    engine.refuse_with = "overloaded: the test says so"
+    request_id = f"client-{os.urandom(4).hex()}"
+    with pytest.raises(grpc.RpcError):
+        generate(rig, text="hi", tier=pb.TIER_BRONZE, request_id=request_id)
+    wait_for(lambda: rig.server_spans())
+    (span,) = rig.server_spans()
+    assert span.attributes["sitsd.tier"] == "bronze"
+    assert span.attributes["sitsd.request_id"] == request_id
+    wait_for(lambda: [x for x in rig.log_lines() if x.get("request_id") == request_id])
+    (line,) = [x for x in rig.log_lines() if x.get("request_id") == request_id]
+    assert line["error_class"] == "resource_exhausted"
 
 
 def test_a_refused_admin_call_is_classed_unauthenticated(rig):

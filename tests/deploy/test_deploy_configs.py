@@ -3,7 +3,9 @@ collector pipelines, the compose stack and the Kubernetes manifests, all checked
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sitsd.observability.metrics import Metrics
+from sitsd.config import TiersConfig
+from sitsd.observability.metrics import TTFT_BUCKETS, Metrics
+from sitsd.types import Tier
 from tests.deploy.exprs import (
     DASHBOARDS,
     DATASOURCES,
@@ -24,6 +28,17 @@ from tests.deploy.exprs import (
 )
 from tests.observability.tools import require_binary
 
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_slo_rules = _load_script("build_slo_rules")
 COLLECTOR = REPO / "otel-collector.yaml"
 COMPOSE = REPO / "deploy" / "compose.yaml"
 K8S = REPO / "deploy" / "k8s" / "sitsd.yaml"
@@ -60,11 +75,54 @@ def test_rule_unit_tests_pass_and_fire_every_alert():
     assert alerts == fired, f"alerts no test fires: {alerts - fired}"
 
 
-def test_each_tier_reads_its_own_ttft_target_bucket():
+def test_each_tier_reads_its_scheduler_target_bucket_in_every_window():
     rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
-    (fast,) = [r for r in rules if r["record"] == "tier:sitsd_ttft_slo_errors:ratio_rate5m"]
-    for tier, le in (("gold", "0.08"), ("silver", "0.2"), ("bronze", "0.5")):
-        assert f'tier="{tier}", le="{le}"' in fast["expr"]
+    slis = [r for r in rules if r["record"].startswith("tier:sitsd_ttft_slo_errors:ratio_rate")]
+    assert len(slis) == 6
+    tiers = TiersConfig()  # what the scheduler aims at (bronze: 1 s) is what the SLO counts
+    for sli in slis:
+        buckets = dict(re.findall(r'tier="(\w+)", le="([\d.]+)"', sli["expr"]))
+        assert {t: float(le) for t, le in buckets.items()} == {
+            t.value: tiers.tier(t.value).ttft_p99_s for t in Tier
+        }
+        for le in buckets.values():
+            assert float(le) in TTFT_BUCKETS  # a bucket boundary: the ratio is exact
+
+
+def test_the_shipped_slo_rules_are_what_build_slo_rules_writes_from_the_tier_targets():
+    assert RULES.read_text() == build_slo_rules.render(TiersConfig()), (
+        "run: python scripts/build_slo_rules.py"
+    )
+
+
+def test_rules_built_from_a_tiers_file_follow_its_targets(tmp_path):
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text("tiers:\n  bronze: {ttft_p99_ms: 2500}\n  gold: {ttft_p99_ms: 100}\n")
+    out = tmp_path / "rules.yml"
+    assert build_slo_rules.main(["--tiers", str(tiers), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert 'tier="bronze", le="2.5"' in text
+    assert 'tier="gold", le="0.1"' in text
+    assert promtool("check", "rules", str(out)).returncode == 0
+
+
+def test_a_tier_target_off_the_bucket_boundaries_is_refused(tmp_path, capsys):
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text("tiers:\n  silver: {ttft_p99_ms: 333}\n")
+    assert build_slo_rules.main(["--tiers", str(tiers), "-o", str(tmp_path / "r.yml")]) == 1
+    assert "silver tier's TTFT target 0.333 s is not a bucket boundary" in capsys.readouterr().err
+    assert not (tmp_path / "r.yml").exists()
+
+
+def test_prometheus_keeps_more_than_the_longest_slo_window():
+    rules = RULES.read_text()
+    longest_days = max(int(d) for d in re.findall(r"\[(\d+)d\]", rules))
+    assert longest_days == 30
+    command = yaml.safe_load(COMPOSE.read_text())["services"]["prometheus"]["command"]
+    (retention,) = [c for c in command if c.startswith("--storage.tsdb.retention.time=")]
+    value = retention.split("=", 1)[1]
+    assert value.endswith("d"), "retention in days"
+    assert int(value[:-1]) > longest_days  # the default 15d would cut the 30d windows in half
 
 
 # ------------------------------------------------------------------------------- dashboards

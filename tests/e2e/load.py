@@ -18,6 +18,7 @@ import grpc
 
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.api.v1 import inference_pb2_grpc
+from tests.e2e.daemon_process import LAST_GUARD_S
 
 
 @dataclass
@@ -71,7 +72,7 @@ class StreamLoad:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 180.0) -> list[Record]:
+    def stop(self, timeout: float = LAST_GUARD_S) -> list[Record]:
         """Let every client finish its request in flight; return all the records."""
         self._stop.set()
         self._thread.join(timeout)
@@ -101,7 +102,7 @@ class StreamLoad:
                 ignore_eos=True,
             )
             try:
-                async for response in stub.Generate(request, timeout=120):
+                async for response in stub.Generate(request, timeout=LAST_GUARD_S):
                     now = time.monotonic()
                     for token in response.token_ids:
                         record.tokens.append((token, response.weights_version))

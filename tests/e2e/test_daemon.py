@@ -340,7 +340,11 @@ def test_a_daemon_scheduling_ahead_streams_what_one_stepping_in_turn_does(infere
         return ["".join(r.text for r in call) for call in calls]
 
     in_turn = texts(inference)
-    flags = ("--model", "default", "--kv-cache-memory", "256MiB", "--async-scheduling")
+    # Patient tiers, as the module's daemon has: on a busy machine the SITS limits would shed
+    # one of the three (this test is about the tokens, not the queue).
+    tiers = tiers_file(tmp_path, PATIENT_TIERS)
+    flags = ("--model", "default", "--kv-cache-memory", "256MiB", "--async-scheduling",
+             "--tiers", tiers)  # fmt: skip
     with serving(tmp_path / "state", *flags) as ahead, grpc.insecure_channel(ahead.address) as ch:
         assert texts(inference_pb2_grpc.InferenceStub(ch)) == in_turn
     assert all(t.strip() for t in in_turn)

@@ -22,11 +22,11 @@ import pytest
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.weights.export import perturbed, write_version
-from tests.e2e.daemon_process import DaemonProcess
+from tests.e2e.daemon_process import LAST_GUARD_S, DaemonProcess
 from tests.e2e.load import Record, StreamLoad
 from tests.observability.tools import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LAST_GUARD_S)]  # a loaded machine is slow
 
 FLAGS = (
     "--served-model-name",
@@ -102,7 +102,7 @@ def generate_all(daemon: DaemonProcess, queries: list[tuple[list[int], int]]) ->
             ignore_eos=True,
             sampling=pb.SamplingParams(max_tokens=n, temperature=0),
         )
-        return [t async for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+        return [t async for r in stub.Generate(request, timeout=LAST_GUARD_S) for t in r.token_ids]
 
     async def run() -> list[list[int]]:
         async with grpc.aio.insecure_channel(daemon.address) as channel:
@@ -118,25 +118,27 @@ def swap_under_load(daemon: DaemonProcess, versions: Path, prompts, policy: str)
     metadata = [("authorization", f"Bearer {daemon.admin_token()}")]
     staged = list(
         stub.Deploy(
-            admin_pb2.DeployRequest(path=str(versions / "v2")), metadata=metadata, timeout=300
+            admin_pb2.DeployRequest(path=str(versions / "v2")),
+            metadata=metadata,
+            timeout=LAST_GUARD_S,
         )
     )
     assert staged[-1].stage == "staged"
     load = StreamLoad(daemon.address, prompts, num_clients=6, max_tokens=(12, 28)).start()
     try:
-        wait_for(lambda: len(load.in_flight(min_tokens=4)) >= 4, 120, "requests streaming")
+        wait_for(lambda: len(load.in_flight(min_tokens=4)) >= 4, LAST_GUARD_S, "requests streaming")
         progress = list(
             stub.Swap(
                 admin_pb2.SwapRequest(version="v2", policy=POLICIES[policy]),
                 metadata=metadata,
-                timeout=300,
+                timeout=LAST_GUARD_S,
             )
         )
         committed_at = time.monotonic()
         try:
             wait_for(
                 lambda: sum(r.ok and r.started > committed_at for r in load.records) >= 3,
-                180,
+                LAST_GUARD_S,
                 "requests after the commit",
             )
         except AssertionError as exc:  # say what the load and the daemon were doing

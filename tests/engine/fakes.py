@@ -9,6 +9,7 @@ import torch
 
 from sitsd.model.arch import LlamaArch
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
+from sitsd.quant.source import QuantSource
 
 FAKE_ARCH = LlamaArch(
     vocab_size=1000, hidden_size=8, intermediate_size=16,
@@ -25,6 +26,7 @@ class FakeSlots:
     dtype = torch.float32
     device = torch.device("cpu")
     slot_nbytes = 0
+    copy_seconds = 0.0
 
     def __init__(self, version: str = "fake@0", num_slots: int = 2) -> None:
         self.versions: list[str | None] = [version] + [None] * (num_slots - 1)
@@ -71,11 +73,21 @@ class FakeSlots:
         *,
         chunk_bytes: int,
         on_progress: Callable[[int, int], None] | None = None,
+        source: QuantSource | None = None,
     ) -> int:
         assert self.versions[index] is None, "copy only into a released slot"
         name = threading.current_thread().name
         self.copies.append((name, index, list(self.versions), sorted(tensors), chunk_bytes))
         return 0
+
+    def precision(self, index: int) -> str:
+        return "fp32"
+
+    def nbytes(self, index: int) -> int:
+        return 0
+
+    def take_restructured(self, index: int) -> bool:
+        return False  # a fake copy moves no tensor: no graph to capture again
 
     def load(self, version: str) -> None:
         """Test helper: put `version` in the standby slot, as staging would."""
@@ -117,6 +129,9 @@ class FakeRunner:
         self.num_steps = 0
         self.max_versions_in_step = 0
         self.fail_next = False
+        self.probes: set[str] = set()  # canary probes the runner holds
+        self.probe_logprobs: dict[str, list[torch.Tensor]] = {}  # per probe, one per chunk
+        self.step_log: list[dict[str, int]] = []  # num_scheduled_tokens of every step run
 
     @property
     def weights_version(self) -> str:
@@ -125,15 +140,11 @@ class FakeRunner:
     def launch(self, so: SchedulerOutput) -> _Done:
         return _Done(self.execute(so))
 
-    def prompt_logprobs(self, token_ids: list[int], slot: int) -> torch.Tensor:
-        """What the fake model predicts after each prompt token under slot `slot`'s version:
-        `next_token` nearly certain ([len(token_ids), vocab] log-probabilities)."""
-        version = self.slots.versions[slot]
-        assert version is not None, f"slot {slot} holds no version"
-        logits = torch.zeros(len(token_ids), self.vocab_size)
-        for i, token in enumerate(token_ids):
-            logits[i, next_token(token, version, self.vocab_size)] = 20.0
-        return torch.log_softmax(logits, -1)
+    def take_prompt_logprobs(self, req_id: str) -> torch.Tensor:
+        """A computed probe's log-probabilities ([len(prompt), vocab]); `next_token` of each
+        position nearly certain, under the probe's version."""
+        chunks = self.probe_logprobs.pop(req_id)
+        return torch.cat(chunks)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update(so)
@@ -141,6 +152,7 @@ class FakeRunner:
             self.fail_next = False
             raise RuntimeError("injected model failure")
         self.num_steps += 1
+        self.step_log.append(dict(so.num_scheduled_tokens))
         versions = {self.versions[r] for r in so.num_scheduled_tokens}
         assert versions <= set(self.slots.versions), f"{versions} not all in {self.slots.versions}"
         self.max_versions_in_step = max(self.max_versions_in_step, len(versions))
@@ -154,8 +166,10 @@ class FakeRunner:
 
     def _update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            for d in (self.tokens, self.blocks, self.computed, self.versions, self.samples):
+            for d in (self.tokens, self.blocks, self.computed, self.versions, self.samples,
+                      self.probe_logprobs):  # fmt: skip
                 d.pop(req_id, None)
+            self.probes.discard(req_id)
         for new in sorted(so.new_reqs, key=lambda n: n.shadow_of is not None):
             assert new.req_id not in self.tokens, "new request already known to the runner"
             if new.shadow_of is None:
@@ -166,7 +180,10 @@ class FakeRunner:
             self.blocks[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
             self.versions[new.req_id] = new.weights_version
-            self.samples[new.req_id] = new.shadow_of is None
+            self.samples[new.req_id] = new.shadow_of is None and not new.probe
+            if new.probe:
+                assert new.num_computed_tokens == 0, "a probe reads no cached block"
+                self.probes.add(new.req_id)
             self._check_reads(new.req_id, new.num_computed_tokens)  # prefix-cache hits
         for migrated in so.migrated:
             assert migrated.req_id in self.tokens, "migrated request unknown to the runner"
@@ -192,6 +209,11 @@ class FakeRunner:
             written.add(slot)
             self.kv_writer[slot] = (version, tokens[pos])
         self.computed[req_id] = end
+        if req_id in self.probes:
+            logits = torch.zeros(n, self.vocab_size)
+            for i, token in enumerate(tokens[start:end]):
+                logits[i, next_token(token, version, self.vocab_size)] = 20.0
+            self.probe_logprobs.setdefault(req_id, []).append(torch.log_softmax(logits, -1))
         if end == len(tokens) and self.samples[req_id]:
             token = next_token(tokens[-1], version, self.vocab_size)
             tokens.append(token)

@@ -196,9 +196,11 @@ def test_admission_control_refuses_at_once_on_both_threads_when_the_batch_cannot
         )
         assert wait_for(lambda: core.status().num_steps >= 2)
         # The API thread's check, against the last step's snapshot:
-        refusal = core.admission_refusal(Tier.BRONZE, time.monotonic())
+        early = AddRequest("early", [1, 2], SamplingParams(), Tier.BRONZE, None, time.monotonic())
+        refusal = core.admission_refusal(early)
         assert refusal is not None
-        assert "bronze tier's 500 ms" in refusal
+        assert "bronze tier's 500 ms" in refusal.message
+        assert refusal.expected_wait_s > refusal.limit_s == 0.5
         # The engine thread's check, for a request that reached it anyway:
         core.submit(
             AddRequest(
@@ -227,7 +229,8 @@ def test_fcfs_policy_never_refuses_for_queue_wait():
     try:
         core.submit(AddRequest("hog", [1], SamplingParams(max_tokens=500), Tier.GOLD, None, 0.0))
         assert wait_for(lambda: core.status().num_steps >= 2)
-        assert core.admission_refusal(Tier.BRONZE, time.monotonic()) is None
+        late = AddRequest("late", [1], SamplingParams(), Tier.BRONZE, None, time.monotonic())
+        assert core.admission_refusal(late) is None
         assert core.status().scheduling_policy == "fcfs"
     finally:
         core.stop()

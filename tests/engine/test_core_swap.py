@@ -14,6 +14,7 @@ from sitsd.config import SchedulerConfig
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.messages import AddRequest, EngineCall, InPlaceCopy, SwapCommand
+from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.scheduler import Scheduler
 from sitsd.types import SamplingParams
 from tests.engine.fakes import FakeRunner, next_token
@@ -36,7 +37,8 @@ def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0):
     kv = KVCacheManager(64, BLOCK)
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs",
                           async_scheduling=ahead)  # fmt: skip
-    core = EngineCore(Scheduler(cfg, kv, 256, migration_tokens_per_step=8), runner, tok, "fake")
+    sched = Scheduler(cfg, kv, 256, pacing=PacingSettings(fixed_tokens=8))
+    core = EngineCore(sched, runner, tok, "fake")
     sink = Collector()
     core.start(sink)
     return core, runner, sink

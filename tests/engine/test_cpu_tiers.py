@@ -45,8 +45,9 @@ def test_a_light_cpu_load_is_admitted_by_the_cpu_defaults_and_was_refused_by_the
 
 def test_a_refusal_says_what_to_change():
     snapshot = light_cpu_load(random.Random(), Tier.SILVER)
-    reason = refusal_reason(snapshot, Tier.SILVER, 1.0, TiersConfig().silver.max_queue_wait_s)
-    assert reason is not None
+    refusal = refusal_reason(snapshot, Tier.SILVER, 1.0, TiersConfig().silver.max_queue_wait_s)
+    assert refusal is not None
+    reason = refusal.message
     assert reason.startswith("overloaded: expected queue wait ")
     assert "exceeds the silver tier's 250 ms" in reason
     assert "tiers.silver.max_queue_wait_ms in the daemon's --tiers file" in reason

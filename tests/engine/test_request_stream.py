@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
-from sitsd.engine.async_engine import RequestStream
-from sitsd.types import FinishReason, RequestDelta, Usage
+import pytest
+
+from sitsd.config import SchedulerConfig
+from sitsd.engine.async_engine import AsyncEngine, RequestStream
+from sitsd.engine.core import EngineCore
+from sitsd.engine.errors import QueueFullError
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.scheduler import Scheduler
+from sitsd.outputs import ModelInfo
+from sitsd.types import EndReason, FinishReason, RequestDelta, SamplingParams, Usage
+from tests.engine.fakes import FakeRunner
+from tests.engine.test_detokenizer import ByteTokenizer
 
 
 def delta(tokens, version="m@1", finish=None, usage=None) -> RequestDelta:
@@ -56,3 +67,43 @@ def test_a_consumer_that_keeps_up_gets_every_delta_on_its_own():
         return seen
 
     assert asyncio.run(run()) == [[0], [1], [2], [3], [4]]
+
+
+def engine_not_stepping(max_num_seqs: int, max_num_waiting: int):
+    """An `AsyncEngine` over a real core whose loop is not running: nothing the API submits
+    is taken yet, as when the engine thread is mid-step."""
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_waiting=max_num_waiting)
+    sched = Scheduler(config, KVCacheManager(32, 4), 128)
+    core = EngineCore(sched, FakeRunner(4, vocab_size=256), ByteTokenizer(), "fake-model")
+    info = ModelInfo("fake-model", 128, 256, "llama", "float32", "cpu", "/fake")
+    engine = AsyncEngine(core, info)
+    loop = asyncio.new_event_loop()
+    engine.bind(loop)
+    return engine, loop
+
+
+def test_an_aborted_stream_no_longer_counts_in_flight_before_the_engine_takes_the_abort():
+    # The case of a stream aborted by its caller (a passed deadline) while the engine's status
+    # already shows the room it leaves: the next request must not be refused as a full queue.
+    engine, loop = engine_not_stepping(max_num_seqs=2, max_num_waiting=1)
+    try:
+        streams = [engine.add_request([1, 2], SamplingParams(max_tokens=4)) for _ in range(3)]
+        with pytest.raises(QueueFullError):
+            engine.add_request([1, 2], SamplingParams(max_tokens=4))
+        streams[0].abort("deadline exceeded", EndReason.DEADLINE)
+        streams[0].abort("deadline exceeded", EndReason.DEADLINE)  # idempotent: counted once
+        engine.add_request([3, 4], SamplingParams(max_tokens=4))
+        with pytest.raises(QueueFullError):
+            engine.add_request([1, 2], SamplingParams(max_tokens=4))
+    finally:
+        loop.close()
+    # The engine takes the abort before the add that replaced it: never more than the limit.
+    inbox = []
+    while not engine.core._inbox.empty():
+        inbox.append(engine.core._inbox.get_nowait())
+    kinds = [(type(m).__name__, m.req_id) for m in inbox]
+    aborted = streams[0].req_id
+    assert kinds.index(("AbortRequest", aborted)) < len(kinds) - 1
+    assert isinstance(inbox[-1], AddRequest)
+    (abort,) = [m for m in inbox if isinstance(m, AbortRequest)]
+    assert abort.cause is EndReason.DEADLINE

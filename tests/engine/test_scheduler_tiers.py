@@ -254,8 +254,8 @@ def test_admission_refuses_when_the_queue_ahead_cannot_meet_the_tier_wait():
 
     # The batch is full of gold with ~200 steps (10 s) to go: bronze and silver cannot run
     # within their limits, and gold finds no lower tier to preempt.
-    assert "expected queue wait" in probe(BRONZE)
-    assert "silver" in probe(SILVER)
+    assert "expected queue wait" in probe(BRONZE).message
+    assert "silver" in probe(SILVER).message
     assert probe(GOLD) is not None
     (bronze,) = [t for t in sim.sched.tier_stats() if t.tier == "bronze"]
     assert bronze.num_refused == 1
@@ -272,7 +272,7 @@ def test_admission_lets_gold_in_when_it_can_preempt_and_counts_prefill_ahead():
     for i in range(3):
         sim.add(GOLD, prompt_len=64, req_id=f"ahead-{i}")
     late = Request("late", list(range(8)), SamplingParams(max_tokens=4), 0, GOLD, sim.clock.now)
-    assert "exceeds the gold tier's 120 ms" in sim.sched.admission_refusal(late)
+    assert "exceeds the gold tier's 120 ms" in sim.sched.admission_refusal(late).message
 
 
 def test_controller_shrinks_lower_tier_caps_when_gold_p99_is_over_target_and_regrows():
@@ -386,7 +386,7 @@ def test_gold_is_not_charged_for_aged_lower_tier_work_it_passes_by_preemption():
         return sim.sched.admission_refusal(request)
 
     assert probe(GOLD) is None  # the batch is full: gold passes the queue by preemption
-    assert "silver tier's 250 ms" in probe(SILVER)  # silver cannot: 640 tokens ahead
+    assert "silver tier's 250 ms" in probe(SILVER).message  # silver cannot: 640 tokens ahead
     sim.add(GOLD, req_id="gold")
     so = sim.step()
     assert [n.req_id for n in so.new_reqs] == ["gold"]

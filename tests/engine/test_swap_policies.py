@@ -13,6 +13,7 @@ import pytest
 
 from sitsd.config import SchedulerConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.types import FinishReason, SamplingParams, Tier
@@ -30,7 +31,7 @@ class Engine:
         cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                               policy=policy)  # fmt: skip
         self.sched = Scheduler(cfg, self.kv, 512, clock=lambda: 0.0,
-                               migration_tokens_per_step=migrate)  # fmt: skip
+                               pacing=PacingSettings(fixed_tokens=migrate))  # fmt: skip
         self.runner = FakeRunner(BLOCK)
         self.tokens: dict[str, list[tuple[int, str]]] = {}  # req_id -> (token, version)
         self.finished: dict[str, FinishReason] = {}

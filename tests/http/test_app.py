@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from sitsd.types import Tier
+from sitsd.types import EndReason, Tier
 from tests.api.fake_engine import FakeEngine
+from tests.api.late_proxy import LateStartProxy
 from tests.api.test_inference import wait_for
 from tests.api.test_telemetry import RecordingEngine
 from tests.http.harness import HttpThread, request
@@ -353,6 +354,67 @@ def test_http_requests_are_counted_with_the_protocol_label(http):
     assert registry.get_sample_value("sitsd_requests_total", {**labels, "protocol": "http"}) == 2
     errors = {**labels, "protocol": "http", "error_class": "invalid_argument"}
     assert registry.get_sample_value("sitsd_request_errors_total", errors) == 1
+
+
+def read_until(connection: HTTPConnection, deadline: float) -> None:
+    """Read the whole response; TimeoutError at `deadline`, as a client with a timeout does."""
+
+    def time_left() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the client's deadline passed")
+        return left
+
+    connection.sock.settimeout(time_left())
+    response = connection.getresponse()
+    while True:
+        connection.sock.settimeout(time_left())
+        if not response.read1(4096):
+            return
+
+
+def http_errors(thread: HttpThread, error_class: str) -> float:
+    labels = {"model": "fake-model", "tier": "silver", "method": "/v1/chat/completions",
+              "protocol": "http", "error_class": error_class}  # fmt: skip
+    return thread.metrics.registry.get_sample_value("sitsd_request_errors_total", labels) or 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_times_out_at_its_deadline_counts_as_the_deadline_though_its_clock_led(
+    http, stream
+):
+    # The client's timeout is its x-sitsd-timeout-ms, and its request reaches the server 0.2 s
+    # late (a busy machine's latency): it leaves 0.2 s before the server's deadline passes.
+    http.engine.stall_after = 1 if stream else 0
+    with LateStartProxy(http.port, delay_s=0.2) as proxy:
+        connection = HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        deadline = time.monotonic() + 1.5  # the client's clock starts before it sends
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(chat_body(stream=stream)),
+            {"content-type": "application/json", "x-sitsd-timeout-ms": "1500"},
+        )  # fmt: skip
+        with pytest.raises(TimeoutError):
+            read_until(connection, deadline)  # the answer (or the stream's end) never comes
+        connection.close()
+        wait_for(lambda: http_errors(http, "deadline") + http_errors(http, "cancelled") == 1)
+    assert http_errors(http, "deadline") == 1
+    (cause,) = http.engine.abort_causes.values()
+    assert cause is EndReason.DEADLINE
+
+
+def test_a_client_that_leaves_well_before_its_deadline_counts_as_cancelled(http):
+    http.engine.stall_after = 0
+    connection = HTTPConnection("127.0.0.1", http.port, timeout=30)
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(chat_body()),
+        {"content-type": "application/json", "x-sitsd-timeout-ms": "60000"},
+    )  # fmt: skip
+    wait_for(lambda: len(http.engine.requests) == 1)
+    connection.close()
+    wait_for(lambda: http_errors(http, "cancelled") == 1)
+    assert http_errors(http, "deadline") == 0
+    (cause,) = http.engine.abort_causes.values()
+    assert cause is EndReason.CANCELLED
 
 
 def test_a_callers_traceparent_is_continued_into_the_span_the_engine_gets():

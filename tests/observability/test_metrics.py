@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import random
 import re
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -14,9 +16,24 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from sitsd.observability.metrics import Metrics, MetricsServer
+from sitsd.api.telemetry import ERROR_CLASSES as API_ERROR_CLASSES
+from sitsd.api.telemetry import GENERATE, TelemetryInterceptor, sitsd_methods
+from sitsd.http.errors import HttpError
+from sitsd.http.telemetry import GENERATION_ROUTES, HttpTelemetry
+from sitsd.observability.metrics import (
+    ERROR_CLASSES,
+    SWAP_OUTCOMES,
+    SWAP_STAGES,
+    VERSION_EVENTS,
+    Metrics,
+    MetricsServer,
+)
 from sitsd.observability.swap import SwapTrace
+from sitsd.observability.telemetry import EngineTelemetry
+from sitsd.types import Tier
 from tests.observability.tools import require_binary
+
+REPO = Path(__file__).resolve().parents[2]
 
 TIER_TARGETS = (0.08, 0.12, 0.2, 0.25, 0.5)  # gold/silver/bronze TTFT targets, queue timeouts
 LATENCY_HISTOGRAMS = (
@@ -153,6 +170,97 @@ def test_metrics_server_serves_openmetrics_on_request_and_frees_its_port():
         server.close()
     with pytest.raises(OSError, match="refused"):
         urllib.request.urlopen(url, timeout=2)
+
+
+# ------------------------------------------------------------- every series exists from start
+
+
+def sample(m: Metrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, {"model": "m", **labels})
+
+
+def test_every_known_label_set_is_a_series_at_zero_once_the_model_is_bound():
+    m = Metrics()
+    TelemetryInterceptor(m)
+    HttpTelemetry(m)
+    assert 'model=""' not in m.exposition().decode()  # nothing before the model is known
+    EngineTelemetry(m).on_engine_started("m", "m@1")
+    for outcome in SWAP_OUTCOMES:
+        assert sample(m, "sitsd_swaps_total", outcome=outcome) == 0
+    for stage in SWAP_STAGES:
+        assert sample(m, "sitsd_swap_stage_duration_seconds_count", stage=stage) == 0
+    for event in VERSION_EVENTS:
+        assert sample(m, "sitsd_weight_versions_total", event=event) == 0
+    calls = [(GENERATE, tier.value, "grpc") for tier in Tier]
+    calls += [(method, "", "grpc") for method in sitsd_methods() if method != GENERATE]
+    calls += [(route, tier.value, "http") for route in GENERATION_ROUTES for tier in Tier]
+    for method, tier, protocol in calls:
+        labels = {"method": method, "tier": tier, "protocol": protocol}
+        assert sample(m, "sitsd_requests_total", **labels) == 0
+        for error_class in ERROR_CLASSES:
+            errors = sample(m, "sitsd_request_errors_total", **labels, error_class=error_class)
+            assert errors == 0, (labels, error_class)
+    for tier in Tier:
+        for reason in ("blocks", "tier", "swap"):
+            assert sample(m, "sitsd_num_preemptions_total", tier=tier.value, reason=reason) == 0
+    assert sample(m, "sitsd_step_duration_seconds_count") == 0
+
+
+def test_the_first_error_and_the_first_swap_are_an_increase_from_zero():
+    m = Metrics()
+    TelemetryInterceptor(m)
+    m.bind_model("m")
+    before = m.exposition().decode()
+    m.count_rpc(GENERATE, "gold", "internal")
+    m.record_swap("committed")
+    errors = {"method": GENERATE, "tier": "gold", "protocol": "grpc", "error_class": "internal"}
+    assert sample(m, "sitsd_request_errors_total", **errors) == 1
+    assert sample(m, "sitsd_swaps_total", outcome="committed") == 1
+    line = 'sitsd_swaps_total{model="m",outcome="committed"} 0.0'
+    assert line in before  # scraped at 0 before: increase() counts the 1
+
+
+def test_the_front_ends_error_classes_are_all_created_at_zero():
+    grpc_classes = set(API_ERROR_CLASSES.values()) | {"internal"}
+    http_classes = {HttpError(status, "").error_class for status in range(400, 600)}
+    assert grpc_classes | http_classes <= set(ERROR_CLASSES)
+
+
+def literals_passed_to(names: set[str], *, keyword: str = "") -> set[str]:
+    """String constants the weights code passes to calls of `names` (first argument, or the
+    `keyword` argument and parameter defaults of that name)."""
+    found: set[str] = set()
+    for path in (REPO / "sitsd" / "weights").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            values: list[ast.AST] = []
+            if isinstance(node, ast.Call):
+                callee = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+                if callee in names and node.args:
+                    values.append(node.args[0])
+                values += [k.value for k in node.keywords if keyword and k.arg == keyword]
+            elif isinstance(node, ast.arguments) and keyword:
+                named = node.args[len(node.args) - len(node.defaults) :] + node.kwonlyargs
+                defaults = [*node.defaults, *(d for d in node.kw_defaults if d is not None)]
+                values += [d for a, d in zip(named, defaults, strict=False) if a.arg == keyword]
+            for value in values:
+                found |= {
+                    c.value
+                    for c in ast.walk(value)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                }
+    return found
+
+
+def test_every_swap_outcome_stage_and_version_event_the_weights_code_records_is_known():
+    outcomes = literals_passed_to({"finish"}, keyword="outcome")
+    assert {"committed", "rolled_back", "rejected", "failed", "staged"} <= outcomes
+    assert outcomes <= set(SWAP_OUTCOMES)
+    stages = literals_passed_to({"stage", "record_swap_stage"})
+    assert {"verify", "commit", "pause"} <= stages
+    assert stages <= set(SWAP_STAGES)
+    events = literals_passed_to({"_count"})
+    assert {"detected", "committed"} <= events
+    assert events <= set(VERSION_EVENTS)
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/health", "/", "/metricsx", "/metrics/extra"])

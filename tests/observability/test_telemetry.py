@@ -13,7 +13,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from sitsd.config import SchedulerConfig
+from sitsd.config import SchedulerConfig, TiersConfig
+from sitsd.engine.admission import QueuePlace
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.messages import AbortRequest, AddRequest
@@ -68,23 +69,40 @@ class Rig:
     def finished_spans(self) -> list[ReadableSpan]:
         return list(self.spans.get_finished_spans())
 
+    def start(self) -> None:
+        self.core.start(lambda ds: [self.deltas.put(d) for d in ds])
 
-def make_rig(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 4) -> Rig:
+
+def make_rig(
+    num_blocks: int = 64,
+    budget: int = 32,
+    max_num_seqs: int = 4,
+    *,
+    policy: str = "tiers",
+    tiers: TiersConfig | None = None,
+    provider: TracerProvider | None = None,
+    start: bool = True,
+) -> Rig:
+    """The real engine core with telemetry over a fake runner; `start` False: the test
+    submits first and starts the loop itself (`rig.start()`), so one turn takes them all."""
     tok = ByteTokenizer()
     tok.eos_token_ids = (0,)
     kv = KVCacheManager(num_blocks, BLOCK)
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, 256
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy
     )
+    sched = Scheduler(config, kv, 256, tiers=tiers)
     spans = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(spans))
+    if provider is None:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(spans))
     metrics = Metrics()
     telemetry = EngineTelemetry(metrics, provider.get_tracer("sitsd"))
     core = EngineCore(sched, FakeRunner(BLOCK, vocab_size=256), tok, MODEL, observer=telemetry)
-    deltas: queue.Queue[RequestDelta] = queue.Queue()
-    core.start(lambda ds: [deltas.put(d) for d in ds])
-    return Rig(core, metrics, spans, provider, deltas)
+    rig = Rig(core, metrics, spans, provider, queue.Queue())
+    if start:
+        rig.start()
+    return rig
 
 
 @pytest.fixture
@@ -176,7 +194,8 @@ def test_preemption_gets_a_span_a_count_and_recompute_chunks():
     finally:
         rig.core.stop()
     assert num_preemptions > 0
-    assert rig.value("sitsd_num_preemptions_total", tier="silver") == num_preemptions
+    labels = {"tier": "silver", "reason": "blocks"}
+    assert rig.value("sitsd_num_preemptions_total", **labels) == num_preemptions
     finished = rig.finished_spans()
     preemption_spans = [s for s in finished if s.name == "preemption"]
     assert len(preemption_spans) == num_preemptions
@@ -220,7 +239,8 @@ def test_tier_labels_follow_the_request_and_gauges_return_to_zero(rig):
     rig.core.submit(AbortRequest("b", "cancelled by the client"))
     rig.until_finished({"b"})
     assert rig.value("sitsd_requests_finished_total", tier="gold", finish_reason="length") == 1
-    assert rig.value("sitsd_requests_finished_total", tier="bronze", finish_reason="abort") == 1
+    cancelled = {"tier": "bronze", "finish_reason": "cancelled"}
+    assert rig.value("sitsd_requests_finished_total", **cancelled) == 1
     assert rig.value("sitsd_time_to_first_token_seconds_count", tier="gold") == 1
     assert rig.value("sitsd_e2e_request_latency_seconds_count", tier="bronze") == 0  # aborted
     assert wait_for(lambda: rig.value("sitsd_kv_cache_usage_perc") == 0.0)
@@ -314,7 +334,7 @@ def test_a_migration_is_a_child_span_of_the_live_request():
         trace_context=server,
         weights_version="m@1",
     )
-    telemetry.on_request_added(request)
+    telemetry.on_request_added(request, QueuePlace.behind([], 0))
     start = time.monotonic()
     telemetry.record_migration(request, start, start + 0.25, "m@1", "m@2")
     (migration,) = spans.get_finished_spans()

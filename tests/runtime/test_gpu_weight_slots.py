@@ -1,15 +1,17 @@
 """Hot-swap on the GPU: CUDA graphs per weight slot, staging on a side stream, a flip copies
-nothing (marker `gpu`)."""
+nothing, canary probes in captured mixed-step graphs (marker `gpu`)."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
+from tests.runtime.test_prompt_logprobs import serve, transformers_logprobs
 from tests.runtime.test_weight_slots import greedy, tiny
 
 pytestmark = pytest.mark.gpu
@@ -72,3 +74,91 @@ def test_validation_on_the_gpu_finds_a_nan_in_any_chunk_of_a_pageable_tensor():
     bad[name].view(-1)[0] = float("inf")  # in the first
     with pytest.raises(VersionRejected, match=name):
         check_finite(bad, names, serving, chunk_bytes=4096)
+
+
+def test_staging_copies_measure_their_transfer_time_and_keep_their_pinned_buffers():
+    arch, first = tiny(random.randrange(1000))
+    _, second = tiny(random.randrange(1000, 2000))
+    runner, _ = gpu_runner(first, arch, eager=True, version="v1")
+    slots = runner.slots
+    standby = slots.standby
+    assert slots.copy_seconds == 0.0
+    seen = []
+    slots.release(standby)
+    started = time.perf_counter()
+    nbytes = slots.copy_into(standby, second, chunk_bytes=4096,
+                             on_progress=lambda d, t: seen.append(slots.copy_seconds))  # fmt: skip
+    wall = time.perf_counter() - started
+    first_copy = slots.copy_seconds
+    assert 0.0 < first_copy <= wall
+    assert seen == sorted(seen), "it grows as the copy goes"
+    pinned = [b.data_ptr() for b in slots._upload._buffers]
+    slots.fill(standby, "v2")
+    slots.release(standby)
+    assert slots.copy_into(standby, first, chunk_bytes=4096) == nbytes
+    assert slots.copy_seconds > first_copy
+    assert [b.data_ptr() for b in slots._upload._buffers] == pinned, "no new pinned memory"
+
+
+def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax():
+    seeds = random.sample(range(1000), 2)
+    arch, first = tiny(seeds[0])
+    _, second = tiny(seeds[1])
+    runner, _ = gpu_runner(first, arch, eager=False, version="v1")
+    assert runner.slot_mixed, "steps with prompt tokens replay mixed-step graphs"
+    slots = runner.slots
+    slots.release(slots.standby)
+    slots.copy_into(slots.standby, second)
+    slots.fill(slots.standby, "v2")
+    rng = random.Random()
+    requests = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(9)], "v1", 10)
+                for i in range(3)}  # fmt: skip
+    probes = [([rng.randrange(arch.vocab_size) for _ in range(37)], "v1"),
+              ([rng.randrange(arch.vocab_size) for _ in range(21)], "v2")]  # fmt: skip
+    alone, _, _ = serve(runner, requests, [])
+    tokens, got, _ = serve(runner, requests, probes)
+    assert tokens == alone
+    for (prompt, version), logprobs in zip(probes, got):
+        want = transformers_logprobs(seeds[0] if version == "v1" else seeds[1], prompt)
+        torch.testing.assert_close(logprobs.cpu(), want, atol=2e-3, rtol=0)
+
+
+def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(tmp_path):
+    from sitsd.weights import load_checkpoint
+    from tests.model.quant_checkpoints import write_quantized_llama
+    from tests.weights.tiny_models import write_tiny_llama
+
+    seed = random.randrange(1000)
+    write_tiny_llama(tmp_path / "dense", seed=seed)
+    write_quantized_llama(tmp_path / "int4", "awq", seed=seed)
+    dense, int4 = load_checkpoint(tmp_path / "dense"), load_checkpoint(tmp_path / "int4")
+    runner, _ = gpu_runner(dense.tensors, dense.arch, eager=False, version="dense")
+    slots = runner.slots
+    standby = slots.standby
+    slots.release(standby)
+    slots.copy_into(standby, int4.tensors, chunk_bytes=4096, source=int4.quant)
+    assert slots.take_restructured(standby)  # INT4 layouts: new tensors
+    runner.recapture_graphs(standby)
+    slots.fill(standby, "int4")
+    assert slots.precision(standby).startswith("int4-g32")
+    rng = random.Random()
+    prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
+               for i in range(4)}  # fmt: skip
+    mixed = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()
+                            for v in ("dense", "int4")}, 8)  # fmt: skip
+    for version, ckpt in (("dense", dense), ("int4", int4)):
+        eager, _ = build_fresh(ckpt, version)  # as start-up builds it, without graphs
+        want = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
+        assert {r: mixed[f"{r}-{version}"] for r in prompts} == want
+        del eager
+        torch.cuda.empty_cache()
+
+
+def build_fresh(ckpt, version: str):
+    cfg = SitsdConfig(
+        model=ModelConfig(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256),
+        cache=CacheConfig(num_blocks=64, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        weights=WeightsConfig(weight_slots="2"),
+    )
+    return build_runner(cfg, ckpt.arch, ckpt.tensors, version, source=ckpt.quant)

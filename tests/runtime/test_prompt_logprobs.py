@@ -1,46 +1,88 @@
-"""`ModelRunner.prompt_logprobs`: a prompt scored on one slot outside any request (the canary's
-forward pass), equal to transformers' log-softmax on the same weights, leaving requests alone."""
+"""Canary probes in the model runner: prompts scored inside normal steps next to the requests
+being served (`NewRequestData.probe`, the canary's forward pass), in chunks, each on the slot of
+its version, equal to transformers' log-softmax on the same weights, leaving requests alone.
+
+Driven by the real scheduler (its probes part) and the real CPU runner, eagerly and in the
+fixed shapes of mixed-step graphs."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
+import pytest
 import torch
 
-from tests.runtime.test_weight_slots import greedy, runner_with_two_versions
+from sitsd.config import SchedulerConfig
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.pacing import PacingSettings
+from sitsd.engine.request import Request
+from sitsd.engine.scheduler import Scheduler
+from sitsd.runtime.mixed_graphs import token_buckets
+from sitsd.types import SamplingParams, Tier
+from tests.runtime.test_weight_slots import BLOCK, runner_with_two_versions
 from tests.weights.tiny_models import tiny_llama_model
 
 
-def test_prompt_logprobs_on_each_slot_equal_transformers_log_softmax_of_that_version():
+def serve(runner, requests, probes, chunk=7, max_steps=200):
+    """Run `requests` ({req_id: (prompt, version, num_new)}) to the end and `probes`
+    ([(prompt, version)], queued at the start) through a scheduler and `runner`; returns
+    (tokens per request, log-probabilities per probe, num_scheduled_tokens of every step).
+    Probes get `chunk` tokens a step."""
+    kv = KVCacheManager(64, BLOCK)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, policy="fcfs")
+    sched = Scheduler(cfg, kv, 256, pacing=PacingSettings(fixed_tokens=chunk))
+    for req_id, (prompt, version, num_new) in requests.items():
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        sched.add_request(Request(req_id, list(prompt), params, seed=0, tier=Tier.SILVER,
+                                  arrival_time=0.0, weights_version=version))  # fmt: skip
+    results: dict[int, torch.Tensor] = {}
+
+    def done(index, probe_id, error):
+        assert error is None, error
+        results[index] = runner.take_prompt_logprobs(probe_id)
+
+    for index, (prompt, version) in enumerate(probes):
+        sched.probes.add(prompt, version, lambda p, e, i=index: done(i, p, e))
+    tokens = {r: [] for r in requests}
+    steps = []
+    while sched.has_work():
+        so = sched.schedule()
+        steps.append(dict(so.num_scheduled_tokens))
+        for update in sched.update_from_output(so, runner.execute(so)):
+            tokens[update.request.req_id] += update.new_token_ids
+        assert len(steps) < max_steps
+    runner.execute(sched.schedule())  # the runner hears of the last finished ids
+    assert kv.num_used_blocks == 0, "the probes' blocks went back to the pool"
+    return tokens, [results[i] for i in range(len(probes))], steps
+
+
+def transformers_logprobs(seed, prompt):
+    with torch.no_grad():
+        logits = tiny_llama_model(seed=seed)(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("shapes", ["eager", "mixed"])
+def test_probes_in_steps_with_decoding_requests_equal_transformers_log_softmax(shapes):
     runner, arch = runner_with_two_versions(tmp_seed_a=1, tmp_seed_b=2)
-    rng = random.Random(7)
-    prompt = [rng.randrange(arch.vocab_size) for _ in range(37)]  # past two KV blocks
-    for slot, seed in ((runner.slots.index_of("v1"), 1), (runner.slots.index_of("v2"), 2)):
-        got = runner.prompt_logprobs(prompt, slot)
-        with torch.no_grad():
-            logits = tiny_llama_model(seed=seed)(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got, torch.log_softmax(logits.float(), -1), atol=2e-5, rtol=0)
-
-
-def test_prompt_logprobs_between_steps_leave_running_requests_unchanged():
-    runner, arch = runner_with_two_versions()
-    rng = random.Random(3)
-    prompts = {
-        "a": ([rng.randrange(arch.vocab_size) for _ in range(20)], "v1"),
-        "b": ([rng.randrange(arch.vocab_size) for _ in range(9)], "v2"),
+    if shapes == "mixed":  # the fixed-shape forward the mixed-step graphs capture, on the CPU
+        runner.prepare_mixed_steps(token_buckets(runner.builder.max_num_tokens), capture=False)
+    rng = random.Random()
+    requests = {
+        f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 30))], "v1", 12)
+        for i in range(3)
     }
-    want = greedy(runner, prompts, num_new=6)
-    # Again, with prompts of growing length scored on both slots between every two steps: the
-    # scratch KV pool grows for them and never touches a request's blocks.
-    lengths = itertools.cycle([5, 70, 33, 90, 2, 17])
-
-    def score_between_steps(sched_out):
-        for slot in range(2):
-            n = next(lengths)
-            runner.prompt_logprobs([rng.randrange(arch.vocab_size) for _ in range(n)], slot)
-        return execute(sched_out)
-
-    execute = runner.execute
-    runner.execute = score_between_steps
-    assert greedy(runner, prompts, num_new=6) == want
+    probes = [
+        ([rng.randrange(arch.vocab_size) for _ in range(37)], "v1"),  # past two KV blocks
+        ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(2, 20))], "v2"),
+    ]
+    alone, _, _ = serve(runner, requests, [])
+    tokens, got, steps = serve(runner, requests, probes)
+    assert tokens == alone, "probes changed what requests generate"
+    probe_steps = [s for s in steps if any(r.startswith("\x00probe") for r in s)]
+    assert len(probe_steps) >= 37 // 7, "a probe goes in chunks"
+    assert all(any(r in s for r in requests) for s in probe_steps[:2]), "probes ride with requests"
+    atol = 1e-4 if shapes == "mixed" else 2e-5
+    for (prompt, version), logprobs in zip(probes, got):
+        want = transformers_logprobs(1 if version == "v1" else 2, prompt)
+        torch.testing.assert_close(logprobs, want, atol=atol, rtol=0)

@@ -238,7 +238,8 @@ def test_the_canary_rejects_a_distant_version_and_passes_a_close_one(versions, t
         assert "far" not in served.slots()  # rejected weights are in no slot
         served.progress.clear()
         served.run(served.manager.deploy(str(versions["v2"]), "", served.progress.append))
-        (passed,) = [p for p in served.progress if p.stage == "canary"]
+        started, passed = [p for p in served.progress if p.stage == "canary"]
+        assert (started.canary_kl, started.message) == (-1.0, "3 prompts on v1 and v2")
         assert 0 < passed.canary_kl <= 0.01
         assert served.manager.registry.get("v2").state is VersionState.VALIDATED
     finally:

@@ -277,7 +277,7 @@ class WeightPushStatus(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., weight_group: _Optional[str] = ..., last_update: _Optional[_Union[WeightUpdate, _Mapping]] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "path", "state", "reason", "manifest_sha256", "source", "created_at", "updated_at", "active", "slot")
+    __slots__ = ("version", "path", "state", "reason", "manifest_sha256", "source", "created_at", "updated_at", "active", "slot", "precision", "weight_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,8 @@ class WeightVersion(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     path: str
     state: VersionState
@@ -298,7 +300,9 @@ class WeightVersion(_message.Message):
     updated_at: float
     active: bool
     slot: str
-    def __init__(self, version: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., reason: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., active: _Optional[bool] = ..., slot: _Optional[str] = ...) -> None: ...
+    precision: str
+    weight_bytes: int
+    def __init__(self, version: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., reason: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., active: _Optional[bool] = ..., slot: _Optional[str] = ..., precision: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("model", "versions", "active_version", "previous_version", "num_weight_slots", "operation_in_progress")
@@ -321,7 +325,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "model", "weights_version", "num_running", "num_waiting", "num_blocks_used", "num_blocks_total", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "uptime_s", "version", "scheduling_policy", "tiers", "weight_push")
+    __slots__ = ("state", "model", "weights_version", "num_running", "num_waiting", "num_blocks_used", "num_blocks_total", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "uptime_s", "version", "scheduling_policy", "tiers", "weight_push", "weights_precision", "weight_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +343,8 @@ class StatusResponse(_message.Message):
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_PUSH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: DaemonState
     model: str
     weights_version: str
@@ -356,7 +362,9 @@ class StatusResponse(_message.Message):
     scheduling_policy: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
     weight_push: WeightPushStatus
-    def __init__(self, state: _Optional[_Union[DaemonState, str]] = ..., model: _Optional[str] = ..., weights_version: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., weight_push: _Optional[_Union[WeightPushStatus, _Mapping]] = ...) -> None: ...
+    weights_precision: str
+    weight_bytes: int
+    def __init__(self, state: _Optional[_Union[DaemonState, str]] = ..., model: _Optional[str] = ..., weights_version: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., weight_push: _Optional[_Union[WeightPushStatus, _Mapping]] = ..., weights_precision: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class TierStatus(_message.Message):
     __slots__ = ("tier", "ttft_p99_target_s", "itl_p99_target_s", "max_queue_wait_s", "batch_cap", "num_running", "num_waiting", "ttft_p99_s", "itl_p99_s", "num_samples", "num_refused", "num_shed", "num_preempted")

@@ -1,0 +1,81 @@
+"""`sitsd quantize`: the command line of `sitsd.weights.quantize` (a bar per layer on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_quantize_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from sitsd.weights.quantize import METHODS, SCALE_SEARCHES
+
+    quantize = commands.add_parser(
+        "quantize",
+        help="quantize a 16-bit checkpoint into a deployable 4-bit version directory",
+        description="Quantize the linear layers of --model to 4 bits (rtn: round to nearest; "
+        "awq: activation-aware scales first) into an AWQ GEMM directory (with "
+        "manifest.json) into --out: what `sitsctl deploy` and the watched directory take.",
+    )
+    quantize.add_argument("--model", required=True, help="the source checkpoint (a Hugging "
+                          "Face directory, a .gguf file, or `default`)")  # fmt: skip
+    quantize.add_argument("--method", choices=METHODS, default="rtn")
+    quantize.add_argument("--bits", type=int, choices=(4,), default=4)
+    quantize.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
+    quantize.add_argument(
+        "--calibration",
+        default="",
+        help="a text file of calibration text "
+        "(default: without it, the scale search weighs every input alike)",
+    )
+    quantize.add_argument("--calibration-tokens", type=int, default=4096,
+                          help="the most calibration tokens used")  # fmt: skip
+    quantize.add_argument("--scale-search", choices=SCALE_SEARCHES, default="mse",
+                          help="mse: the range clipping per group that minimises the output "
+                          "error on the calibration inputs; kl: per layer, the clipping that "
+                          "keeps the model's next-token distributions closest to the 16-bit "
+                          "model's; "
+                          "none: the full range")  # fmt: skip
+    quantize.add_argument(
+        "--precision-map",
+        default="",
+        help="a YAML precision map (or a "
+        "word): which linear weights become int4, which stay 16-bit",
+    )
+    quantize.add_argument("--out", required=True, help="the version directory to write")
+    quantize.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Run `sitsd quantize`; the exit code (1 with a message on bad input)."""
+    from tqdm import tqdm
+
+    from sitsd.quant.errors import QuantFormatError
+    from sitsd.quant.precision import load_precision_map
+    from sitsd.weights import CheckpointError, load_checkpoint
+    from sitsd.weights.formats import resolve_model_path
+    from sitsd.weights.quantize import QuantizeConfig, quantize_checkpoint
+
+    try:
+        precision = load_precision_map(args.precision_map) if args.precision_map else None
+        text = Path(args.calibration).read_text() if args.calibration else ""
+        ckpt = load_checkpoint(resolve_model_path(args.model), keep_quantized=False)
+        config = QuantizeConfig(args.method, args.bits, args.group_size, args.scale_search,
+                                precision, args.calibration_tokens)  # fmt: skip
+        with tqdm(total=ckpt.arch.num_layers, unit="layer", disable=args.no_progress,
+                  file=sys.stderr) as bar:  # fmt: skip
+            manifest = quantize_checkpoint(
+                ckpt,
+                config,
+                text,
+                Path(args.out),
+                on_layer=lambda done, _: bar.update(done - bar.n),
+            )
+    except (QuantFormatError, CheckpointError, OSError) as exc:
+        print(f"sitsd quantize: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.out}: {args.method} int4 g{args.group_size} (AWQ layout), "
+        f"{manifest.total_bytes / 2**20:.1f} MiB, manifest sha256 {manifest.digest[:16]}"
+    )
+    return 0

@@ -1,0 +1,259 @@
+"""How much of a swap's work the next engine step may take: the allowance, from measured steps.
+
+A swap adds work to the steps that serve: canary prompts (`sitsd.engine.probes`) and the
+recompute of migrating requests (`sitsd.engine.migration`). The rule: that work may add at most
+`share` of the steady step time to any step, and costs the streams no more than that share of
+the engine's time on average.
+
+    steady     the median period of recent busy steps without swap work, per number of weights
+               versions serving in the step (a step with two serving sub-batches costs more);
+               the period is the time between two steps' ends, which with asynchronous
+               scheduling is the inter-token latency. Until a kind of step has been measured,
+               steps of that kind run without swap work.
+    cost       fitted on recent steps with swap work, separately for work that joins a serving
+               sub-batch and work that runs alone on a weight slot serving nothing else:
+               extra time ~ fixed + per_token x tokens. Alone, the fixed part is a whole second
+               pass over the other slot's weights, whatever the size of the piece.
+    allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
+               twice the largest piece measured: noise must not turn into a huge step). When
+               even the smallest piece does not fit (alone: the fixed part is over the share),
+               pieces are spaced instead: each is as large as one steady step of extra time
+               allows (at most twice the largest measured), and waits until the credit the
+               share earns every step covers that, so the share still holds on average, no
+               step more than doubles, and the fixed part is paid as seldom as it can be.
+               Each step with swap work is charged what it measured, either way (a noisy
+               machine's slow and fast steps average out), at most one spaced piece.
+    most       what one steady step of extra time buys: a migration behind its deadline may
+               take more than the allowance, never more than that.
+
+Every eighth step runs without swap work, to keep measuring the steady time. A step with no
+serving work has nothing to protect: the scheduler gives swap work its whole budget then.
+`fixed_tokens` replaces the rule with a fixed allowance (`--migration-tokens-per-step`).
+
+The pacer hears of every step as a step hook (`sitsd.engine.step.StepHooks`, through the
+step's `SwapWork`); the scheduler asks it for the allowance. Which work takes the allowance is
+the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from sitsd.outputs import SchedulerOutput
+
+_STEADY_WINDOW = 32  # steady periods remembered per kind of step
+_MIN_STEADY_SAMPLES = 3  # a kind of step is measured once it has this many
+_FIT_WINDOW = 16  # steps with swap work the cost is fitted on, per kind of work
+_FREE_EVERY = 8  # one step in this many runs without swap work
+_MIN_PER_TOKEN_S = 1e-7  # a cost per token below this is noise
+
+
+@dataclass(frozen=True)
+class PacingSettings:
+    """Limits of a swap's work inside engine steps (from `SwapConfig`)."""
+
+    # Of the steady step time, the most a swap's work may add to a step (and, on average, the
+    # share of the engine's time it may take).
+    share: float = 0.2
+    fixed_tokens: int = 0  # > 0: this many tokens a step instead of the measured allowance
+    # A migration's recompute grows past the share when it must to end within this many
+    # seconds of the commit (`sitsd.engine.migration.Migration.tokens_to_finish`).
+    migration_deadline_s: float = 10.0
+
+
+class FinishedStep(Protocol):
+    """What the pacer reads of a step that ended (`sitsd.engine.observer.StepRecord`)."""
+
+    @property
+    def sched_out(self) -> SchedulerOutput: ...
+
+    @property
+    def start(self) -> float: ...  # time.monotonic() before `schedule()`
+
+
+class _Cost:
+    """Extra seconds of swap work in a step, fitted as fixed + per_token x tokens."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
+        # `fit()` of the samples as they are, and whether least squares gave it.
+        self._fitted: tuple[float, float, bool] | None = None
+
+    def add(self, num_tokens: int, extra_s: float) -> None:
+        self._samples.append((num_tokens, extra_s))
+        self._fitted = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self._samples)
+
+    @property
+    def largest(self) -> int:
+        return max(n for n, _ in self._samples)
+
+    @property
+    def separable(self) -> bool:
+        """The piece sizes vary enough to tell the fixed part from the per-token one."""
+        sizes = [n for n, _ in self._samples]
+        return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token): least squares once `separable`; else, or when
+        the steps' noise hides the per-token part, all of it per token (`resolved` False)."""
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted[:2]
+
+    @property
+    def resolved(self) -> bool:
+        """The fit told the fixed part from the per-token one (least squares)."""
+        self.fit()
+        assert self._fitted is not None
+        return self._fitted[2]
+
+    def _fit(self) -> tuple[float, float, bool]:
+        samples = self._samples
+        sizes = [n for n, _ in samples]
+        if self.separable:
+            mean_n = statistics.fmean(sizes)
+            mean_e = statistics.fmean(e for _, e in samples)
+            var = sum((n - mean_n) ** 2 for n in sizes)
+            cov = sum((n - mean_n) * (e - mean_e) for n, e in samples)
+            per_token = cov / var
+            fixed = mean_e - per_token * mean_n
+            if per_token >= _MIN_PER_TOKEN_S and fixed >= 0.0:
+                return fixed, per_token, True
+        through_origin = sum(n * e for n, e in samples) / sum(n * n for n in sizes)
+        return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
+
+
+class StepPacer:
+    """The allowance of a swap's work per step; see the module docstring. Engine thread."""
+
+    def __init__(self, settings: PacingSettings | None = None) -> None:
+        self.settings = settings or PacingSettings()
+        # Steady periods by the number of weights versions serving in the step.
+        self._steady: dict[int, deque[float]] = {}
+        self._cost = {False: _Cost(), True: _Cost()}  # by `alone`
+        self._credit = 0.0  # seconds of swap work the share has earned and not spent
+        self._num_busy = 0  # consecutive steps with swap work
+        self._last_end: float | None = None
+
+    def steady_s(self, num_serving_versions: int = 1) -> float | None:
+        """The steady period of steps with that many serving versions; None: not measured."""
+        periods = self._steady.get(num_serving_versions)
+        if periods is None or len(periods) < _MIN_STEADY_SAMPLES:
+            return None
+        return statistics.median(periods)
+
+    def allowance(self, num_serving_versions: int, alone: bool) -> int:
+        """Tokens of swap work the step being scheduled may take (0: none in this one).
+
+        Args:
+            num_serving_versions: weights versions the step's serving requests run on.
+            alone: the work would run on a slot that serves nothing in this step.
+        """
+        settings = self.settings
+        if settings.fixed_tokens:
+            return settings.fixed_tokens
+        steady = self.steady_s(num_serving_versions)
+        if steady is None or self.measuring(num_serving_versions):
+            return 0
+        cost = self._cost[alone]
+        if not cost.known:
+            return 1  # a first, smallest piece: what it costs is measured next
+        fixed, per_token = cost.fit()
+        share_s = settings.share * steady
+        smallest = fixed + per_token
+        if smallest <= share_s:  # fits in every step; at most twice what was measured so far
+            return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
+        # Spaced: one piece as large as a spaced piece may be, once the credit covers it
+        # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
+        # measured. Until the fit tells the fixed part from the per-token one (pieces of
+        # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
+        # all-per-token fit would keep the pieces as small as the noise makes them look.
+        cap = _credit_cap(steady, smallest)
+        if self._credit < cap:
+            return 0
+        grown = 2 * cost.largest + 2
+        if not cost.resolved:
+            return grown
+        return max(1, min(int((cap - fixed) / per_token), grown))
+
+    def most_tokens(self, num_serving_versions: int, alone: bool) -> int:
+        """The most tokens of swap work a step may take even when more presses (a migration
+        behind its deadline): what one steady step of extra time buys, so that no step more
+        than doubles; 0 until that work's cost has been measured."""
+        steady = self.steady_s(num_serving_versions)
+        cost = self._cost[alone]
+        if self.settings.fixed_tokens or steady is None or not cost.known:
+            return 0
+        fixed, per_token = cost.fit()
+        return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
+
+    def measuring(self, num_serving_versions: int) -> bool:
+        """The step being scheduled must run without swap work: its kind's steady time is
+        not measured yet, or it is the step in eight that keeps it measured."""
+        if self.settings.fixed_tokens:
+            return False
+        return self.steady_s(num_serving_versions) is None or self._num_busy >= _FREE_EVERY - 1
+
+    # ------------------------------------------------------------------------ step hooks
+
+    def step_started(self, now: float) -> None:
+        pass
+
+    def scheduled(self, sched_out: SchedulerOutput, started: float) -> None:
+        pass
+
+    def step_ended(self, record: FinishedStep | None, end: float) -> None:
+        """Measure the step that ended: a steady period, or the cost of its swap work."""
+        last_end, self._last_end = self._last_end, end
+        if record is None or record.sched_out.is_empty:
+            return
+        period = end - max(record.start, last_end if last_end is not None else record.start)
+        work = record.sched_out.swap_work
+        if work is None:  # not scheduled to the end (a preemption): its kind is unknown
+            return
+        if work.num_tokens == 0:
+            self._num_busy = 0
+            key = work.num_serving_versions
+            self._steady.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
+            self._earn(key)
+            return
+        self._num_busy += 1
+        if work.num_tokens == record.sched_out.total_num_scheduled_tokens:
+            return  # nothing served in it: nothing to measure against
+        steady = self.steady_s(work.num_serving_versions)
+        if steady is None:
+            return
+        extra = period - steady
+        self._cost[work.alone].add(work.num_tokens, extra)
+        # Signed: a step's noise either way averages out (charging only the slow ones would
+        # spend more than the share earns on a noisy machine); one outlier costs at most what
+        # a spaced piece may.
+        self._credit -= min(extra, self._cap(steady))
+        self._earn(work.num_serving_versions)
+
+    # ------------------------------------------------------------------------------ internal
+
+    def _earn(self, key: int) -> None:
+        """Each busy step earns the share of its steady time, up to what one spaced piece
+        may cost."""
+        steady = self.steady_s(key)
+        if steady is None:
+            return
+        self._credit = min(self._cap(steady), self._credit + self.settings.share * steady)
+
+    def _cap(self, steady: float) -> float:
+        """The most a spaced piece may cost, in steps `steady` long."""
+        alone = self._cost[True]
+        return _credit_cap(steady, sum(alone.fit()) if alone.known else 0.0)
+
+
+def _credit_cap(steady: float, smallest: float) -> float:
+    """The most a spaced piece may cost: one steady step, or the smallest piece if more."""
+    return max(steady, smallest)

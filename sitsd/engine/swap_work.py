@@ -1,0 +1,71 @@
+"""The scheduler's last phase: a swap's work in what the step has left, under the pacer's say.
+
+A swap adds two kinds of work to the steps that serve, both scheduled last, after the requests
+being served: migration shadows (`sitsd.engine.swap_policies`, `sitsd.engine.migration`) and
+canary probes (`sitsd.engine.probes`). The pacer (`sitsd.engine.pacing`) says how many of their
+tokens a step may take; `SwapWorkPhase` fits shadows first (a migration has a deadline), then
+probes, into that allowance.
+
+A step carries one kind of swap work: work on a weights version that serves in the step (it
+joins that sub-batch: it costs its tokens), or, when there is none, work on a version that
+serves nothing in it (a sub-batch of its own: a whole pass over another slot's weights). A
+step whose serving work computes prompt tokens too is longer than steady already: the
+allowance of work that joins shrinks by them (to an eighth at least; a piece of its own keeps
+its size, it pays for its pass either way). With nothing to serve, a swap's work takes the
+whole budget. Every step's shape goes to the pacer in `SchedulerOutput.swap_work`.
+
+The scheduler (`sitsd.engine.scheduler`) owns this phase and calls it once a step.
+"""
+
+from __future__ import annotations
+
+from sitsd.engine.batch import Batch
+from sitsd.engine.pacing import StepPacer
+from sitsd.engine.probes import Probes
+from sitsd.engine.swap_policies import SwapPolicies
+from sitsd.outputs import SchedulerOutput, SwapWork
+
+
+class SwapWorkPhase:
+    """Schedules a swap's work into a step; see the module docstring."""
+
+    def __init__(self, batch: Batch, swaps: SwapPolicies, probes: Probes, pacer: StepPacer) -> None:
+        self._batch = batch
+        self._swaps = swaps
+        self._probes = probes
+        self._pacer = pacer
+
+    def schedule(self, out: SchedulerOutput) -> None:
+        """Shadows, then probes, of one kind, within the allowance; the step's shape in
+        `out.swap_work`."""
+        requests = self._batch.requests
+        serving = {requests[r].weights_version for r in out.num_scheduled_tokens}
+        migration = self._swaps.migration
+        pending = self._probes.versions()
+        if migration is not None:
+            pending.add(migration.to_version)
+        joining = pending & serving
+        versions, alone = (joining, False) if joining else (pending, True)
+        used = self._schedule(out, versions, alone, len(serving)) if versions else 0
+        out.swap_work = SwapWork(used, alone and used > 0, len(serving))
+
+    def _schedule(
+        self, out: SchedulerOutput, versions: set[str], alone: bool, num_serving: int
+    ) -> int:
+        """A swap's work on `versions`; the tokens scheduled."""
+        pacer = self._pacer
+        if num_serving:
+            allowance = pacer.allowance(num_serving, alone)
+            prefill = out.total_num_scheduled_tokens - len(out.num_scheduled_tokens)
+            if allowance > 0 and not alone:  # a spaced piece keeps its size: it pays its pass
+                allowance = max(-(-allowance // 8), allowance - prefill)
+        else:  # nothing served in this step: nothing to protect
+            allowance = self._batch.budget(out)
+        used = 0
+        migration = self._swaps.migration
+        if migration is not None and migration.to_version in versions:
+            # The deadline's floor everywhere but in the steps that keep the pacing measured.
+            step_s = None if pacer.measuring(num_serving) else pacer.steady_s(num_serving)
+            most = pacer.most_tokens(num_serving, alone) if num_serving else allowance
+            used = self._swaps.schedule_shadows(out, allowance, step_s, most)
+        return used + self._probes.schedule(out, allowance - used, versions)

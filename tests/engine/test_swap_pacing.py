@@ -1,0 +1,219 @@
+"""A swap's work inside engine steps (canary probes, migration recompute), paced by the measured
+step time: in simulated time, the work a swap adds to a step never exceeds its share of the
+steady step (or, when even its smallest piece cannot fit, at most one steady step and the share
+on average), and a migration ends by its deadline.
+
+The simulated steps cost what a memory-bound device pays: a fixed part, a part per token, and
+a whole pass over a second slot's weights for a sub-batch on another version. The scheduler,
+the pacer and the fake runner are the real ones; only the clock is simulated.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from sitsd.config import SchedulerConfig
+from sitsd.engine.kv_cache_manager import KVCacheManager
+from sitsd.engine.observer import StepRecord
+from sitsd.engine.pacing import PacingSettings
+from sitsd.engine.request import Request
+from sitsd.engine.scheduler import Scheduler
+from sitsd.types import SamplingParams, Tier
+from tests.engine.fakes import FakeRunner, next_token
+
+BLOCK = 4
+V0, V1 = "fake@0", "fake@1"
+
+
+class SimEngine:
+    """The scheduler and the fake runner, stepped on a simulated clock.
+
+    A step lasts `base_s + token_s * tokens + weights_s * (versions - 1)`: each sub-batch on
+    a second weights version pays a pass over that slot's weights.
+    """
+
+    def __init__(self, share=0.2, base_s=0.1, token_s=0.002, weights_s=0.0, deadline_s=60.0,
+                 fixed_tokens=0):  # fmt: skip
+        self.now = 0.0
+        self.base_s, self.token_s, self.weights_s = base_s, token_s, weights_s
+        self.kv = KVCacheManager(4096, BLOCK)
+        cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, policy="fcfs")
+        pacing = PacingSettings(share=share, fixed_tokens=fixed_tokens,
+                                migration_deadline_s=deadline_s)  # fmt: skip
+        self.sched = Scheduler(cfg, self.kv, 8192, clock=lambda: self.now, pacing=pacing)
+        self.runner = FakeRunner(BLOCK)
+        self.rng = random.Random()
+        self.steps = []  # (period, swap tokens, cost of the swap work, serving versions)
+        self.alone = []  # per step: its swap work ran on a slot serving nothing else
+        self.finished = set()
+
+    def add(self, req_id, prompt_len, max_tokens):
+        prompt = [self.rng.randrange(3, 900) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        version = self.runner.slots.active_version
+        self.sched.add_request(Request(req_id, prompt, params, seed=0, tier=Tier.SILVER,
+                                       arrival_time=self.now, weights_version=version))  # fmt: skip
+
+    def cost(self, so, req_ids):
+        versions = {self.runner.versions[r] for r in req_ids}
+        tokens = sum(so.num_scheduled_tokens[r] for r in req_ids)
+        return self.token_s * tokens + self.weights_s * max(0, len(versions) - 1)
+
+    def step(self):
+        start = self.now
+        so = self.sched.schedule()
+        out = self.runner.execute(so)
+        swap_ids = [r for r in so.num_scheduled_tokens if r not in self.sched.requests]
+        serving = [r for r in so.num_scheduled_tokens if r in self.sched.requests]
+        period = self.base_s + self.cost(so, list(so.num_scheduled_tokens))
+        # What the swap's work added: the step with it, less the step without it.
+        added = period - self.base_s - self.cost(so, serving) if swap_ids else 0.0
+        self.now += period
+        updates = self.sched.update_from_output(so, out)
+        self.sched.pacer.step_ended(StepRecord(so, updates, start, self.now), self.now)
+        versions = {self.runner.versions[r] for r in serving}
+        self.steps.append((period, sum(so.num_scheduled_tokens[r] for r in swap_ids), added,
+                           len(versions)))  # fmt: skip
+        self.alone.append(so.swap_work is not None and so.swap_work.alone)
+        for u in updates:
+            if u.finish_reason is not None:
+                self.finished.add(u.request.req_id)
+        return so
+
+    def steady(self, num_requests, max_tokens=100_000, num_steps=40):
+        """Long requests decoding: every step costs the same."""
+        for i in range(num_requests):
+            self.add(f"r{i}", self.rng.randrange(8, 40), max_tokens)
+        for _ in range(num_steps):
+            self.step()
+        return statistics.median(p for p, *_ in self.steps[-20:])
+
+
+def probe_prompts(rng, num, length=(8, 40)):
+    return [[rng.randrange(3, 900) for _ in range(rng.randrange(*length))] for _ in range(num)]
+
+
+def run_canary(sim, prompts, max_steps=3000):
+    """Probes of `prompts` on both versions; returns (steps they took, {probe index: argmax})."""
+    results = {}
+    first = len(sim.steps)
+
+    def done(index, probe_id, error):
+        assert error is None
+        results[index] = sim.runner.take_prompt_logprobs(probe_id).argmax(-1).tolist()
+
+    for i, prompt in enumerate(prompts):
+        for version in (V0, V1):
+            key = (i, version)
+            sim.sched.probes.add(prompt, version, lambda p, e, k=key: done(k, p, e))
+    while sim.sched.probes.pending:
+        sim.step()
+        assert len(sim.steps) - first < max_steps, "the canary never finished"
+    for (i, version), argmax in results.items():
+        assert argmax == [next_token(t, version, 1000) for t in prompts[i]]
+    return sim.steps[first:]
+
+
+def test_a_canary_that_fits_the_share_adds_at_most_the_share_to_every_step():
+    # A second slot's pass costs 5% of a step: even alone, pieces fit in every step.
+    sim = SimEngine(share=0.2, weights_s=0.005)
+    sim.runner.slots.load(V1)
+    steady = sim.steady(num_requests=8)
+    steps = run_canary(sim, probe_prompts(sim.rng, 6))
+    added = [a for _, n, a, _ in steps if n]
+    assert added, "the canary ran in the steps"
+    # One token's cost of rounding: the allowance is a whole number of tokens.
+    assert max(added) <= 0.2 * steady + sim.token_s + 1e-9
+    assert len(added) >= len(steps) / 2, "it went in most steps, not spaced out"
+
+
+def test_a_canary_on_a_slot_whose_pass_exceeds_the_share_is_spaced_and_never_doubles_a_step():
+    # A pass over the standby slot costs 60% of a steady step: no piece fits the 20% share.
+    sim = SimEngine(share=0.2, weights_s=0.06)
+    sim.runner.slots.load(V1)
+    steady = sim.steady(num_requests=8)
+    steps = run_canary(sim, probe_prompts(sim.rng, 4))
+    added = [a for _, n, a, _ in steps if n]
+    assert max(added) <= steady + sim.token_s + 1e-9, "a step at most doubles"
+    # The share holds on average over the canary (the first, probing piece included).
+    assert sum(added) <= 0.2 * sum(p for p, *_ in steps) * 1.25
+    # The active slot's probes join its sub-batch in every step; the standby slot's, each a
+    # pass of its own, are spaced once those are done.
+    alone = sim.alone[-len(steps) :]
+    standby = alone[alone.index(True) :]
+    assert sum(standby) < len(standby) / 2, "pieces on the standby slot are spaced"
+
+
+def test_every_step_with_swap_work_serves_every_running_request():
+    sim = SimEngine(share=0.2, weights_s=0.06)
+    sim.runner.slots.load(V1)
+    sim.steady(num_requests=6)
+    first = len(sim.runner.step_log)
+    run_canary(sim, probe_prompts(sim.rng, 4))
+    for step in sim.runner.step_log[first:]:
+        assert {f"r{i}" for i in range(6)} <= set(step), "a request missed a step"
+
+
+def test_migration_recompute_that_joins_new_requests_adds_at_most_the_share_to_a_step():
+    sim = SimEngine(share=0.2, weights_s=0.06, deadline_s=1e6)
+    steady = sim.steady(num_requests=8, max_tokens=400)
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    switch = sim.sched.swaps.switch(V1, "migrate")
+    assert switch.num_migrating == 8
+    sim.add("new", 16, 10_000)  # a request on the new version: shadows join its sub-batch
+    first = len(sim.steps)
+    while sim.sched.swaps.migration is not None:
+        sim.step()
+        assert len(sim.steps) - first < 5000
+    joined = [(a, k) for _, n, a, k in sim.steps[first:] if n and k == 2]
+    assert joined, "shadows ran next to both versions' requests"
+    two_slot_steady = sim.base_s + sim.weights_s + sim.token_s * 9  # 9 decodes, two slots
+    assert max(a for a, _ in joined) <= 0.2 * two_slot_steady + sim.token_s + 1e-9
+    assert max(a for a, _ in joined) < 0.2 * steady + sim.weights_s  # never a third slot's pass
+    assert not {f"r{i}" for i in range(8)} & sim.finished, "every request migrated"
+
+
+def test_a_migration_too_slow_for_its_share_still_ends_by_its_deadline():
+    # 16 long requests add 16 tokens a step; a 1% share allows ~1 shadow token a step.
+    sim = SimEngine(share=0.01, deadline_s=30.0)
+    sim.steady(num_requests=16, max_tokens=100_000)
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    started = sim.now
+    sim.sched.swaps.switch(V1, "migrate")
+    while sim.sched.swaps.migration is not None:
+        sim.step()
+        assert sim.now - started < 60.0, "the migration did not end by its deadline"
+    assert sim.now - started <= 30.0 * 1.1
+    assert sim.sched.swaps.last_migration.num_restarted == 0
+
+
+def test_a_migration_behind_its_deadline_never_more_than_doubles_a_step():
+    # Steps of a second against a 2 s deadline: catching up in time would take every
+    # shadow's whole context in one step; the deadline's push stops at one steady step.
+    sim = SimEngine(share=0.2, base_s=1.0, token_s=0.02, deadline_s=2.0)
+    steady = sim.steady(num_requests=8, max_tokens=100_000, num_steps=30)
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    first = len(sim.steps)
+    sim.sched.swaps.switch(V1, "migrate")
+    while sim.sched.swaps.migration is not None:
+        sim.step()
+        assert len(sim.steps) - first < 2000, "the migration never ended"
+    added = [a for _, n, a, _ in sim.steps[first:] if n]
+    assert max(added) > 0.2 * steady + sim.token_s, "the deadline pushed past the share"
+    assert max(added) <= steady + sim.token_s + 1e-9, "a step at most doubles"
+    assert sim.sched.swaps.last_migration.num_restarted == 0
+
+
+@pytest.mark.parametrize("fixed", [3, 11])
+def test_a_fixed_allowance_is_never_exceeded(fixed):
+    sim = SimEngine(fixed_tokens=fixed, deadline_s=1e6)
+    sim.runner.slots.load(V1)
+    sim.steady(num_requests=4, num_steps=5)
+    steps = run_canary(sim, probe_prompts(sim.rng, 3))
+    assert max(n for _, n, _, _ in steps) <= fixed
