@@ -7,7 +7,7 @@ The grammar is `bench.bench_http`'s schema; each row's matcher has consumed a di
 of one valid document, as rows of a real batch have. Three layouts: every row constrained,
 a run of rows, and every other row (the gathered path). Median and min of `--repeats` calls.
 
-    .venv/bin/python -m bench.bench_grammar_mask [--rows 32] [--repeats 50]
+    .venv/bin/python -m bench.bench_grammar_mask [--rows 32] [--repeats 50] [--model PATH]
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="default", help="whose tokenizer (default: SmolLM2)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    tokenizer = load_checkpoint(resolve_model_path("default"), load_tensors=False).tokenizer
+    tokenizer = load_checkpoint(resolve_model_path(args.model), load_tensors=False).tokenizer
     vocab = tokenizer.vocab_size
     compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab)
     states = matchers(compiler, tokenizer, args.rows)

@@ -43,8 +43,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
-    # Dequantized: the float32 weights transformers reads from the same GGUF, so logprobs can be
-    # compared with its log-softmax exactly (the Q4_1 path computes in bfloat16).
+    # Dequantized: the weights transformers computes with (it reads the GGUF dequantized).
     flags = ("--scheduling-policy", "fcfs", "--kv-cache-memory", "256MiB", "--dequantize")
     with serving(tmp_path_factory.mktemp("state"), *flags) as process:
         yield process
@@ -139,7 +138,7 @@ def test_usage_counts_equal_the_tokenizers(client, smollm2_hf_tokenizer):
     prompt = "Tell me about " + random.choice(["cats", "the sea", "prime numbers"])
     answer = client.completions.create(
         model="", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
-        stream=True, stream_options={"include_usage": True},
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = list(answer)
     usage = chunks[-1].usage
