@@ -241,7 +241,9 @@ class Plan:
         tier = rng.choices(self.tiers, self.weights)[0]
         num_prompt = rng.randint(*args.prompt_tokens)
         max_tokens = rng.randint(*args.max_tokens)
-        start = rng.randrange(self.corpus_length - num_prompt + 1)
+        # A fraction, not randrange: the generator's later draws (the next tiers) must not
+        # depend on the corpus length, which differs between gRPC's token ids and --openai's words.
+        start = int(rng.random() * (self.corpus_length - num_prompt + 1))
         return Draw(tier, num_prompt, max_tokens, start)
 
     def next_gap(self) -> float:
