@@ -44,7 +44,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.bench_swap import percentiles
+from bench.bench_swap import stats
 from bench.daemon import BenchDaemon
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
@@ -183,15 +183,15 @@ class Trainer:
 def measure_transports(args: argparse.Namespace, trainer: Trainer, load: Load) -> dict:
     steady_start = now()
     time.sleep(args.steady)
-    steady = percentiles(load.itls(steady_start, now()))
+    steady = stats(load.itls(steady_start, now()))
     out: dict = {"steady": steady, "pushes": {}}
     for transport in available(args.transports, args.device):
         time.sleep(args.gap)
         result, called, committed = trainer.push(transport, args.policy)
         # Staged (received, validated, canaried) at the daemon's total less its commit stage.
         staged = called + result.total_s - result.timings["commit"]
-        receiving = percentiles(load.itls(called, staged))
-        committing = percentiles(load.itls(staged, committed + 1.0))
+        receiving = stats(load.itls(called, staged))
+        committing = stats(load.itls(staged, committed + 1.0))
         receive_s = result.timings["receive"]
         out["pushes"][transport] = {
             "call_to_commit_s": committed - called,

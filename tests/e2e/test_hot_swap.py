@@ -267,7 +267,9 @@ def test_rollback_restores_old_outputs_and_a_sigkilled_daemon_restarts_on_the_co
         assert rolled.returncode == 0, rolled.stderr
         assert greedy(daemon, prompt)[0] == old
         table = sitsctl(daemon, "versions")
-        assert re.search(r"^v2\s+retired\s+standby\s+restored", table.stdout, re.M), table.stdout
+        # VERSION STATE SLOT PRECISION WEIGHTS SOURCE ...: v2 retired, in the standby slot.
+        v2 = r"^v2\s+retired\s+standby\s+fp32;.*\sMiB\s+restored\s"
+        assert re.search(v2, table.stdout, re.M), table.stdout
     finally:
         assert daemon.terminate() == 0, daemon.log
 

@@ -39,6 +39,10 @@ FLAGS = (
     "96MiB",
     "--max-model-len",
     "1024",
+    # A migration's recompute in one step, however slow the machine: paced by the measured
+    # step time, it may outlast these short requests on a busy CPU, and then none would span it.
+    "--migration-tokens-per-step",
+    "4096",
 )
 QUESTIONS = [
     "What is the capital of France?",
