@@ -16,19 +16,14 @@ import torch
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
 from sitsd.client import PushError, WeightGroup, WeightsClient
 from sitsd.weights.versions import VersionState
-from tests.weights.push_harness import ADMIN_TOKEN, PushServed, version_tensors
-from tests.weights.tiny_versions import write_version
+from tests.weights.push_harness import ADMIN_TOKEN, PushServed, version_tensors, write_two_versions
 
 NORM = "model.norm.weight"
 
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rpc-versions")
-    return {
-        "v1": write_version(root / "v1"),
-        "v2": write_version(root / "v2", noise_seed=random.randrange(2**20)),
-    }
+    return write_two_versions(tmp_path_factory.mktemp("rpc-versions"))
 
 
 @pytest.fixture

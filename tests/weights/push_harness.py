@@ -9,6 +9,7 @@ put in a slot with what it sent, bit for bit.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
@@ -22,9 +23,18 @@ from sitsd.weights.push import PushHeader, PushSettings, UpdateReport, WeightPus
 from sitsd.weights.push_plan import DTYPES, PushPlan, TensorSpec
 from sitsd.weights.push_stream import StreamedPush, TensorPiece
 from tests.weights.test_swap_manager import Served
+from tests.weights.tiny_versions import write_version
 
 ADMIN_TOKEN = "push-test-token"
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def write_two_versions(root: Path) -> dict[str, Path]:
+    """ "v1" and "v2" (v1 with fresh random noise) as version directories under `root`."""
+    return {
+        "v1": write_version(root / "v1"),
+        "v2": write_version(root / "v2", noise_seed=random.randrange(2**20)),
+    }
 
 
 def version_tensors(directory: Path) -> dict[str, torch.Tensor]:

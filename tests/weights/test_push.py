@@ -17,8 +17,14 @@ from sitsd.weights.push_plan import PushPlan
 from sitsd.weights.push_stream import StreamedPush, TensorPiece
 from sitsd.weights.versions import VersionState
 from tests.model.quant_checkpoints import write_quantized_llama
-from tests.weights.push_harness import PushServed, pieces, spec_of, streamed, version_tensors
-from tests.weights.tiny_versions import write_version
+from tests.weights.push_harness import (
+    PushServed,
+    pieces,
+    spec_of,
+    streamed,
+    version_tensors,
+    write_two_versions,
+)
 
 GATE = "model.layers.1.mlp.gate_proj.weight"
 NORM = "model.norm.weight"
@@ -26,11 +32,7 @@ NORM = "model.norm.weight"
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    root = tmp_path_factory.mktemp("push-versions")
-    return {
-        "v1": write_version(root / "v1"),
-        "v2": write_version(root / "v2", noise_seed=random.randrange(2**20)),
-    }
+    return write_two_versions(tmp_path_factory.mktemp("push-versions"))
 
 
 @pytest.fixture
