@@ -130,24 +130,24 @@ class SwapManager:
         """
         if version:
             check_version_id(version)  # before the path is even looked at
-        directory = Path(path).expanduser()
-        if not directory.is_dir():
-            raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
+        directory = _host_directory(path)
         try:
             digest = read_manifest(directory).digest
         except (IncompleteVersion, ManifestError) as exc:
             raise InvalidRequestError(
                 "path", f"{exc}; write one with `sitsctl manifest {path}`"
             ) from None
+        except OSError as exc:  # unreadable: permissions, a file vanished under us
+            raise InvalidRequestError("path", f"{path} cannot be read: {exc.strerror}") from None
         if not version:
             try:
-                version = check_version_id(directory.resolve().name)
+                version = check_version_id(directory.name)
             except InvalidVersionIdError as exc:
                 raise InvalidVersionIdError(
                     f"{exc}; name the version (sitsctl deploy --version)"
                 ) from None
         record, _ = self.registry.register(
-            version, str(directory.resolve()), digest, source, VersionState.STAGED
+            version, str(directory), digest, source, VersionState.STAGED
         )
         return record
 
@@ -482,6 +482,24 @@ class SwapManager:
                 yield
             finally:
                 self._operation = ""
+
+
+def _host_directory(path: str) -> Path:
+    """`path` as the absolute directory it names on the daemon's host.
+
+    Raises:
+        InvalidRequestError: it names no directory, or cannot name one: too long, a symlink
+            loop, a NUL byte, an unknown `~user`, a component the daemon may not search.
+    """
+    try:
+        directory = Path(path).expanduser().resolve()
+        if directory.is_dir():
+            return directory
+    except (OSError, RuntimeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        shown = repr(path if len(path) <= 80 else path[:80] + "...")
+        raise InvalidRequestError("path", f"{shown} is not a usable path: {reason}") from None
+    raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
 
 
 def _progress_of(event: SwapEvent) -> SwapProgress:

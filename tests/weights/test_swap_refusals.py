@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sitsd.api.interceptors import status_for_exception
+from sitsd.engine.errors import InvalidRequestError
 from sitsd.weights.errors import (
     InvalidVersionIdError,
     SwapFailedError,
@@ -105,6 +106,26 @@ def test_deploy_with_a_path_for_its_version_id_is_refused_and_registers_nothing(
     assert served.manager.registry.list() == before
     assert not (tmp_path / "outside").exists()
     record = served.run(served.manager.deploy(str(odd), "odd"))  # named, it deploys
+    assert record.state is VersionState.VALIDATED
+
+
+def test_a_path_that_names_no_directory_is_a_client_error_and_registers_nothing(
+    served, versions, tmp_path
+):
+    """Whatever string arrives as a deploy's path, the answer is INVALID_ARGUMENT on `path`:
+    the operating system's refusals (a name too long, a symlink loop) are the request's fault."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "file").write_text("")
+    before = served.manager.registry.list()
+    for path in ["\u00e9" * 300, "a/" * 3000, "v1\x00", "~no-such-user-here/v1",
+                 str(tmp_path / "loop"), str(tmp_path / "file"), str(tmp_path / "missing")]:  # fmt: skip
+        with pytest.raises(InvalidRequestError) as caught:
+            served.run(served.manager.deploy(path))
+        assert str(caught.value).startswith("path: "), caught.value
+        assert len(str(caught.value)) < 200
+        assert status_for_exception(caught.value)[0].name == "INVALID_ARGUMENT"
+    assert served.manager.registry.list() == before
+    record = served.run(served.manager.deploy(str(versions["v2"])))
     assert record.state is VersionState.VALIDATED
 
 
