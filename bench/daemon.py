@@ -9,6 +9,7 @@ machine's wheels, follow).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -29,7 +30,14 @@ METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
 class BenchDaemon:
     """A started `sitsd serve`; `wait_until_serving()` before use, `stop()` after."""
 
-    def __init__(self, state_dir: Path, flags: Sequence[str], log_path: Path | None = None):
+    def __init__(
+        self,
+        state_dir: Path,
+        flags: Sequence[str],
+        log_path: Path | None = None,
+        cpus: set[int] | None = None,
+    ):
+        """`cpus`: the cores the daemon (every thread of it) may run on; None: any."""
         state_dir.mkdir(parents=True, exist_ok=True)
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": str(state_dir)}
@@ -39,8 +47,9 @@ class BenchDaemon:
         command = [sys.executable, "-m", "sitsd", "serve", "--port", "0", "--metrics-port", "0",
                    "--http-port", "0", "--state-dir", str(state_dir), *flags]  # fmt: skip
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT
-        )
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT,
+            preexec_fn=None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus),
+        )  # fmt: skip
         self.address = self.metrics_url = ""
 
     def log_text(self) -> str:

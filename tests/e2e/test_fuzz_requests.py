@@ -243,7 +243,8 @@ def assert_idle_and_serving(daemon: DaemonProcess, seed: int, log_from: int) -> 
     finally:
         channel.close()
     log = daemon.log[log_from:]
-    assert "Traceback" not in log, f"seed {seed}: " + log[max(0, log.find("Traceback") - 2000) :][:4000]
+    around = log[max(0, log.find("Traceback") - 2000) :][:4000]
+    assert "Traceback" not in log, f"seed {seed}: {around}"
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["decoded", "raw-bytes"])

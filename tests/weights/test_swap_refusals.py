@@ -117,8 +117,8 @@ def test_a_path_that_names_no_directory_is_a_client_error_and_registers_nothing(
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "file").write_text("")
     before = served.manager.registry.list()
-    for path in ["\u00e9" * 300, "a/" * 3000, "v1\x00", "~no-such-user-here/v1",
-                 str(tmp_path / "loop"), str(tmp_path / "file"), str(tmp_path / "missing")]:  # fmt: skip
+    odd = ["\u00e9" * 300, "a/" * 3000, "v1\x00", "~no-such-user-here/v1"]
+    for path in [*odd, *(str(tmp_path / name) for name in ("loop", "file", "missing"))]:
         with pytest.raises(InvalidRequestError) as caught:
             served.run(served.manager.deploy(path))
         assert str(caught.value).startswith("path: "), caught.value
