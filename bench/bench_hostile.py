@@ -50,7 +50,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.daemon import BenchDaemon
+from bench.daemon import BenchDaemon, split_cores
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.api.v1 import inference_pb2_grpc
 
@@ -183,8 +183,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    pinned = not args.no_pin and len(cores) > 1
-    daemon_cpus, client_cpus = (set(cores[:-1]), set(cores[-1:])) if pinned else (None, None)
+    daemon_cpus, client_cpus = split_cores(not args.no_pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)  # the measuring client, and the Manager it starts
 

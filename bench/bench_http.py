@@ -11,8 +11,11 @@ ratio of the medians is printed. The constrained run adds `response_format` with
 schema to the 32 HTTP streams, right after the unconstrained 32 (after the grammar ends only
 end-of-sequence is allowed, and `ignore_eos` keeps the request going, so the mask is computed
 at every step). The machine's load average is printed at the start and after each round.
+The daemon runs on all cores but the last and the clients on the last (`--no-pin`: any core),
+so the clients' own work (the `openai` client parses SSE in Python) is not counted as the
+daemon's, as it would not be with the clients on another machine.
 
-    .venv/bin/python -m bench.bench_http [--max-tokens 64] [--rounds 3]
+    .venv/bin/python -m bench.bench_http [--max-tokens 64] [--rounds 3] [--no-pin]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 import grpc.aio
 import openai
 
-from bench.daemon import BenchDaemon
+from bench.daemon import BenchDaemon, split_cores
 from sitsd.api.v1 import inference_pb2, inference_pb2_grpc
 
 HTTP_URL = re.compile(r"http on (http://\S+/v1)")
@@ -134,15 +137,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the daemon and the clients share every core")  # fmt: skip
     args = parser.parse_args()
     flags = ["--scheduling-policy", "fcfs", "--max-num-seqs", "32",
              "--model", args.model, "--device", args.device, "--no-step-spans"]  # fmt: skip
+    daemon_cpus, client_cpus = split_cores(not args.no_pin)
+    if client_cpus is not None:
+        os.sched_setaffinity(0, client_cpus)
     with tempfile.TemporaryDirectory() as state:
-        daemon = BenchDaemon(Path(state), flags).wait_until_serving()
+        daemon = BenchDaemon(Path(state), flags, cpus=daemon_cpus).wait_until_serving()
         try:
             url = HTTP_URL.search(daemon.log_text())
             assert url, "the daemon logged no HTTP address"
-            print(f"load average at the start: {_load()} ({os.cpu_count()} CPUs)", flush=True)
+            where = "any core" if daemon_cpus is None else f"daemon on {sorted(daemon_cpus)}, " \
+                f"clients on {sorted(client_cpus or ())}"  # fmt: skip
+            print(f"load average at the start: {_load()} ({os.cpu_count()} CPUs; {where})",
+                  flush=True)  # fmt: skip
             report(measure(daemon, url.group(1), args))
         finally:
             daemon.stop()

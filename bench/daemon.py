@@ -27,6 +27,16 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
 
 
+def split_cores(pin: bool = True) -> tuple[set[int] | None, set[int] | None]:
+    """(the daemon's cores, the clients' cores): all but the last core, and the last, so that
+    clients on the same machine do not take the daemon's CPU (as clients on another machine
+    would not); (None, None), any core for both, when `pin` is off or there is one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    return set(cores[:-1]), set(cores[-1:])
+
+
 class BenchDaemon:
     """A started `sitsd serve`; `wait_until_serving()` before use, `stop()` after."""
 
