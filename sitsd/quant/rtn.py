@@ -31,20 +31,43 @@ _TINY = 1e-10  # the smallest scale: an all-zero group quantizes to zeros, never
 class Int4Codes:
     """INT4 group-quantized W `[N, K]` in integers: `W = (codes - zeros) * scales`."""
 
-    codes: torch.Tensor  # [N, K] uint8, 0..15
+    codes: torch.Tensor  # [N, K] uint8, 0..15 (columns in `perm` order when it is set)
     scales: torch.Tensor  # [G, N] float16
     zeros: torch.Tensor | None  # [G, N] uint8, 0..15; None: symmetric (zero point 8)
     group_size: int
+    # [K] int32 or None: act-order (GPTQ's), code column j quantizes input column perm[j], so
+    # the groups are runs of `group_size` columns in that order (the layout's `perm`)
+    perm: torch.Tensor | None = None
 
     def to_layout(self) -> Int4Weight:
         """The serving layout of the same W (float32 offsets `-zero * scale`: exact)."""
         offsets = None
         if self.zeros is not None:
             offsets = -(self.zeros.float() * self.scales.float())
-        return Int4Weight(pack_int4(self.codes), self.scales.contiguous(), offsets, self.group_size)
+        return Int4Weight(
+            pack_int4(self.codes), self.scales.contiguous(), offsets, self.group_size, self.perm
+        )
+
+    def natural_codes(self) -> torch.Tensor:  # [N, K] uint8
+        """The codes with columns in the inputs' order (act-order undone)."""
+        if self.perm is None:
+            return self.codes
+        natural = torch.empty_like(self.codes)
+        natural[:, self.perm.long()] = self.codes
+        return natural
+
+    def group_index(self) -> torch.Tensor:  # [K] int32
+        """The group of each input column (GPTQ's and compressed-tensors' `g_idx`)."""
+        k = self.codes.shape[1]
+        groups = torch.arange(k, dtype=torch.int32) // self.group_size
+        if self.perm is None:
+            return groups
+        natural = torch.empty_like(groups)
+        natural[self.perm.long()] = groups
+        return natural
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
-        """W in float32 (exact)."""
+        """W in float32 (exact), input columns in x's order."""
         return self.to_layout().dequantize()
 
 

@@ -101,11 +101,14 @@ def test_bad_requests_are_refused_naming_what_does_not_fit(tiny, tmp_path):
     with pytest.raises(QuantFormatError, match="not a multiple of the group size 128"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=128), TEXT, tmp_path / "a")
     int8 = PrecisionMap.from_mapping({"*.mlp.*": "int8"})
-    with pytest.raises(QuantFormatError, match=r"mlp.gate_proj.weight: the AWQ layout holds"):
+    with pytest.raises(QuantFormatError, match=r"mlp.gate_proj.weight: sitsd quantize writes int4 and 16-bit"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=int8), TEXT,
                             tmp_path / "b")  # fmt: skip
-    with pytest.raises(QuantFormatError, match="method 'gptq'"):  # not written yet
-        quantize_checkpoint(tiny, QuantizeConfig(method="gptq"), TEXT, tmp_path / "c")
+    with pytest.raises(QuantFormatError, match="method 'hqq'"):
+        quantize_checkpoint(tiny, QuantizeConfig(method="hqq"), TEXT, tmp_path / "c")
+    with pytest.raises(QuantFormatError, match="format 'exl2'"):
+        quantize_checkpoint(tiny, QuantizeConfig(group_size=32, format="exl2"), TEXT,
+                            tmp_path / "d")  # fmt: skip
 
 
 def test_the_command_writes_a_version_and_says_so(tiny, tmp_path):
@@ -118,7 +121,7 @@ def test_the_command_writes_a_version_and_says_so(tiny, tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "rtn int4 g32 (AWQ layout)" in done.stdout
+    assert "rtn int4 g32 (awq layout)" in done.stdout
     assert "2/2" in done.stderr  # the bar, per layer
     assert load_version(tmp_path / "out").checkpoint.quant is not None
     bad = subprocess.run(
