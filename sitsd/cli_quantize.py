@@ -16,8 +16,9 @@ def add_quantize_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         help="quantize a 16-bit checkpoint into a deployable 4-bit version directory",
         description="Quantize the linear layers of --model to 4 bits (rtn: round to nearest; "
         "awq: activation-aware scales first; gptq: rounding with error feedback over the "
-        "calibration inputs' Hessian) into a Hugging Face directory (AWQ or GPTQ layout, with "
-        "manifest.json) in --out: what `sitsctl deploy` and the watched directory take.",
+        "calibration inputs' Hessian) into a Hugging Face directory (AWQ, GPTQ or "
+        "compressed-tensors layout, with manifest.json) in --out: what `sitsctl deploy` and "
+        "the watched directory take.",
     )
     quantize.add_argument("--model", required=True, help="the source checkpoint (a Hugging "
                           "Face directory, a .gguf file, or `default`)")  # fmt: skip
@@ -45,11 +46,12 @@ def add_quantize_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         "word): which linear weights become int4, which stay 16-bit",
     )
     quantize.add_argument("--format", choices=FORMATS, default="awq",
-                          help="the directory's layout: awq (AutoAWQ GEMM), gptq "
-                          "(GPTQModel)")  # fmt: skip
+                          help="the directory's layout: awq (AutoAWQ GEMM), gptq (GPTQModel), "
+                          "compressed-tensors (llm-compressor pack-quantized W4A16)")  # fmt: skip
     quantize.add_argument("--act-order", action="store_true",
-                          help="gptq: quantize the input columns loudest first (writes g_idx: "
-                          "--format gptq)")  # fmt: skip
+                          help="gptq: quantize the input columns loudest first (--format gptq: "
+                          "groups in that order, g_idx; compressed-tensors: the inputs' own "
+                          "groups, actorder weight)")  # fmt: skip
     quantize.add_argument("--gptq-damp", type=float, default=0.01,
                           help="gptq: the Hessian's damping, a fraction of its mean "
                           "diagonal")  # fmt: skip

@@ -10,15 +10,18 @@ quantized, weighted by the inverse Hessian, so that they make up for it (`gptq_q
              calibration token used (`H_kk = 0`) gets `H_kk = 1` and zero weights
     order    act-order (`act_order`): columns by decreasing `H_kk`, the loudest inputs first;
              the groups are runs of `group_size` columns in that order (`Int4Codes.perm`, which
-             the GPTQ and compressed-tensors layouts write as `g_idx`)
+             the GPTQ layout writes as `g_idx`), or, with `static_groups`, the inputs' own
+             consecutive runs, whose grids are all fixed from W before the first column (no
+             permutation in the codes: llm-compressor's `actorder: weight`)
     factor   U, the upper Cholesky factor of `H^-1`: row j of U weighs column j's error onto
              the columns after it
     columns  per block of `BLOCK` columns, for each column j: at a group's first column the
              group's scale and zero point from the group's current (already corrected) weights
-             (`quantize_group`: RTN, or the clipping search), `q_j = round(w_j / s) + z`, the
-             error `e = (w_j - (q_j - z) s) / U_jj`, and the block's later columns
-             `w_l -= e U_jl`; then every column after the block at once, `W[:, after] -= E U[block,
-             after]` (the lazy batch update: one matmul per block instead of one per column)
+             (`quantize_group`: RTN, or the clipping search; static groups: fixed up front),
+             `q_j = round(w_j / s) + z`, the error `e = (w_j - (q_j - z) s) / U_jj`, and the
+             block's later columns `w_l -= e U_jl`; then every column after the block at once,
+             `W[:, after] -= E U[block, after]` (the lazy batch update: one matmul per block
+             instead of one per column)
 
 With `H = I` no error moves and the codes are RTN's. The grid is `sitsd.quant.rtn`'s (float16
 scales, zero points 0..15), so the codes write into every layout `sitsd quantize` writes.
@@ -73,6 +76,7 @@ def gptq_quantize(
     *,
     damp: float = 0.01,
     act_order: bool = False,
+    static_groups: bool = False,
     name: str = "weight",
 ) -> Int4Codes:
     """GPTQ codes of `w` `[N, K]` for the Hessian `h` `[K, K]` (see the module docstring).
@@ -90,35 +94,56 @@ def gptq_quantize(
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    perm = None
+    grids = _Grids(n, k // group_size, w.device)
+    if static_groups:  # every group's grid from W as it is
+        for g in range(k // group_size):
+            cols = slice(g * group_size, (g + 1) * group_size)
+            grids.set(g, quantize_group(w[:, cols], torch.diagonal(h)[cols]))
+    order = torch.arange(k, device=w.device)  # column j of the loop is input column order[j]
     if act_order:
-        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        w, h = w[:, perm], h[perm][:, perm]
+        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        w, h = w[:, order], h[order][:, order]
     energy = torch.diagonal(h).clone()
     u = _inverse_factor(h, damp, name)
-    groups = k // group_size
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(groups, n, dtype=torch.float16, device=w.device)
-    zeros = torch.empty(groups, n, dtype=torch.uint8, device=w.device)
-    symmetric = False
+    group = -1
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
         block = w[:, b0:b1].clone()  # [N, b] the block's columns as the errors correct them
         errors = torch.empty_like(block)
         for i in range(b1 - b0):
             j = b0 + i
-            if j % group_size == 0:  # the group's grid, from its current weights
-                group = quantize_group(block[:, i : i + group_size], energy[j : j + group_size])
-                g = j // group_size
-                scales[g] = group.scales[0]
-                symmetric = group.zeros is None
-                zeros[g] = 8 if group.zeros is None else group.zeros[0]
-                scale, zero = scales[g].float(), zeros[g].float()
+            if static_groups:
+                group = int(order[j]) // group_size
+            elif j % group_size == 0:  # the group's grid, from its current weights
+                group = j // group_size
+                grids.set(group, quantize_group(block[:, i : i + group_size],
+                                                energy[j : j + group_size]))  # fmt: skip
+            scale, zero = grids.scales[group].float(), grids.zeros[group].float()
             q = (torch.round(block[:, i] / scale) + zero).clamp(0, 15)
             codes[:, j] = q.to(torch.uint8)
             error = (block[:, i] - (q - zero) * scale) / u[j, j]
             block[:, i:] -= error[:, None] * u[j, j:b1][None, :]
             errors[:, i] = error
         w[:, b1:] -= errors @ u[b0:b1, b1:]
-    return Int4Codes(codes, scales, None if symmetric else zeros, group_size,
-                     None if perm is None else perm.to(torch.int32))  # fmt: skip
+    perm = order.to(torch.int32) if act_order else None
+    if static_groups and perm is not None:  # the groups are the inputs' own: no permutation
+        natural = torch.empty_like(codes)
+        natural[:, order] = codes
+        codes, perm = natural, None
+    zeros = None if grids.symmetric else grids.zeros
+    return Int4Codes(codes, grids.scales, zeros, group_size, perm)
+
+
+class _Grids:
+    """The scale and zero point of every group, as `quantize_group` chose them."""
+
+    def __init__(self, n: int, groups: int, device: torch.device) -> None:
+        self.scales = torch.empty(groups, n, dtype=torch.float16, device=device)
+        self.zeros = torch.empty(groups, n, dtype=torch.uint8, device=device)
+        self.symmetric = False
+
+    def set(self, g: int, codes: Int4Codes) -> None:
+        self.scales[g] = codes.scales[0]
+        self.symmetric = codes.zeros is None
+        self.zeros[g] = 8 if codes.zeros is None else codes.zeros[0]

@@ -16,10 +16,13 @@
                runs them, on the inputs the modules quantized before it give (q/k/v, then o,
                then gate/up, then down): the Hessian of its output error from those inputs, and
                GPTQ's column-by-column rounding with error feedback (`sitsd.weights.gptq`),
-               each group's grid from the `mse` or `none` search; act-order optional
+               each group's grid from the `mse` or `none` search; act-order optional (with
+               `g_idx` in the gptq format; static groups in compressed-tensors, whose current
+               library has no `g_idx`)
     write      a Hugging Face directory in the format asked for (`sitsd.quant.export`: AutoAWQ's
-               GEMM layout or GPTQ's): config.json with its quantization_config (modules the
-               map keeps 16-bit named in it), the tokenizer, model.safetensors, manifest.json
+               GEMM layout, GPTQ's, or compressed-tensors' pack-quantized): config.json with
+               its quantization_config (modules the map keeps 16-bit named in it), the
+               tokenizer, model.safetensors, manifest.json
 
 The result is what `sitsctl deploy` and the watched directory take, and other engines read.
 A progress callback hears of each layer (the command draws a bar).
@@ -66,7 +69,7 @@ class QuantizeConfig:
     calibration_tokens: int = 4096  # of the calibration text, at most
     window: int = 512  # tokens per calibration window
     format: str = "awq"  # the directory's layout, one of `sitsd.quant.export.FORMATS`
-    act_order: bool = False  # gptq: columns by decreasing input energy (written as g_idx)
+    act_order: bool = False  # gptq: columns by decreasing input energy (gptq: with g_idx)
     gptq_damp: float = 0.01  # gptq: the Hessian's damping, a fraction of its mean diagonal
 
 
@@ -165,8 +168,8 @@ def _check_config(config: QuantizeConfig, calibrated: bool) -> None:
     if config.act_order and config.method != "gptq":
         raise QuantFormatError("--act-order is GPTQ's column order: it needs --method gptq")
     if config.act_order and config.format == "awq":
-        raise QuantFormatError("--act-order writes g_idx, which the AWQ layout cannot hold: "
-                               "--format gptq")  # fmt: skip
+        raise QuantFormatError("--act-order needs a layout that records it: --format gptq "
+                               "(g_idx) or compressed-tensors (actorder: weight)")  # fmt: skip
     if config.method == "gptq" and not 0 < config.gptq_damp <= 1:
         raise QuantFormatError(f"--gptq-damp {config.gptq_damp}: a fraction in (0, 1]")
 
@@ -259,7 +262,8 @@ def _gptq_layer(
 
             codes[module] = gptq_quantize(
                 model.weight(f"{module}.weight"), seen[-1][1], config.group_size, grid,
-                damp=config.gptq_damp, act_order=config.act_order, name=module,
+                damp=config.gptq_damp, act_order=config.act_order,
+                static_groups=config.format == "compressed-tensors", name=module,
             )  # fmt: skip
             dense[module] = codes[module].dequantize()
         return apply(module, x)
@@ -318,8 +322,9 @@ def _write(
 ) -> Manifest:
     """The version directory: the quantized modules in `config.format`, every other tensor
     16-bit, config.json's quantization_config, quantize.json (how), manifest.json last."""
-    written, quantization_config = export_modules(config.format, quantized, kept,
-                                                  damp=config.gptq_damp)  # fmt: skip
+    written, quantization_config = export_modules(
+        config.format, quantized, kept, act_order=config.act_order, damp=config.gptq_damp
+    )
     for name, tensor in tensors.items():
         if name.rsplit(".", 1)[0] not in quantized:
             written[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor

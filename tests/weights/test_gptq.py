@@ -69,15 +69,19 @@ def _calibration_inputs(ckpt, n_layer: int = 0) -> LayerInputs:
     return inputs
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_output_error_on_the_calibration_activations_is_below_rtns(tiny, act_order):
+@pytest.mark.parametrize(("act_order", "static_groups"), [(False, False), (True, False),
+                                                         (True, True)])  # fmt: skip
+def test_gptq_output_error_on_the_calibration_activations_is_below_rtns(
+    tiny, act_order, static_groups
+):
     inputs = _calibration_inputs(tiny, n_layer=random.randrange(tiny.arch.num_layers))
     gptq_total = rtn_total = 0.0
     for module, x in inputs.samples.items():
         w = tiny.tensors[f"{module}.weight"].float()
         rtn = quantize_int4(w, 32)
-        gptq = gptq_quantize(w, hessian(x), 32, _rtn(32), act_order=act_order, name=module)
-        assert (gptq.perm is not None) == act_order
+        gptq = gptq_quantize(w, hessian(x), 32, _rtn(32), act_order=act_order,
+                             static_groups=static_groups, name=module)  # fmt: skip
+        assert (gptq.perm is not None) == (act_order and not static_groups)
         gptq_error, rtn_error = _output_error(x, w, gptq), _output_error(x, w, rtn)
         assert gptq_error < rtn_error, module
         gptq_total += gptq_error
@@ -205,8 +209,7 @@ def test_gptq_refuses_bad_requests_naming_what_does_not_fit(tiny, tmp_path):
 
     refused("q_proj: K = 64 is not a multiple of the group size 128", group_size=128)
     refused("method gptq needs calibration text", text="", group_size=32)
-    refused("--act-order writes g_idx, which the AWQ layout cannot hold", group_size=32,
-            act_order=True)  # fmt: skip
+    refused("--act-order needs a layout that records it", group_size=32, act_order=True)
     refused(r"--gptq-damp 0.0: a fraction in \(0, 1\]", group_size=32, gptq_damp=0.0)
     refused("scale search kl is per layer", group_size=32, scale_search="kl")
     with pytest.raises(QuantFormatError, match="--act-order is GPTQ's"):

@@ -101,7 +101,7 @@ def test_bad_requests_are_refused_naming_what_does_not_fit(tiny, tmp_path):
     with pytest.raises(QuantFormatError, match="not a multiple of the group size 128"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=128), TEXT, tmp_path / "a")
     int8 = PrecisionMap.from_mapping({"*.mlp.*": "int8"})
-    with pytest.raises(QuantFormatError, match=r"mlp.gate_proj.weight: sitsd quantize writes int4 and 16-bit"):
+    with pytest.raises(QuantFormatError, match=r"gate_proj.weight: sitsd quantize writes int4 and"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=int8), TEXT,
                             tmp_path / "b")  # fmt: skip
     with pytest.raises(QuantFormatError, match="method 'hqq'"):
