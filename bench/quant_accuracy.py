@@ -17,9 +17,12 @@ checkpoint (`--model DIR` here and in `sitsd quantize`) the rows measure what th
 
     python -m bench.quant_accuracy --write-calibration FILE   # docstrings of Python's stdlib
     python -m bench.quant_accuracy --quantized NAME=DIR [...] [--tokens 50000] [--exclude FILE]
-        [--device cuda] [--json PATH]
+        [--device cuda] [--json PATH [--resume]]
 
-The table comes last. Its command and results: `bench/results/quant-accuracy-cpu.txt`.
+With `--resume`, the rows already in `--json PATH` (same name, same token count) are read
+from it instead of measured again, and the new ones added: a table can grow one row at a time.
+
+The table comes last. Its commands and results: `bench/results/quant-accuracy-cpu.md`.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the forward runs (float32)")
     parser.add_argument("--json", default="")
+    parser.add_argument("--resume", action="store_true",
+                        help="the rows already in --json: read, not measured")  # fmt: skip
     parser.add_argument(
         "--write-calibration",
         default="",
@@ -135,8 +140,16 @@ def main() -> None:
     for spec in args.quantized:
         name, _, directory = spec.partition("=")
         models.append((name, load_checkpoint(directory)))
+    done = {}
+    if args.resume and args.json and Path(args.json).exists():
+        done = {r["model"]: r for r in json.loads(Path(args.json).read_text())
+                if r["tokens"] == rows * (args.window - 1)}  # fmt: skip
     results = []
     for name, ckpt in models:
+        if name in done:
+            results.append(done[name])
+            print(f"{name}: perplexity {done[name]['perplexity']:.3f} (from {args.json})")
+            continue
         t0 = time.monotonic()
         tensors = {n: t.to(args.device) for n, t in dense_tensors(ckpt).items()}
         model = ReferenceLlama(ckpt.arch, tensors, args.window)
@@ -144,6 +157,8 @@ def main() -> None:
         results.append({"model": name, "perplexity": ppl, "tokens": count})
         print(f"{name}: perplexity {ppl:.3f} over {count} tokens ({time.monotonic() - t0:.0f}s)",
               flush=True)  # fmt: skip
+        if args.json:  # after every row: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
     base = results[0]["perplexity"]
     print(f"\n{'model':<44} {'perplexity':>10} {'vs 16-bit':>10} {'tokens':>8}")
     for r in results:
