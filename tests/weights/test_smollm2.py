@@ -140,3 +140,12 @@ def test_dequantized_tensors_equal_transformers_gguf_load(smollm2, smollm2_hf_mo
     ]
     for name in names:
         assert (smollm2.tensors[name] - want[name]).abs().max().item() == 0.0, name
+
+
+def test_writing_a_version_from_kept_quantized_tensors_is_refused(smollm2_quantized, tmp_path):
+    """Raw GGUF bytes written as plain tensors would be a version that loads as garbage."""
+    from sitsd.weights.export import write_version
+
+    with pytest.raises(ValueError, match="keep_quantized=False"):
+        write_version(smollm2_quantized, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
