@@ -76,7 +76,7 @@ def write_version(
         ValueError: `ckpt` holds quantized tensors (`ckpt.quant`) and no `tensors` replace them:
             they would be written as plain tensors, without their format.
     """
-    if tensors is None and ckpt.quant is not None:
+    if tensors is None and ckpt.quant is not None and not ckpt.quant.is_empty:
         raise ValueError(
             f"{ckpt.path} was loaded with its quantized tensors kept; load it with "
             "keep_quantized=False to write a 16-bit version, or use `sitsd quantize`"
