@@ -73,6 +73,8 @@ ERROR_CLASSES = (
 SWAP_OUTCOMES = ("staged", "committed", "rejected", "failed", "rolled_back")
 SWAP_STAGES = ("receive", "verify", "validate", "stage", "canary", "commit", "pause")
 VERSION_EVENTS = ("detected", "rejected", "staged", "committed", "failed")
+PUSH_TRANSPORTS = ("grpc", "ipc", "dist")
+PUSH_OUTCOMES = ("committed", "staged", "rejected", "refused", "failed")
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 
@@ -320,6 +322,10 @@ class Metrics:
             self.swap_stage_duration.labels(model, stage)
         for event in VERSION_EVENTS:
             self.version_events.labels(model, event)
+        for transport in PUSH_TRANSPORTS:
+            self.weight_update_bytes.labels(model, transport)
+            for outcome in PUSH_OUTCOMES:
+                self.weight_updates.labels(model, transport, outcome)
         self.kv_cache_usage.labels(model)
         self._step = (
             self.batch_size.labels(model),

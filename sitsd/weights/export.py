@@ -1,11 +1,12 @@
 """Write a loaded checkpoint as a weights version: a Hugging Face safetensors directory with a
 `manifest.json`.
 
-What hot-swap takes in (`sitsd.weights.swap`), from any checkpoint sitsd reads: a GGUF (its
-tensors dequantized to float32) becomes a directory a daemon can deploy or find in its watched
-directory. The benchmark and tests make versions this way; operators can too:
+What hot-swap takes in (`sitsd.weights.swap`), from any checkpoint sitsd reads: a GGUF loaded
+with `keep_quantized=False` (its tensors dequantized to float32) becomes a directory a daemon
+can deploy or find in its watched directory. The benchmark and tests make versions this way;
+operators can too (`sitsd quantize` writes quantized ones):
 
-    ckpt = load_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ckpt = load_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf", keep_quantized=False)
     write_version(ckpt, "/models/watch/smollm2/v1")
 """
 
@@ -70,7 +71,16 @@ def write_version(
 
     Returns:
         The manifest written.
+
+    Raises:
+        ValueError: `ckpt` holds quantized tensors (`ckpt.quant`) and no `tensors` replace them:
+            they would be written as plain tensors, without their format.
     """
+    if tensors is None and ckpt.quant is not None and not ckpt.quant.is_empty:
+        raise ValueError(
+            f"{ckpt.path} was loaded with its quantized tensors kept; load it with "
+            "keep_quantized=False to write a 16-bit version, or use `sitsd quantize`"
+        )
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     source = ckpt.tensors if tensors is None else tensors

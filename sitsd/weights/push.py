@@ -46,7 +46,6 @@ from sitsd.weights.swap import PUSHED, SwapManager
 
 log = logging.getLogger("sitsd.swap")
 
-TRANSPORTS = ("grpc", "ipc", "dist")
 STAGES = ("receive", "validate", "canary", "commit")
 _VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 

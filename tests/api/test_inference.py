@@ -14,8 +14,8 @@ from tests.api.fake_engine import BOS_TOKEN_ID, FakeEngine
 from tests.api.harness import MAX_TOKENS_DEFAULT, ServerThread
 
 
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    """Poll `predicate` until it is true; fail after `timeout` seconds."""
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    """Poll `predicate` until it is true; fail after `timeout` seconds (a last guard only)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -22,6 +22,8 @@ from sitsd.http.errors import HttpError
 from sitsd.http.telemetry import GENERATION_ROUTES, HttpTelemetry
 from sitsd.observability.metrics import (
     ERROR_CLASSES,
+    PUSH_OUTCOMES,
+    PUSH_TRANSPORTS,
     SWAP_OUTCOMES,
     SWAP_STAGES,
     VERSION_EVENTS,
@@ -191,6 +193,11 @@ def test_every_known_label_set_is_a_series_at_zero_once_the_model_is_bound():
         assert sample(m, "sitsd_swap_stage_duration_seconds_count", stage=stage) == 0
     for event in VERSION_EVENTS:
         assert sample(m, "sitsd_weight_versions_total", event=event) == 0
+    for transport in PUSH_TRANSPORTS:
+        assert sample(m, "sitsd_weight_update_bytes_total", transport=transport) == 0
+        for outcome in PUSH_OUTCOMES:
+            labels = {"transport": transport, "outcome": outcome}
+            assert sample(m, "sitsd_weight_updates_total", **labels) == 0
     calls = [(GENERATE, tier.value, "grpc") for tier in Tier]
     calls += [(method, "", "grpc") for method in sitsd_methods() if method != GENERATE]
     calls += [(route, tier.value, "http") for route in GENERATION_ROUTES for tier in Tier]

@@ -140,3 +140,24 @@ def test_dequantized_tensors_equal_transformers_gguf_load(smollm2, smollm2_hf_mo
     ]
     for name in names:
         assert (smollm2.tensors[name] - want[name]).abs().max().item() == 0.0, name
+
+
+def test_writing_a_version_from_kept_quantized_tensors_is_refused(smollm2_quantized, tmp_path):
+    """Raw GGUF bytes written as plain tensors would be a version that loads as garbage."""
+    from sitsd.weights.export import write_version
+
+    with pytest.raises(ValueError, match="keep_quantized=False"):
+        write_version(smollm2_quantized, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+
+
+def test_a_version_written_from_the_dequantized_model_loads_back_equal(smollm2, tmp_path):
+    from sitsd.weights import load_checkpoint
+    from sitsd.weights.export import write_version
+
+    write_version(smollm2, tmp_path / "v")
+    back = load_checkpoint(tmp_path / "v")
+    assert back.arch == smollm2.arch
+    assert back.tensors.keys() == smollm2.tensors.keys()
+    name = random.choice(sorted(smollm2.tensors))
+    assert torch.equal(back.tensors[name], smollm2.tensors[name]), name
