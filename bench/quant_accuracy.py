@@ -9,7 +9,7 @@ INT4 kernels compute, to their accumulation order):
 
     16-bit          the embedded GGUF dequantized, as transformers reads it
     Q4_1 shipped    the embedded GGUF's own Q4_1 linear weights (Q8_0 embedding, as shipped)
-    DIR ...         version directories `sitsd quantize` wrote (AWQ layout), loaded by sitsd
+    DIR ...         version directories `sitsd quantize` wrote (any layout), loaded by sitsd
 
 The only SmolLM2 available offline is that Q4_1 file: its "16-bit" model is the Q4_1 weights
 dequantized (the two rows agree), and `sitsd quantize` re-quantizes those; with a 16-bit
