@@ -175,7 +175,8 @@ def test_the_gptq_directory_loads_back_with_the_logits_of_its_dequantized_weight
     assert (weights.layers[0].down_proj.perm is not None) == act_order
     for name, w in tiny.tensors.items():  # the 4-bit weights are the model's, rounded
         if name in reference and name.endswith("_proj.weight"):
-            assert (reference[name] - w.float()).abs().max() < 0.3 * w.abs().max()
+            # (GPTQ moves single weights far to make up for others: the whole matrix is close)
+            assert (reference[name] - w.float()).norm() < 0.3 * w.float().norm()
 
 
 def test_gptq_directory_has_a_lower_output_error_than_rtns_on_the_calibration_text(tiny, tmp_path):
