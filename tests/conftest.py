@@ -7,11 +7,17 @@ Without a GPU, Triton kernels run in the CPU interpreter. Triton decides at deco
 interpreted, so TRITON_INTERPRET=1 is set here, when the root conftest is imported, before any
 test module (or transformers, at collection) imports triton: every folder, and any one test
 file run alone, gets it. The CPU runtime itself never runs Triton.
+
+A suite started in the background by a non-interactive shell (`make test &`, a CI runner)
+inherits SIGINT ignored, and so would every process it starts: the tests that press Ctrl-C on
+a `sitsctl` or a daemon would then wait for an exit that never comes. `pytest_configure`
+catches SIGINT again in that case, so the processes the tests start get the default action.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
