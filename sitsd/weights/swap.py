@@ -491,15 +491,15 @@ def _host_directory(path: str) -> Path:
         InvalidRequestError: it names no directory, or cannot name one: too long, a symlink
             loop, a NUL byte, an unknown `~user`, a component the daemon may not search.
     """
+    shown = path if len(path) <= 80 else path[:80] + "..."
     try:
         directory = Path(path).expanduser().resolve()
         if directory.is_dir():
             return directory
     except (OSError, RuntimeError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        shown = repr(path if len(path) <= 80 else path[:80] + "...")
-        raise InvalidRequestError("path", f"{shown} is not a usable path: {reason}") from None
-    raise InvalidRequestError("path", f"{path} is not a directory on the daemon's host")
+        raise InvalidRequestError("path", f"{shown!r} is not a usable path: {reason}") from None
+    raise InvalidRequestError("path", f"{shown} is not a directory on the daemon's host")
 
 
 def _progress_of(event: SwapEvent) -> SwapProgress:

@@ -117,7 +117,7 @@ def test_a_path_that_names_no_directory_is_a_client_error_and_registers_nothing(
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "file").write_text("")
     before = served.manager.registry.list()
-    odd = ["\u00e9" * 300, "a/" * 3000, "v1\x00", "~no-such-user-here/v1"]
+    odd = ["\u00e9" * 300, "a/" * 3000, "b" * 250, "v1\x00", "~no-such-user-here/v1"]
     for path in [*odd, *(str(tmp_path / name) for name in ("loop", "file", "missing"))]:
         with pytest.raises(InvalidRequestError) as caught:
             served.run(served.manager.deploy(path))
