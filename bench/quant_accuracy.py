@@ -37,10 +37,9 @@ import torch
 from sitsd.weights import load_checkpoint
 from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.formats import resolve_model_path
-from sitsd.weights.reference_llama import ReferenceLlama, perplexity
+from sitsd.weights.reference_llama import ReferenceLlama, dense_tensors, perplexity
 
 LICENSES = Path("/usr/share/common-licenses")
-_QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 def licence_text(exclude: set[str]) -> tuple[str, list[str]]:
@@ -77,29 +76,6 @@ def stdlib_docstrings() -> str:
             ).startswith(name):
                 parts.append(inspect.getdoc(member) or "")
     return "\n\n".join(p for p in parts if p)
-
-
-def dense_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Hugging Face-named float32 tensors with every quantized module dequantized."""
-    out = {n: t for n, t in ckpt.tensors.items() if not n.endswith(_QUANT_SUFFIXES)}
-    if ckpt.quant is None:
-        return out
-    arch = ckpt.arch
-    shapes = {"q_proj": (arch.num_heads * arch.head_dim, arch.hidden_size),
-              "k_proj": (arch.num_kv_heads * arch.head_dim, arch.hidden_size),
-              "v_proj": (arch.num_kv_heads * arch.head_dim, arch.hidden_size),
-              "o_proj": (arch.hidden_size, arch.num_heads * arch.head_dim),
-              "gate_proj": (arch.intermediate_size, arch.hidden_size),
-              "up_proj": (arch.intermediate_size, arch.hidden_size),
-              "down_proj": (arch.hidden_size, arch.intermediate_size)}  # fmt: skip
-    for n in range(arch.num_layers):
-        for part in ("self_attn", "mlp"):
-            for name, shape in shapes.items():
-                module = f"model.layers.{n}.{part}.{name}"
-                if ckpt.quant.is_quantized(ckpt.tensors, module):
-                    layout = ckpt.quant.convert(ckpt.tensors, module, shape, torch.device("cpu"))
-                    out[f"{module}.weight"] = layout.dequantize().float()
-    return out
 
 
 def main() -> None:
@@ -151,7 +127,8 @@ def main() -> None:
             print(f"{name}: perplexity {done[name]['perplexity']:.3f} (from {args.json})")
             continue
         t0 = time.monotonic()
-        tensors = {n: t.to(args.device) for n, t in dense_tensors(ckpt).items()}
+        dense_ckpt = dense_tensors(ckpt.arch, ckpt.tensors, ckpt.quant)
+        tensors = {n: t.to(args.device) for n, t in dense_ckpt.items()}
         model = ReferenceLlama(ckpt.arch, tensors, args.window)
         ppl, count = perplexity(model, windows)
         results.append({"model": name, "perplexity": ppl, "tokens": count})

@@ -19,11 +19,34 @@ import torch.nn.functional as F
 from sitsd.kernels.reference import compute_cos_sin_cache
 from sitsd.model.arch import LlamaArch
 from sitsd.model.cpu_kernels import rotary_embedding
+from sitsd.model.weights import expected_shapes
+from sitsd.quant.source import QuantSource
 
 # (module name, its input) -> its output; the checkpoint's dense weight by default
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
 _ATTENTION = ("q_proj", "k_proj", "v_proj")
 _MLP_IN = ("gate_proj", "up_proj")
+
+
+def dense_tensors(
+    arch: LlamaArch, tensors: Mapping[str, torch.Tensor], source: QuantSource | None
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's Hugging Face-named tensors with every module it stores quantized (per
+    `source`) dequantized to float32 as `<module>.weight`, exactly as its kernel's layout
+    dequantizes it; the module's quantized tensors are left out, every other tensor kept."""
+    if source is None or source.is_empty:
+        return dict(tensors)
+    out = dict(tensors)
+    for name, shape in expected_shapes(arch).items():
+        module = name.removesuffix(".weight")
+        if len(shape) != 2 or not source.is_quantized(tensors, module):
+            continue
+        rows, cols = shape
+        layout = source.convert(tensors, module, (rows, cols), torch.device("cpu"))
+        for quantized in source.tensor_names(module):
+            out.pop(quantized, None)
+        out[name] = layout.dequantize().float()
+    return out
 
 
 class ReferenceLlama:

@@ -24,19 +24,16 @@ from sitsd.weights import load_checkpoint
 from sitsd.weights.checks import load_version
 from sitsd.weights.gptq import gptq_quantize, hessian
 from sitsd.weights.quantize import (
-    LINEAR_MODULES,
     QuantizeConfig,
     calibration_windows,
     quantize_checkpoint,
 )
-from sitsd.weights.reference_llama import LayerInputs, ReferenceLlama
+from sitsd.weights.reference_llama import LayerInputs, ReferenceLlama, dense_tensors
 from tests.kernels.helpers import assert_close
 from tests.model.test_quantized_model import dequantized_logits, prompt_logits, random_prompt
 from tests.quant.format_code import gptq_dequantize, gptq_pack
 from tests.weights.test_quantize import TEXT
 from tests.weights.tiny_models import write_tiny_llama
-
-QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 @pytest.fixture
@@ -134,23 +131,9 @@ def _served_logits_match_the_dequantized(directory):
     """Load the version (its manifest verifies), serve it in its own bits on the CPU, and check
     its logits against the same model with the dequantized weights in 16 bits."""
     ckpt = load_version(directory).checkpoint
-    reference = {n: t.float() for n, t in ckpt.tensors.items() if not n.endswith(QUANT_SUFFIXES)}
-    weights = build_weights(ckpt.arch, ckpt.tensors, "cpu", torch.float32, source=ckpt.quant)
     arch = ckpt.arch
-    shapes = {"q_proj": (arch.num_heads * arch.head_dim, arch.hidden_size),
-              "k_proj": (arch.num_kv_heads * arch.head_dim, arch.hidden_size),
-              "v_proj": (arch.num_kv_heads * arch.head_dim, arch.hidden_size),
-              "o_proj": (arch.hidden_size, arch.num_heads * arch.head_dim),
-              "gate_proj": (arch.intermediate_size, arch.hidden_size),
-              "up_proj": (arch.intermediate_size, arch.hidden_size),
-              "down_proj": (arch.hidden_size, arch.intermediate_size)}  # fmt: skip
-    for n in range(arch.num_layers):
-        for suffix in LINEAR_MODULES:
-            module = f"model.layers.{n}.{suffix}"
-            if ckpt.quant.is_quantized(ckpt.tensors, module):
-                shape = shapes[suffix.split(".")[1]]
-                layout = ckpt.quant.convert(ckpt.tensors, module, shape, torch.device("cpu"))
-                reference[f"{module}.weight"] = layout.dequantize()
+    reference = {n: t.float() for n, t in dense_tensors(arch, ckpt.tensors, ckpt.quant).items()}
+    weights = build_weights(arch, ckpt.tensors, "cpu", torch.float32, source=ckpt.quant)
     ids = random_prompt(arch.vocab_size)
     assert_close(prompt_logits(arch, weights, ids), dequantized_logits(arch, reference, ids),
                  torch.bfloat16)  # fmt: skip

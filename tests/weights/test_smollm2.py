@@ -161,3 +161,15 @@ def test_a_version_written_from_the_dequantized_model_loads_back_equal(smollm2, 
     assert back.tensors.keys() == smollm2.tensors.keys()
     name = random.choice(sorted(smollm2.tensors))
     assert torch.equal(back.tensors[name], smollm2.tensors[name]), name
+
+
+def test_dense_tensors_of_the_kept_q4_1_equal_the_loaders_dequantization(
+    smollm2, smollm2_quantized
+):
+    from sitsd.weights.reference_llama import dense_tensors
+
+    q = smollm2_quantized
+    dense = dense_tensors(q.arch, q.tensors, q.quant)
+    assert dense.keys() == smollm2.tensors.keys()
+    for name, tensor in dense.items():
+        assert torch.equal(tensor, smollm2.tensors[name]), name
