@@ -142,7 +142,10 @@ def test_awq_scales_folded_into_a_layer_leave_its_16_bit_outputs_unchanged(tiny)
         inputs = LayerInputs(keep=48)
         want = model.layer(0, h, on_input=inputs)
         every = {f"model.layers.0.{m}" for m in LINEAR_MODULES}
-        fold_layer_scales(tensors, tiny.arch, 0, inputs.samples, 32, every)
+        # A few loud input channels in the samples the search sees, so that every group's
+        # scales are far from 1 (on a random model's own inputs they may all be 1: alpha 0)
+        loud = {m: x * (torch.rand(x.shape[-1]) ** 3 * 8 + 0.1) for m, x in inputs.samples.items()}
+        fold_layer_scales(tensors, tiny.arch, 0, loud, 32, every)
         got = model.layer(0, h)
     changed = [n for n in tensors if not torch.equal(tensors[n], tiny.tensors[n].float())]
     assert "model.layers.0.input_layernorm.weight" in changed  # the scales went somewhere
