@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -304,28 +305,30 @@ def test_sigterm_lets_the_in_flight_request_finish_then_exits_0(tmp_path):
         daemon.terminate()
 
 
-def test_a_missing_model_path_exits_nonzero_before_loading_naming_it(tmp_path):
-    missing = tmp_path / "no-such-model.gguf"
-    daemon = DaemonProcess(tmp_path, "--model", str(missing))
+def failed_start_log(state_dir: Path, model: Path) -> str:
+    """The log of a daemon started on `model`, which must exit non-zero."""
+    daemon = DaemonProcess(state_dir, "--model", str(model))
     try:
-        assert daemon.proc.wait(120) != 0
+        assert daemon.proc.wait(120) != 0, daemon.log
     finally:
         daemon.terminate()
-    assert "does not exist" in daemon.log
-    assert str(missing) in daemon.log
-    assert "Traceback" not in daemon.log
+    return daemon.log
+
+
+def test_a_missing_model_path_exits_nonzero_before_loading_naming_it(tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    log = failed_start_log(tmp_path, missing)
+    assert "does not exist" in log
+    assert str(missing) in log
+    assert "Traceback" not in log
 
 
 def test_model_that_fails_to_load_exits_nonzero_with_the_reason(tmp_path):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(256))
-    daemon = DaemonProcess(tmp_path, "--model", str(corrupt))
-    try:
-        assert daemon.proc.wait(120) != 0
-    finally:
-        daemon.terminate()
-    assert "failed to load model" in daemon.log
-    assert str(corrupt) in daemon.log
+    log = failed_start_log(tmp_path, corrupt)
+    assert "failed to load model" in log
+    assert str(corrupt) in log
 
 
 def test_health_is_not_serving_while_loading_and_sigterm_then_exits_0(tmp_path):
