@@ -42,6 +42,8 @@ class SyntheticTokenizer:
 
         vocab = {f"w{i}": i for i in range(vocab_size)}
         self._tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+        # The longest word and the space decode puts before it: no token stands for more text.
+        self.max_token_bytes = len(f"w{vocab_size - 1}") + 1
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

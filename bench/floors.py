@@ -5,7 +5,9 @@ Measured on the GPU the benchmark runs on, in the same run, on random data, time
 
 - `copy_bandwidth()`: a device-to-device copy of a 4 GiB float32 tensor, bytes read + written
   over time, in bytes/s;
-- `matmul_rate()`: an 8192^3 bf16 matmul, 2 x 8192^3 FLOPs over time, in FLOP/s.
+- `matmul_rate()`: an 8192^3 bf16 matmul, 2 x 8192^3 FLOPs over time, in FLOP/s;
+- `fp8_matmul_rate()`: the same in FP8 e4m3 (`torch._scaled_mm`, row-wise float32 scales,
+  bf16 out), the compute floor of W8A8.
 
 Each frees its tensors on return (to the caching allocator; `torch.cuda.empty_cache()` is the
 caller's when the memory must go back). From the two:
@@ -42,6 +44,19 @@ def matmul_rate() -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(functools.partial(torch.matmul, a, b), clock="cuda")
+    return 2 * n**3 / (ms / 1e3)
+
+
+def fp8_matmul_rate() -> float:
+    """FLOP/s of an 8192^3 e4m3 matmul with row-wise scales (bf16 out) on random data."""
+    n = MATMUL_SIZE
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).T  # column-major (cuBLASLt)
+    scale_a = torch.ones(n, 1, device="cuda")
+    scale_b = torch.ones(1, n, device="cuda")
+    call = functools.partial(torch._scaled_mm, a, b, scale_a=scale_a, scale_b=scale_b,
+                             out_dtype=torch.bfloat16)  # fmt: skip
+    ms = median_ms(call, clock="cuda")
     return 2 * n**3 / (ms / 1e3)
 
 

@@ -7,8 +7,13 @@
 # (.smol/part1, .smol2/part2: one call's transfer is capped at 64 MiB) and is joined here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# A call that carries no wheels (its transfer went to something else) uses the ones a
+# previous call on the same warm machine installed.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/smol
 [ -f .smol/part1 ] && cp .smol/part1 /tmp/smol/part1
 if [ -f .smol2/part2 ] && [ -f /tmp/smol/part1 ]; then

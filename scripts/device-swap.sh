@@ -5,8 +5,13 @@
 #   scripts/device-swap.sh [bench_swap flags...]   e.g. --clients 32 --steady 10 --after 6
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# A call that carries no wheels (its transfer went to something else) uses the ones a
+# previous call on the same warm machine installed.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" --import-mode=importlib \

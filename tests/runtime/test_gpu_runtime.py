@@ -72,7 +72,7 @@ def runner_for(ckpt, *, eager, dtype="float32", max_num_seqs=16, pdl=None, max_m
         cache=CacheConfig(gpu_memory_utilization=0.5, gpu_memory_limit=16 * 2**30),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
     )
-    return build_runner(cfg, ckpt.arch, ckpt.tensors, "test")
+    return build_runner(cfg, ckpt.arch, ckpt.tensors, "test", ckpt.quant)
 
 
 def greedy(runner, prompts, num_new):
