@@ -79,14 +79,18 @@ def test_every_layout_has_a_route_on_the_cpu():
     assert_close(quantized_linear(x, w4), _ref(x, w4), torch.float32)  # dequantize + matmul
     w8 = int8(24, 128)  # groups of 32 (GGUF Q8_0): bfloat16 W for the call
     w8 = Int8Weight(w8.qweight, w8.scales / 128, 32)  # outputs of order 1
-    assert_close(quantized_linear(x, w8), _bf16_ref(x, w8.dequantize(torch.bfloat16)), torch.bfloat16)
+    assert_close(
+        quantized_linear(x, w8), _bf16_ref(x, w8.dequantize(torch.bfloat16)), torch.bfloat16
+    )
     per_row = quantize_int8(torch.randn(24, 128) / 8)  # torch's CPU int8 GEMM, outputs of order 1
     bf16_scales = per_row.scales[0].to(torch.bfloat16).double()  # the op takes bfloat16 scales
     w_op = per_row.qweight.double() * bf16_scales[:, None]
     assert_close(quantized_linear(x, per_row), _bf16_ref(x, w_op), torch.bfloat16)
     fp8 = Fp8Weight((torch.randn(24, 128) * 8).to(torch.float8_e4m3fn), torch.rand(24) / 90 + 1e-3)
     # No FP8 GEMM on a CPU: weight-only, so x is not quantized (unlike W8A8 on CUDA).
-    assert_close(quantized_linear(x, fp8), _bf16_ref(x, fp8.dequantize(torch.bfloat16)), torch.bfloat16)
+    assert_close(
+        quantized_linear(x, fp8), _bf16_ref(x, fp8.dequantize(torch.bfloat16)), torch.bfloat16
+    )
     assert not torch.equal(quantized_linear(x, fp8), fp8_matmul_ref(x, fp8.weight, fp8.scale))
 
 
