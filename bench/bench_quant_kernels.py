@@ -140,11 +140,12 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     if num_rows <= 2:
         m = 1 << max(num_rows - 1, 0).bit_length()
         return [
-            c("fma", m, 4, 1024),
+            c("gemv", 1, 32, 256, split_k=4),
+            c("gemv", 1, 32, 512, split_k=4),
+            c("gemv", 1, 64, 256, split_k=4),
+            c("gemv", 1, 32, 256, split_k=8, num_warps=8),
+            c("gemv", 1, 16, 256, split_k=8),
             c("fma", m, 8, 512),
-            c("fma", m, 16, 256),
-            c("fma", m, 4, 2048, num_warps=8),
-            c("fma", m, 16, 128, split_k=2),
             c("dot_swapped", 16, 64, 128, split_k=2),
         ]
     if num_rows <= 64:
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.smoke
         else tuple(int(r) for r in f"{args.rows},{args.prefill_rows}".split(",") if r)
     )
-    bench = Bench(args.smoke, 1.0 if args.smoke else copy_bandwidth())
+    bench = Bench(args.smoke, 1.0 if args.smoke else copy_bandwidth() / 1e9)  # bytes/s -> GB/s
     if not args.smoke:
         torch.cuda.empty_cache()  # the copy's buffers go before the weights
     print(f"copy {bench.copy_gbs:.0f} GB/s (read + write)", flush=True)

@@ -5,8 +5,15 @@ W stays packed in memory (`sitsd.kernels.quant_layout`: int32 words of 8 codes a
 scales, optional offsets, optional act-order permutation); each program dequantizes the tiles it
 needs in registers, in float32 (`q * scale + offset`, or `(q - 8) * scale`), and multiplies them
 right away, so a decode step reads 4 bits per weight instead of 16 (`quant_reference.
-int4_matmul_ref` defines the result). Three ways to multiply a tile (`mode`):
+int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
 
+* `gemv`: one row of x per program, chunks of whole groups: each group's codes are summed
+  against x first (`sum_k q x`) and scaled once per row and group (`scale * (sum_k q x - 8
+  sum_k x)`, or `scale * sum_k q x + offset * sum_k x`), so a weight costs a shift, a mask, an
+  add and an FMA: a code becomes a float by setting it as the low mantissa bits of 2^23
+  (`(q | 0x4B000000)` read as float32, minus 2^23; exact), not by an int-to-float conversion,
+  which runs at a quarter of the FMA rate and held decode to a fifth of its memory floor. For
+  decode batches of one or two, with split-K for enough programs to keep every SM streaming.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop (gemv's one-row path): for one or two rows, where a padded MMA would waste most of
   itself. The weight stays float32.
@@ -33,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sitsd.kernels._int4_tile import dequant_tile
+from sitsd.kernels._int4_tile import as_float, dequant_tile
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
@@ -51,7 +58,7 @@ from sitsd.kernels.quant_layout import check_int4_layout
 
 __all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
-MODES = ("fma", "dot_swapped", "dot")
+MODES = ("fma", "dot_swapped", "dot", "gemv")
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
 
@@ -61,9 +68,10 @@ class Int4MatmulConfig:
     """Launch configuration of one `int4_matmul` call."""
 
     mode: str = "dot"  # one of MODES
-    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes)
+    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes; 1: gemv)
     block_n: int = 64  # rows of W (output columns) per program, a power of two
-    block_k: int = 64  # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes)
+    # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes; gemv: >= the group)
+    block_k: int = 64
     split_k: int = 1  # programs along K; their partials are summed by a second kernel
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the chunk loads
@@ -156,6 +164,81 @@ def _int4_matmul_kernel(
         tl.store(out_ptr + split * M * N + offs, y, mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    o_ptr,  # offsets, or any pointer without HAS_OFFSETS
+    perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
+    out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    stride_xm,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP: the chunk's groups are unrolled
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,  # K elements per split, a multiple of BLOCK_K
+    HAS_OFFSETS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * BLOCK_K divides K: no masks
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
+    n_mask = offs_n < N
+    WORDS: tl.constexpr = GROUP // 8
+    NUM_GROUPS: tl.constexpr = (K + GROUP - 1) // GROUP
+    shifts = tl.arange(0, 8) * 4
+    offs_w = tl.arange(0, WORDS)
+    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BLOCK_K):
+        for sub in tl.static_range(BLOCK_K // GROUP):
+            k_group = k0 + sub * GROUP  # the first layout column of one group
+            g = k_group // GROUP
+            words_at = k_group // 8 + offs_w  # [WORDS]
+            cols = k_group + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]
+            if EVEN:
+                words = tl.load(w_rows + words_at[None, :])
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + cols)
+                x = tl.load(x_row + cols).to(tl.float32)
+                scale = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+            else:
+                w_mask = n_mask[:, None] & (words_at < K // 8)[None, :]
+                words = tl.load(w_rows + words_at[None, :], mask=w_mask, other=0)
+                k_mask = cols < K
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
+                x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
+                g_mask = n_mask & (g + 0 * offs_n < NUM_GROUPS)
+                scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
+            codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
+            q = as_float(codes)
+            qx = tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+            x_sum = tl.sum(tl.sum(x, axis=1), axis=0)
+            if HAS_OFFSETS:
+                if EVEN:
+                    offset = tl.load(o_ptr + g * N + offs_n).to(tl.float32)
+                else:
+                    offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0)
+                    offset = offset.to(tl.float32)
+                acc += scale * qx + offset * x_sum
+            else:
+                acc += scale * (qx - 8.0 * x_sum)
+    offs = row * N + offs_n
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + split * M * N + offs, acc, mask=n_mask)
+
+
 @triton.jit
 def _split_sum_kernel(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr):  # fmt: skip
@@ -171,20 +254,26 @@ def _split_sum_kernel(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.
 def choose_int4_config(
     num_rows: int, n: int, k: int, group_size: int, *, num_sms: int = 132
 ) -> Int4MatmulConfig:
-    """A default configuration for `x [num_rows, k] @ W[n, k].T` (not yet measured on a GPU).
+    """A default configuration for `x [num_rows, k] @ W[n, k].T`.
 
-    One or two rows: `fma` on 8 weight rows per program and chunks of up to 512 columns: one
-    16-byte vector of codes per thread of 4 warps, as in gemv's winning one-row tiling, with
-    twice gemv's rows because 4-bit rows are a quarter as long while each program still reloads
-    its chunk of x (with 8 rows, x is half the weight bytes a program reads). Up to 64 rows:
+    One or two rows: `gemv` on chunks of 256 columns and 4096 / group_size weight rows per
+    program (one 16-byte vector of codes per thread of 4 warps per group: 2 KB of codes per
+    group and program), split along K (a power of two, at most 16, into whole chunks) until
+    there are eight programs per SM: enough bytes in flight to stream the weight. Up to 64 rows:
     `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x 128 past
     128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8, into
     whole chunks) until the grid has two programs per SM.
     """
-    del group_size  # the tiles work for every group size; the kernel adapts its scale loads
     k_pow2 = next_power_of_2(k)
     if num_rows <= 2:
-        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 8, max(8, min(512, k_pow2)))
+        block_k = max(256, group_size)
+        block_n = 4096 // group_size
+        programs = cdiv(n, block_n) * num_rows
+        split_k = 1
+        while (programs * split_k < 8 * num_sms and split_k < 16
+               and k % (2 * split_k * block_k) == 0):  # fmt: skip
+            split_k *= 2
+        return Int4MatmulConfig("gemv", 1, block_n, block_k, split_k)
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip
@@ -203,8 +292,11 @@ def choose_int4_config(
 def _check_config(config: Int4MatmulConfig) -> None:
     if config.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
-    dot = config.mode != "fma"  # tl.dot needs every side >= 16
+    dot = config.mode in ("dot", "dot_swapped")  # tl.dot needs every side >= 16
     least = {"block_m": 16 if dot else 1, "block_n": 16 if dot else 1, "block_k": 16 if dot else 8}
+    if config.mode == "gemv" and config.block_m != 1:
+        raise ValueError(f"block_m must be 1 in mode 'gemv' (a row per program), got "
+                         f"{config.block_m}")  # fmt: skip
     for name, minimum in least.items():
         value = getattr(config, name)
         if value < minimum or value & (value - 1):
@@ -265,6 +357,9 @@ def int4_matmul(
     check_pdl(pdl, x)
     config = config or choose_int4_config(num_rows, n, k, group_size, num_sms=num_sms(x.device))
     _check_config(config)
+    if config.mode == "gemv" and config.block_k % group_size:
+        raise ValueError(f"block_k must be a multiple of the group size {group_size} in mode "
+                         f"'gemv', got {config.block_k}")  # fmt: skip
     if num_rows == 0 or n == 0:
         return out
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -276,15 +371,25 @@ def int4_matmul(
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
     grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
-    _int4_matmul_kernel[grid](
-        x, qweight, scales, scales if offsets is None else offsets,
-        qweight if perm is None else perm, target, num_rows, n, x.stride(0),
-        K=k, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=config.split_k, K_SPLIT=k_split,
-        MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None,
-        EVEN=even, EVEN_K=even_k, UPCAST=upcast, PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl,
-    )  # fmt: skip
+    if config.mode == "gemv":
+        _int4_gemv_kernel[grid](
+            x, qweight, scales, scales if offsets is None else offsets,
+            qweight if perm is None else perm, target, num_rows, n, x.stride(0),
+            K=k, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            SPLIT_K=config.split_k, K_SPLIT=k_split, HAS_OFFSETS=offsets is not None,
+            HAS_PERM=perm is not None, EVEN=even, PDL=pdl, num_warps=config.num_warps,
+            num_stages=config.num_stages, launch_pdl=pdl,
+        )  # fmt: skip
+    else:
+        _int4_matmul_kernel[grid](
+            x, qweight, scales, scales if offsets is None else offsets,
+            qweight if perm is None else perm, target, num_rows, n, x.stride(0),
+            K=k, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, SPLIT_K=config.split_k, K_SPLIT=k_split,
+            MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None,
+            HAS_PERM=perm is not None, EVEN=even, EVEN_K=even_k, UPCAST=upcast, PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        )  # fmt: skip
     if config.split_k > 1:
         size = num_rows * n
         _split_sum_kernel[(cdiv(size, _SUM_BLOCK),)](

@@ -13,8 +13,7 @@ weights only).
 `INT4_DEQUANT_FROM_ROWS` rows of x (decode, short chunks) and, past it, `int4_dequantize` into one
 runner-owned workspace, then cuBLAS (long prefill chunks: the GEMM is compute-bound there and
 cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device takes
-`sitsd.quant.linear.quantized_linear`'s route. The threshold is a default until the GPU
-benchmark (`bench/bench_quant_kernels.py`) measures it per shape.
+`sitsd.quant.linear.quantized_linear`'s route.
 """
 
 from __future__ import annotations
@@ -36,7 +35,10 @@ __all__ = [
     "any_swiglu_linear",
 ]
 
-INT4_DEQUANT_FROM_ROWS = 256  # rows of x from which INT4 runs dequantize + cuBLAS (unmeasured)
+# Rows of x from which INT4 runs dequantize + cuBLAS: on an H200 with Llama-3-8B's layers
+# (bench/bench_quant_kernels.py) int4_matmul wins every layer at 32 rows and loses every one
+# at 128 (qkv 50 vs 37 us, down 94 vs 85 us).
+INT4_DEQUANT_FROM_ROWS = 128
 
 DenseLinear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y
 

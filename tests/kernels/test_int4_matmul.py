@@ -18,6 +18,7 @@ CONFIGS = {
     "fma": Int4MatmulConfig("fma", block_m=2, block_n=8, block_k=64),
     "dot_swapped": Int4MatmulConfig("dot_swapped", block_m=16, block_n=16, block_k=32),
     "dot": Int4MatmulConfig("dot", block_m=16, block_n=32, block_k=128),
+    "gemv": Int4MatmulConfig("gemv", block_m=1, block_n=16, block_k=128),  # 1 to 4 groups
 }
 
 
@@ -107,6 +108,10 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 8, 32))
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16 in mode 'dot_sw"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot_swapped", 48, 64, 128))
+    with pytest.raises(ValueError, match="block_m must be 1 in mode 'gemv'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 2, 16, 128))
+    with pytest.raises(ValueError, match="block_k must be a multiple of the group size 32"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 16))
     with pytest.raises(ValueError, match="mode must be one of"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("wmma"))
     with pytest.raises(ValueError, match="split_k must be a power of two"):
@@ -132,6 +137,7 @@ def _other_modes(num_rows: int) -> list[Int4MatmulConfig]:
         configs.append(Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k=2))
     if num_rows <= 2:
         configs.append(Int4MatmulConfig("fma", triton.next_power_of_2(num_rows), 4, 1024))
+        configs.append(Int4MatmulConfig("gemv", 1, 64, 512, split_k=2))
     return configs
 
 
