@@ -47,7 +47,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.daemon import BenchDaemon
+from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now, percentile
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
@@ -58,6 +58,7 @@ STAGES = ("verify", "validate", "stage", "canary")
 POLICY = {"migrate": admin_pb2.SWAP_POLICY_MIGRATE, "drain": admin_pb2.SWAP_POLICY_DRAIN,
           "restart": admin_pb2.SWAP_POLICY_RESTART}  # fmt: skip
 TARGETS = {"cuda": (1.3, 3.0), "cpu": (1.5, 4.0)}  # P99 / steady P99, max / steady P99
+STEP_HISTOGRAM = "sitsd_step_duration_seconds"
 CANARY = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -212,25 +213,57 @@ def one_swap(
     """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
     stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
     metadata = [("authorization", f"Bearer {daemon.token()}")]
+    # The daemon's /metrics text at every mark (parsed once the load has stopped): its step
+    # histogram per phase. Fetching is I/O; it holds the GIL no longer than a token's arrival.
+    snapshots: dict[float, str] = {}
+
+    def mark() -> float:
+        t = now()
+        snapshots[t] = daemon.metrics_text()
+        return t
+
+    mark()
     time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
-    marks: dict = {"deploy": now(), "stages": {}, "failures_before": len(load.failures)}
+    marks: dict = {"deploy": mark(), "stages": {}, "failures_before": len(load.failures),
+                   "metrics": snapshots}  # fmt: skip
     request = admin_pb2.DeployRequest(path=str(path), version=version)
     for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
-        marks["stages"].setdefault(progress.stage, now())
+        if progress.stage not in marks["stages"]:
+            marks["stages"][progress.stage] = mark()
     assert progress.stage == "staged", progress
-    marks["staged"] = now()
+    marks["staged"] = mark()
     time.sleep(1.0)  # a second of plain load between staging and the commit
-    marks["swap"] = now()
+    marks["swap"] = mark()
     swap = admin_pb2.SwapRequest(version=version, policy=POLICY[policy])
     events = list(stub.Swap(swap, metadata=metadata, timeout=3600))
-    marks["committed"], last = now(), events[-1]
+    marks["committed"], last = mark(), events[-1]
     assert last.stage == "committed", last
     marks.update(pause_ms=last.pause_ms, flip_ms=last.flip_ms, num_migrating=last.num_migrating,
                  num_restarted=last.num_restarted, num_draining=last.num_draining)  # fmt: skip
     marks["effect_end"] = load.effect_end(policy, marks["swap"], marks["committed"], 1800)
+    mark()  # just after the effect's end (the end is known only once it is over)
     time.sleep(args.after)
-    marks["end"] = now()
+    marks["end"] = mark()
     return marks
+
+
+def step_stats(snapshots: dict[float, str], start: float, end: float) -> dict[str, float]:
+    """The daemon's engine steps between the snapshots nearest `start` and `end`: how many,
+    and the upper bounds of the step-time buckets holding their median, P99 and maximum
+    (ms; the histogram's buckets, not exact times)."""
+    times = sorted(snapshots)
+    first, last = (min(times, key=lambda t: abs(t - x)) for x in (start, end))
+    rows = [parse_histograms(snapshots[t], STEP_HISTOGRAM).get("", []) for t in (first, last)]
+    before, after = rows
+    if not after:
+        return {"steps": 0}
+    steps = after[-1][1] - (before[-1][1] if before else 0.0)
+    out = {"steps": steps}
+    for key, q in (("step_p50_ms", 0.5), ("step_p99_ms", 0.99), ("step_max_ms", 1.0)):
+        bound = bucket_quantile(after, q, before)
+        if bound is not None:
+            out[key] = bound * 1e3
+    return out
 
 
 def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[str, float, float]]:
@@ -254,7 +287,7 @@ def summarize(args: argparse.Namespace, load: Load, marks: dict, policy: str, cl
     phases = phases_of(args, marks, policy)
     steady = stats([g for g, _ in load.itls(phases[0][1], phases[0][2])])
     by_phase = {name: stats([g for g, _ in load.itls(a, b)], steady["p99_ms"]) | {"s": b - a}
-                for name, a, b in phases}  # fmt: skip
+                | step_stats(marks["metrics"], a, b) for name, a, b in phases}  # fmt: skip
     gaps = sorted(load.itls(phases[0][1], marks["end"]), reverse=True)[:5]
     largest = []
     for gap, at in gaps:
@@ -292,15 +325,21 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
         load = Load(daemon.address, prompts, clients, args.seed)
         load.thread.start()
         time.sleep(args.warmup)
+        swaps = []
         for i, policy in enumerate(args.policies):
             path = v2 if i % 2 == 0 else v1
-            marks = one_swap(args, daemon, load, path, f"{path.name}-{policy}-{i}", policy)
+            swaps.append((policy, one_swap(args, daemon, load, path,
+                                           f"{path.name}-{policy}-{i}", policy)))  # fmt: skip
+            print(f"{clients} streams, {policy}: done", flush=True)
+        load.stop_event.set()
+        load.thread.join(1800)
+        # Only now: summarizing holds the GIL for a while, and the load's client thread, in
+        # this process, would time the tokens it could not read meanwhile as a stall.
+        for policy, marks in swaps:
             result = summarize(args, load, marks, policy, clients)
             result["second_slot_mib"] = slot_mib
             results.append(result)
             print(table(result, args.device), flush=True)
-        load.stop_event.set()
-        load.thread.join(1800)
     finally:
         daemon.stop()
     return results
@@ -318,12 +357,16 @@ def table(r: dict, device: str) -> str:
         f"{r['in_flight']['num_draining']} draining, {r['requests']} requests, "
         f"{r['failed']} failed",
         f"{'phase':<9} {'s':>6} {'n':>7} {'P50':>8} {'P99':>8} {'max':>8}  "
-        f"{'P99/steady':>10} {'max/steadyP99':>13}   (ms; targets {p99_target}x, {max_target}x)",
+        f"{'P99/steady':>10} {'max/steadyP99':>13}   (ms; targets {p99_target}x, {max_target}x)"
+        f" | {'steps':>6} {'P50<=':>6} {'P99<=':>6} {'max<=':>6}  (engine steps, ms buckets)",
     ]
     for name, p in r["phases"].items():
+        buckets = " ".join(f"{p[k]:>6.0f}" if k in p else f"{'-':>6}"
+                           for k in ("step_p50_ms", "step_p99_ms", "step_max_ms"))  # fmt: skip
         lines.append(
             f"{name:<9} {p['s']:>6.1f} {p['n']:>7} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} "
             f"{p['max_ms']:>8.1f}  {p['p99_ratio']:>9.2f}x {p['max_ratio']:>12.2f}x"
+            f"{'':<31} | {p.get('steps', 0):>6.0f} {buckets}"
         )
     gaps = ", ".join(f"{g['ms']:.0f} ms in {g['phase']} (+{g['into_phase_s']:.1f} s)"
                      for g in r["largest_gaps"])  # fmt: skip

@@ -94,19 +94,13 @@ class BenchDaemon:
     def histograms(self, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
         """{label value: [(bucket bound, cumulative count)]} of histogram `name` in the live
         /metrics, its series summed per value of `label` ("" sums them all)."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return parse_histograms(self.metrics_text(), name, label)
 
+    def metrics_text(self) -> str:
+        """The live /metrics as text (parse it later, with `parse_histograms`, where parsing
+        must not hold the GIL while a load's client thread times tokens)."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
-        out: dict[str, dict[float, float]] = {}  # label value -> bound -> count
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == f"{name}_bucket":
-                    key = sample.labels.get(label, "") if label else ""
-                    counts = out.setdefault(key, {})
-                    le = float(sample.labels["le"])  # series sharing a key add up
-                    counts[le] = counts.get(le, 0.0) + sample.value
-        return {key: sorted(counts.items()) for key, counts in out.items()}
+            return response.read().decode()
 
     def token(self) -> str:
         return (self.state_dir / "admin-token").read_text().strip()
@@ -125,6 +119,22 @@ class BenchDaemon:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+def parse_histograms(text: str, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
+    """{label value: [(bucket bound, cumulative count)]} of histogram `name` in /metrics
+    `text`, its series summed per value of `label` ("" sums them all)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[float, float]] = {}  # label value -> bound -> count
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                key = sample.labels.get(label, "") if label else ""
+                counts = out.setdefault(key, {})
+                le = float(sample.labels["le"])  # series sharing a key add up
+                counts[le] = counts.get(le, 0.0) + sample.value
+    return {key: sorted(counts.items()) for key, counts in out.items()}
 
 
 def bucket_quantile(

@@ -237,7 +237,7 @@ class WeightsConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Of what it shares with serving, the most staging uses (it sleeps between chunks): on a
     # CPU device one core; on a GPU the host-to-device link (the host's checks then run
-    # unpaced, on cores the engine leaves free); 0 = 0.1.
+    # unpaced, on cores the engine leaves free); 0 = 0.1 on a CPU device, 0.25 on a GPU.
     staging_share: float = 0.0
     # Versions pushed by trainers that are remembered (`sitsctl versions`), the newest; older
     # ones are forgotten (never the active one, the rollback target or one in a slot).

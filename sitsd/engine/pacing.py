@@ -22,7 +22,11 @@ the engine's time on average.
                share earns every step covers that, so the share still holds on average, no
                step more than doubles, and the fixed part is paid as seldom as it can be.
                Each step with swap work is charged what it measured, either way (a noisy
-               machine's slow and fast steps average out), at most one spaced piece.
+               machine's slow and fast steps average out), at most one spaced piece. And a
+               step that grew past the share comes at most once in `spaced_every` steps: on
+               a GPU a piece alone is a whole pass over the other slot's weights, and one
+               such step in five (what the share alone would space them by) shows in every
+               inter-token P99; one in 128 shows in none, and each still at most doubles.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that.
 
@@ -62,6 +66,9 @@ class PacingSettings:
     # A migration's recompute grows past the share when it must to end within this many
     # seconds of the commit (`sitsd.engine.migration.Migration.tokens_to_finish`).
     migration_deadline_s: float = 10.0
+    # A step the swap's work makes longer than the share allows (a spaced piece) comes at
+    # most once in this many steps: under 1% of them, out of every inter-token P99.
+    spaced_every: int = 128
 
 
 class FinishedStep(Protocol):
@@ -93,6 +100,11 @@ class _Cost:
     @property
     def largest(self) -> int:
         return max(n for n, _ in self._samples)
+
+    @property
+    def cheapest(self) -> float:
+        """The least extra time a piece of this work has cost (of those remembered)."""
+        return min(e for _, e in self._samples)
 
     @property
     def separable(self) -> bool:
@@ -140,6 +152,8 @@ class StepPacer:
         self._cost = {False: _Cost(), True: _Cost()}  # by `alone`
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
+        # Steps since one whose swap work added more than the share (none yet: as if long ago).
+        self._since_past_share = self.settings.spaced_every
         self._last_end: float | None = None
 
     def steady_s(self, num_serving_versions: int = 1) -> float | None:
@@ -167,7 +181,10 @@ class StepPacer:
             return 1  # a first, smallest piece: what it costs is measured next
         fixed, per_token = cost.fit()
         share_s = settings.share * steady
-        smallest = fixed + per_token
+        # Until the fit tells the fixed part from the per-token one, an all-per-token fit
+        # would price the smallest piece below what every piece so far has cost (a whole
+        # pass over the other slot's weights for a handful of tokens, on a GPU).
+        smallest = fixed + per_token if cost.resolved else max(per_token, cost.cheapest)
         if smallest <= share_s:  # fits in every step; at most twice what was measured so far
             return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
@@ -176,7 +193,7 @@ class StepPacer:
         # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
         # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = _credit_cap(steady, smallest)
-        if self._credit < cap:
+        if self._credit < cap or self._since_past_share < settings.spaced_every:
             return 0
         grown = 2 * cost.largest + 2
         if not cost.resolved:
@@ -215,6 +232,7 @@ class StepPacer:
         if record is None or record.sched_out.is_empty:
             return
         period = end - max(record.start, last_end if last_end is not None else record.start)
+        self._since_past_share += 1
         work = record.sched_out.swap_work
         if work is None:  # not scheduled to the end (a preemption): its kind is unknown
             return
@@ -231,6 +249,8 @@ class StepPacer:
         if steady is None:
             return
         extra = period - steady
+        if extra > self.settings.share * steady:
+            self._since_past_share = 0
         self._cost[work.alone].add(work.num_tokens, extra)
         # Signed: a step's noise either way averages out (charging only the slow ones would
         # spend more than the share earns on a noisy machine); one outlier costs at most what

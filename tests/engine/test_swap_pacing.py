@@ -10,6 +10,7 @@ the pacer and the fake runner are the real ones; only the clock is simulated.
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 
@@ -217,3 +218,22 @@ def test_a_fixed_allowance_is_never_exceeded(fixed):
     sim.steady(num_requests=4, num_steps=5)
     steps = run_canary(sim, probe_prompts(sim.rng, 3))
     assert max(n for _, n, _, _ in steps) <= fixed
+
+
+def test_steps_a_canary_makes_longer_than_the_share_are_too_rare_for_the_p99():
+    # On a GPU a piece on the standby slot is a whole pass over its weights (here 60% of a
+    # steady step): every such step is past the share, so at most one in `spaced_every` may
+    # carry one, and the P99 of the canary's steps stays within the share of steady.
+    sim = SimEngine(share=0.2, weights_s=0.06)
+    sim.runner.slots.load(V1)
+    steady = sim.steady(num_requests=8)
+    spaced_every = sim.sched.pacer.settings.spaced_every
+    steps = run_canary(sim, probe_prompts(sim.rng, 4), max_steps=20 * spaced_every)
+    past = [i for i, (_, n, a, _) in enumerate(steps) if n and a > 0.2 * steady + 1e-9]
+    assert past, "pieces on the standby slot cost more than the share"
+    gaps = [b - a for a, b in itertools.pairwise(past)]
+    assert min(gaps, default=spaced_every) >= spaced_every
+    periods = sorted(p for p, *_ in steps)
+    p99 = periods[int(0.99 * (len(periods) - 1))]
+    assert p99 <= (1 + 0.2) * steady + sim.token_s + 1e-9
+    assert max(periods) <= 2 * steady + sim.token_s + 1e-9, "a step at most doubles"
