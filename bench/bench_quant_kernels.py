@@ -185,7 +185,7 @@ def variants(
             f"fp8 {b}": functools.partial(fp8_linear, backend=b) for b in ("scaled_mm", "triton")
         }
     label = "int4 g128" + (" zero points" if fmt == "int4 zp" else "")
-    default = choose_int4_config(num_rows, n, k, GROUP)
+    default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=fmt == "int4 zp")
     out = {f"{label} default": functools.partial(int4_linear, config=default)}
     for config in int4_sweep(num_rows) if sweep and fmt == "int4" else []:
         if config != default:
@@ -272,7 +272,8 @@ def bench_shape(
             floor = bench.floor_us(w0, num_rows, k)
             for label, (us, note) in summary.items():
                 if label.endswith("default"):
-                    note = describe(choose_int4_config(num_rows, n, k, GROUP))
+                    zp = fmt == "int4 zp"
+                    note = describe(choose_int4_config(num_rows, n, k, GROUP, has_offsets=zp))
                 out.append(
                     Row(
                         name,

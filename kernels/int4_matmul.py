@@ -12,8 +12,9 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   sum_k x)`, or `scale * sum_k q x + offset * sum_k x`), so a weight costs a shift, a mask, an
   add and an FMA: a code becomes a float by setting it as the low mantissa bits of 2^23
   (`(q | 0x4B000000)` read as float32, minus 2^23; exact), not by an int-to-float conversion,
-  which runs at a quarter of the FMA rate and held decode to a fifth of its memory floor. For
-  decode batches of one or two, with split-K for enough programs to keep every SM streaming.
+  which runs at a quarter of the FMA rate (all modes share that conversion). For
+  decode batches of one or two with offsets (zero points), with split-K for enough programs
+  to keep every SM streaming. On an H200 it beats `fma` with offsets and loses to it without.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop (gemv's one-row path): for one or two rows, where a padded MMA would waste most of
   itself. The weight stays float32.
@@ -28,8 +29,9 @@ in a fixed order (deterministic) and rounds to x's dtype. act-order (`perm`) gat
 of x as each chunk loads them, so the weight keeps contiguous groups.
 
 Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which configuration, is
-the model's decision; `choose_int4_config` gives defaults that the GPU benchmark
-(`bench/bench_quant_kernels.py`) has yet to confirm.
+the model's decision; `choose_int4_config` gives defaults from the GPU benchmark
+(`bench/bench_quant_kernels.py`). No mode reaches its memory floor yet: one decode row reads
+the weight at 10-20% of the copy bandwidth, where cuBLAS bf16 reaches 60-97%.
 """
 
 from __future__ import annotations
@@ -252,19 +254,30 @@ def _split_sum_kernel(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.
 
 
 def choose_int4_config(
-    num_rows: int, n: int, k: int, group_size: int, *, num_sms: int = 132
+    num_rows: int,
+    n: int,
+    k: int,
+    group_size: int,
+    *,
+    num_sms: int = 132,
+    has_offsets: bool = False,
 ) -> Int4MatmulConfig:
-    """A default configuration for `x [num_rows, k] @ W[n, k].T`.
+    """A default configuration for `x [num_rows, k] @ W[n, k].T`, from an H200's figures
+    (`bench/bench_quant_kernels.py`, Llama-3-8B's layers, groups of 128).
 
-    One or two rows: `gemv` on chunks of 256 columns and 4096 / group_size weight rows per
-    program (one 16-byte vector of codes per thread of 4 warps per group: 2 KB of codes per
-    group and program), split along K (a power of two, at most 16, into whole chunks) until
-    there are eight programs per SM: enough bytes in flight to stream the weight. Up to 64 rows:
-    `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x 128 past
-    128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8, into
-    whole chunks) until the grid has two programs per SM.
+    One or two rows without offsets: `fma` on 8 weight rows per program and chunks of up to 512
+    columns (one 16-byte vector of codes per thread of 4 warps): the fastest measured (qkv 21,
+    o 12, down 36 us), though still 5-7x its floor. With offsets: `gemv` on chunks of 256
+    columns and 4096 / group_size weight rows per program, split along K (a power of two, at
+    most 16, into whole chunks) until there are eight programs per SM: it applies each offset
+    once per row and group where `fma` adds it to every weight (down 67 us against 90). Up to
+    64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x
+    128 past 128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8,
+    into whole chunks) until the grid has two programs per SM.
     """
     k_pow2 = next_power_of_2(k)
+    if num_rows <= 2 and not has_offsets:
+        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 8, max(8, min(512, k_pow2)))
     if num_rows <= 2:
         block_k = max(256, group_size)
         block_n = 4096 // group_size
@@ -355,7 +368,9 @@ def int4_matmul(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
-    config = config or choose_int4_config(num_rows, n, k, group_size, num_sms=num_sms(x.device))
+    config = config or choose_int4_config(
+        num_rows, n, k, group_size, num_sms=num_sms(x.device), has_offsets=offsets is not None
+    )
     _check_config(config)
     if config.mode == "gemv" and config.block_k % group_size:
         raise ValueError(f"block_k must be a multiple of the group size {group_size} in mode "

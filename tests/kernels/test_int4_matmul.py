@@ -120,9 +120,10 @@ def test_rejects_bad_arguments_with_messages(device):
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("num_rows", [1, 8, 32, 128, 512])
-def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows):
+@pytest.mark.parametrize("has_offsets", [False, True])
+def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_offsets):
     n, k = LLAMA3_8B_SHAPES[name]
-    config = choose_int4_config(num_rows, n, k, 128, num_sms=132)
+    config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=has_offsets)
     if config.mode != "fma":
         assert k % (config.split_k * config.block_k) == 0
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
