@@ -30,12 +30,20 @@ import grpc
 import torch
 
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
-from sitsd.client.tensors import NamedTensors, chunks, ipc_tensor, named_list, nbytes, tensor_table
+from sitsd.client.tensors import (
+    NamedTensors,
+    chunk_messages,
+    ipc_tensor,
+    named_list,
+    nbytes,
+    tensor_table,
+)
 from sitsd.config import ADMIN_TOKEN_FILE_NAME, default_state_dir
 
 TOKEN_ENV = "SITSD_ADMIN_TOKEN"
 TRANSPORTS = ("auto", "grpc", "ipc", "dist")
 DEFAULT_CHUNK_BYTES = 2 * 2**20  # under gRPC's default 4 MiB message limit
+UPDATE_WEIGHTS = "/sitsd.api.v1.Admin/UpdateWeights"
 POLICIES = {
     "": admin_pb2.SWAP_POLICY_UNSPECIFIED,
     "migrate": admin_pb2.SWAP_POLICY_MIGRATE,
@@ -135,6 +143,11 @@ class WeightsClient:
         self._metadata = (("authorization", f"Bearer {read_token(token, token_file)}"),)
         self._channel = channel or grpc.insecure_channel(address)
         self.stub = admin_pb2_grpc.AdminStub(self._channel)
+        # UpdateWeights with messages serialized already (`chunk_messages`): the stub's own
+        # would take `UpdateWeightsRequest`s, built with three copies of every chunk.
+        self._update_weights = self._channel.stream_unary(
+            UPDATE_WEIGHTS, response_deserializer=admin_pb2.WeightUpdate.FromString
+        )
         self.group: GroupLike | None = None  # set by WeightGroup.create
         self._device_uuid: str | None = None
 
@@ -238,18 +251,16 @@ class WeightsClient:
     ) -> admin_pb2.WeightUpdate:
         total = nbytes(tensors)
 
-        def messages() -> Iterator[admin_pb2.UpdateWeightsRequest]:
-            yield admin_pb2.UpdateWeightsRequest(header=header)
+        def messages() -> Iterator[bytes]:
+            yield admin_pb2.UpdateWeightsRequest(header=header).SerializeToString()
             sent = 0
             for name, t in tensors:
-                for data in chunks(t, chunk_bytes):
-                    yield admin_pb2.UpdateWeightsRequest(
-                        chunk=admin_pb2.TensorChunk(name=name, data=data)
-                    )
-                    sent += len(data)
+                for message, carried in chunk_messages(name, t, chunk_bytes):
+                    yield message
+                    sent += carried
                     progress(PushProgress("send", sent, total))
 
-        update: admin_pb2.WeightUpdate = self.stub.UpdateWeights(
+        update: admin_pb2.WeightUpdate = self._update_weights(
             messages(), metadata=self._metadata, timeout=timeout
         )
         return update
