@@ -3,8 +3,9 @@
 Pure functions of the tensors (no channel): `tensor_table` is the header every push starts with
 (name, dtype, shape, in order); `chunk_messages` cuts a tensor's bytes into the serialized
 messages of a gRPC stream; `ipc_tensor` takes torch's own CUDA IPC reduction apart into proto
-fields (no pickle on the wire); `bucket_layout` packs tensors into broadcasts for a weight
-group. What the daemon does with them is `sitsd.weights.push`'s.
+fields (no pickle on the wire), and `flat_copy` makes them views of one allocation first;
+`bucket_layout` packs tensors into broadcasts for a weight group. What the daemon does with
+them is `sitsd.weights.push`'s.
 """
 
 from __future__ import annotations
@@ -125,6 +126,27 @@ def bucket_layout(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) ->
         placements.append((len(sizes) - 1, start))
         sizes[-1] = start + size
     return BucketLayout(sizes, placements)
+
+
+def flat_copy(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors copied into one new flat buffer on their device, each at a multiple of
+    `ALIGN` bytes, as (name, view of the buffer) pairs in the same order.
+
+    For an IPC push: the daemon opens each allocation the tensors live in once (CUDA maps it
+    into its address space), and a trainer's tensors are often one allocation each; views of
+    one buffer are one allocation. The buffer costs the tensors' size again while it lives.
+    """
+    if not tensors:
+        return []
+    padded = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in tensors)
+    layout = bucket_layout(tensors, padded)  # one bucket: every tensor fits at its offset
+    buffer = torch.empty(layout.bucket_bytes[0], dtype=torch.uint8, device=tensors[0][1].device)
+    fill_bucket(buffer, tensors, layout, 0)
+    views = []
+    for (name, t), (_, offset) in zip(tensors, layout.placements, strict=True):
+        size = t.numel() * t.element_size()
+        views.append((name, buffer[offset : offset + size].view(t.dtype).view(t.shape)))
+    return views
 
 
 def fill_bucket(

@@ -33,6 +33,7 @@ from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
 from sitsd.client.tensors import (
     NamedTensors,
     chunk_messages,
+    flat_copy,
     ipc_tensor,
     named_list,
     nbytes,
@@ -174,6 +175,7 @@ class WeightsClient:
         dtype: torch.dtype | None = None,
         progress: Progress | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        ipc_flatten: bool = False,
         timeout: float | None = None,
     ) -> PushResult:
         """Push tensors (Hugging Face names) as a new weights version; returns once committed.
@@ -189,6 +191,9 @@ class WeightsClient:
             dtype: cast the tensors to this before sending (e.g. torch.bfloat16).
             progress: called as the push goes.
             chunk_bytes: grpc: the most one message carries.
+            ipc_flatten: ipc: copy the tensors into one flat buffer on their GPU first (their
+                size again, until the push returns), so that the daemon maps one allocation
+                instead of one per tensor the trainer allocated apart.
             timeout: seconds for the whole push (None: no limit).
 
         Raises:
@@ -207,7 +212,8 @@ class WeightsClient:
             if chosen == "grpc":
                 update = self._push_grpc(header, tensors, chunk_bytes, report, timeout)
             elif chosen == "ipc":
-                update = self._push_ipc(header, tensors, report, timeout)
+                sent = flat_copy(tensors) if ipc_flatten else tensors
+                update = self._push_ipc(header, sent, report, timeout)
             else:
                 assert self.group is not None
                 return self.group.push_header(self, header, tensors, report, timeout)

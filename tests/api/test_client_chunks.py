@@ -7,7 +7,7 @@ import random
 import torch
 
 from sitsd.api.v1 import admin_pb2
-from sitsd.client.tensors import chunk_messages
+from sitsd.client.tensors import ALIGN, chunk_messages, flat_copy
 
 
 def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_whole():
@@ -33,3 +33,23 @@ def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_who
             data += parsed.chunk.data
         got = torch.frombuffer(bytearray(data), dtype=dtype).view(tensor.t().shape)
         assert torch.equal(got, tensor.t())  # row-major bytes of the (transposed) view
+
+
+def test_a_flat_copy_holds_every_tensor_as_an_aligned_view_of_one_buffer():
+    rng = random.Random()
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    tensors = [
+        (f"t{i}", torch.randn(rng.randrange(1, 40), rng.randrange(1, 40), generator=gen).to(
+            rng.choice((torch.float32, torch.bfloat16, torch.float16))))
+        for i in range(rng.randrange(2, 12))
+    ]  # fmt: skip
+    flat = flat_copy(tensors)
+    assert [n for n, _ in flat] == [n for n, _ in tensors]
+    storages = {v.untyped_storage().data_ptr() for _, v in flat}
+    assert len(storages) == 1
+    base = storages.pop()
+    for (_, t), (_, v) in zip(tensors, flat, strict=True):
+        assert (v.dtype, v.shape) == (t.dtype, t.shape)
+        assert torch.equal(v, t)
+        assert (v.data_ptr() - base) % ALIGN == 0
+        assert v.data_ptr() != t.data_ptr()  # a copy: the trainer may change its own
