@@ -27,6 +27,8 @@ steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 
 
     python -m bench.bench_push --device cuda --work-dir /scratch/push [--json out.json]
     .venv/bin/python -m bench.bench_push --clients 4 --transports grpc,dist   # CPU smoke run
+    .venv/bin/python -m bench.bench_push --clients 2 --transports grpc --staging-share 1 \
+        --policy drain --period 0   # the gRPC receive rate on a CPU, copies unpaced
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
     flags = ["--model", str(v1), "--served-model-name", "bench", "--device", args.device,
              "--scheduling-policy", "fcfs", "--max-num-seqs", str(2 * args.clients),
              "--weight-slots", "2", "--swap-policy", args.policy]  # fmt: skip
+    if args.staging_share:
+        flags += ["--staging-share", str(args.staging_share)]
     if args.device == "cuda":
         return [*flags, "--gpu-memory-utilization", "0.6"]
     return [*flags, "--kv-cache-memory", "256MiB"]
@@ -314,6 +318,9 @@ def main() -> int:
     parser.add_argument("--period", type=float, default=60.0,
                         help="seconds of each throughput run (0: none)")  # fmt: skip
     parser.add_argument("--push-every", type=float, default=10.0)
+    parser.add_argument("--staging-share", type=float, default=0.0,
+                        help="the daemon's --staging-share (0: its default; on a CPU device a "
+                        "tenth of a core, which paces a gRPC push's copies)")  # fmt: skip
     parser.add_argument("--ipc-flatten", action="store_true",
                         help="IPC pushes send views of one flat copy of the tensors")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
