@@ -7,7 +7,8 @@
    it on the same GPU).
 2. This process is the trainer: the pushed tensors are v1's with 1% relative noise, made on the
    GPU (bf16, 16 GB; a host copy for the gRPC stream). With a second GPU the weight group's
-   copy lives there (NCCL needs one GPU per rank).
+   copy lives there (NCCL needs one GPU per rank). `--ipc-flatten`: IPC pushes send views of
+   one flat copy of the tensors (one allocation for the daemon to map, not one per tensor).
 3. `--clients` streaming greedy requests keep going. After `--steady` seconds, one push per
    transport (`--transports`: grpc, ipc, dist; the ones that cannot run here are skipped),
    `--gap` seconds apart, each reporting: the time from the call to the commit (the client's
@@ -26,6 +27,8 @@ steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 
 
     python -m bench.bench_push --device cuda --work-dir /scratch/push [--json out.json]
     .venv/bin/python -m bench.bench_push --clients 4 --transports grpc,dist   # CPU smoke run
+    .venv/bin/python -m bench.bench_push --clients 2 --transports grpc --staging-share 1 \
+        --policy drain --period 0   # the gRPC receive rate on a CPU, copies unpaced
 """
 
 from __future__ import annotations
@@ -154,8 +157,11 @@ def available(transports: list[str], device: str) -> list[str]:
 class Trainer:
     """The pushing side: the tensors where each transport sends them from, and the client."""
 
-    def __init__(self, daemon: BenchDaemon, v1: Path, device: str, seed: int) -> None:
+    def __init__(
+        self, daemon: BenchDaemon, v1: Path, device: str, seed: int, ipc_flatten: bool = False
+    ) -> None:
         self.client = WeightsClient(daemon.address, token=daemon.token())
+        self.ipc_flatten = ipc_flatten  # IPC pushes copy the tensors into one buffer first
         gpu = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.tensors = {"ipc": trainer_tensors(v1, gpu, seed) if device == "cuda" else {}}
         self.tensors["grpc"] = {n: t.cpu() for n, t in self.tensors["ipc"].items()} or (
@@ -176,7 +182,8 @@ class Trainer:
             self.tensors["dist"] = {n: t.to(where) for n, t in self.tensors["grpc"].items()}
         started = now()
         result = self.client.push(self.tensors[transport], version=version,
-                                  transport=transport, policy=policy)  # fmt: skip
+                                  transport=transport, policy=policy,
+                                  ipc_flatten=self.ipc_flatten)  # fmt: skip
         return result, started, now()
 
 
@@ -231,13 +238,16 @@ def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
     flags = ["--model", str(v1), "--served-model-name", "bench", "--device", args.device,
              "--scheduling-policy", "fcfs", "--max-num-seqs", str(2 * args.clients),
              "--weight-slots", "2", "--swap-policy", args.policy]  # fmt: skip
+    if args.staging_share:
+        flags += ["--staging-share", str(args.staging_share)]
     if args.device == "cuda":
         return [*flags, "--gpu-memory-utilization", "0.6"]
     return [*flags, "--kv-cache-memory", "256MiB"]
 
 
 def run(args: argparse.Namespace, work: Path) -> dict:
-    result: dict = {"device": args.device, "clients": args.clients, "policy": args.policy}
+    result: dict = {"device": args.device, "clients": args.clients, "policy": args.policy,
+                    "ipc_flatten": args.ipc_flatten}  # fmt: skip
     if args.device == "cuda":
         from bench.floors import copy_bandwidth
 
@@ -247,7 +257,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     daemon = BenchDaemon(work / "state", daemon_flags(args, v1), log_path=work / "daemon.log")
     try:
         daemon.wait_until_serving()
-        trainer = Trainer(daemon, v1, args.device, args.seed)
+        trainer = Trainer(daemon, v1, args.device, args.seed, args.ipc_flatten)
         vocab = (LLAMA3_8B if args.device == "cuda" else SMOLLM2).vocab_size
         load = Load(daemon.address, vocab, args.clients, args.seed)
         load.thread.start()
@@ -308,6 +318,11 @@ def main() -> int:
     parser.add_argument("--period", type=float, default=60.0,
                         help="seconds of each throughput run (0: none)")  # fmt: skip
     parser.add_argument("--push-every", type=float, default=10.0)
+    parser.add_argument("--staging-share", type=float, default=0.0,
+                        help="the daemon's --staging-share (0: its default; on a CPU device a "
+                        "tenth of a core, which paces a gRPC push's copies)")  # fmt: skip
+    parser.add_argument("--ipc-flatten", action="store_true",
+                        help="IPC pushes send views of one flat copy of the tensors")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where v1 is written")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -321,7 +336,8 @@ def main() -> int:
         result = run(args, work)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    print(f"\nlive pushes under load ({args.device}, {args.clients} streams, {args.policy})")
+    flat = ", IPC from one flat buffer" if args.ipc_flatten else ""
+    print(f"\nlive pushes under load ({args.device}, {args.clients} streams, {args.policy}{flat})")
     print(table(result))
     return 0
 

@@ -30,12 +30,21 @@ import grpc
 import torch
 
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
-from sitsd.client.tensors import NamedTensors, chunks, ipc_tensor, named_list, nbytes, tensor_table
+from sitsd.client.tensors import (
+    NamedTensors,
+    chunk_messages,
+    flat_copy,
+    ipc_tensor,
+    named_list,
+    nbytes,
+    tensor_table,
+)
 from sitsd.config import ADMIN_TOKEN_FILE_NAME, default_state_dir
 
 TOKEN_ENV = "SITSD_ADMIN_TOKEN"
 TRANSPORTS = ("auto", "grpc", "ipc", "dist")
 DEFAULT_CHUNK_BYTES = 2 * 2**20  # under gRPC's default 4 MiB message limit
+UPDATE_WEIGHTS = "/sitsd.api.v1.Admin/UpdateWeights"
 POLICIES = {
     "": admin_pb2.SWAP_POLICY_UNSPECIFIED,
     "migrate": admin_pb2.SWAP_POLICY_MIGRATE,
@@ -135,6 +144,11 @@ class WeightsClient:
         self._metadata = (("authorization", f"Bearer {read_token(token, token_file)}"),)
         self._channel = channel or grpc.insecure_channel(address)
         self.stub = admin_pb2_grpc.AdminStub(self._channel)
+        # UpdateWeights with messages serialized already (`chunk_messages`): the stub's own
+        # would take `UpdateWeightsRequest`s, built with three copies of every chunk.
+        self._update_weights = self._channel.stream_unary(
+            UPDATE_WEIGHTS, response_deserializer=admin_pb2.WeightUpdate.FromString
+        )
         self.group: GroupLike | None = None  # set by WeightGroup.create
         self._device_uuid: str | None = None
 
@@ -161,6 +175,7 @@ class WeightsClient:
         dtype: torch.dtype | None = None,
         progress: Progress | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        ipc_flatten: bool = False,
         timeout: float | None = None,
     ) -> PushResult:
         """Push tensors (Hugging Face names) as a new weights version; returns once committed.
@@ -176,6 +191,9 @@ class WeightsClient:
             dtype: cast the tensors to this before sending (e.g. torch.bfloat16).
             progress: called as the push goes.
             chunk_bytes: grpc: the most one message carries.
+            ipc_flatten: ipc: copy the tensors into one flat buffer on their GPU first (their
+                size again, until the push returns), so that the daemon maps one allocation
+                instead of one per tensor the trainer allocated apart.
             timeout: seconds for the whole push (None: no limit).
 
         Raises:
@@ -194,7 +212,8 @@ class WeightsClient:
             if chosen == "grpc":
                 update = self._push_grpc(header, tensors, chunk_bytes, report, timeout)
             elif chosen == "ipc":
-                update = self._push_ipc(header, tensors, report, timeout)
+                sent = flat_copy(tensors) if ipc_flatten else tensors
+                update = self._push_ipc(header, sent, report, timeout)
             else:
                 assert self.group is not None
                 return self.group.push_header(self, header, tensors, report, timeout)
@@ -238,18 +257,16 @@ class WeightsClient:
     ) -> admin_pb2.WeightUpdate:
         total = nbytes(tensors)
 
-        def messages() -> Iterator[admin_pb2.UpdateWeightsRequest]:
-            yield admin_pb2.UpdateWeightsRequest(header=header)
+        def messages() -> Iterator[bytes]:
+            yield admin_pb2.UpdateWeightsRequest(header=header).SerializeToString()
             sent = 0
             for name, t in tensors:
-                for data in chunks(t, chunk_bytes):
-                    yield admin_pb2.UpdateWeightsRequest(
-                        chunk=admin_pb2.TensorChunk(name=name, data=data)
-                    )
-                    sent += len(data)
+                for message, carried in chunk_messages(name, t, chunk_bytes):
+                    yield message
+                    sent += carried
                     progress(PushProgress("send", sent, total))
 
-        update: admin_pb2.WeightUpdate = self.stub.UpdateWeights(
+        update: admin_pb2.WeightUpdate = self._update_weights(
             messages(), metadata=self._metadata, timeout=timeout
         )
         return update

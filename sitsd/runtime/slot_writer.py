@@ -150,7 +150,31 @@ class SlotWriter:
         return [n for n, count in self._written.items() if count < self._dst[n].numel()]
 
     def first_nonfinite(self, names: list[str], on_progress: Progress | None = None) -> str | None:
-        """The first of `names` whose slot tensor holds NaN or Inf (read in chunks), or None."""
+        """The first of `names` whose slot tensor holds NaN or Inf, or None.
+
+        On a GPU one fused pass sums every tensor's magnitudes (a sum is finite exactly when
+        every element is, or it overflowed) and one host sync reads the sums; only a tensor
+        whose sum is not finite is read again, element by element. Per chunk, 16 GB took
+        ~700 launches from a thread that contends with the engine's for the interpreter:
+        139 ms on an H200 while serving. On a CPU the chunks stay, each paced by `on_progress`.
+        """
+        if self.device.type == "cuda" and names:
+            with torch.inference_mode(), self.side_stream():
+                views = [self._dst[name] for name in names]
+                sums = torch._foreach_norm(views, 1, dtype=torch.float32)
+                finite = torch.isfinite(torch.stack(sums)).tolist()  # host sync, this thread
+            names = [name for name, ok in zip(names, finite, strict=True) if not ok]
+            if on_progress is not None:
+                total = sum(view.numel() * view.element_size() for view in views)
+                on_progress(total, total)
+            if not names:
+                return None
+        return self._first_nonfinite_chunked(names, on_progress)
+
+    def _first_nonfinite_chunked(
+        self, names: list[str], on_progress: Progress | None
+    ) -> str | None:
+        """`first_nonfinite` element by element, in chunks."""
         total = sum(self._nbytes(name) for name in names)
         done = 0
         flags = []  # one per tensor, read at once at the end

@@ -5,9 +5,11 @@ The trainer (`sitsd.client`) reduces each tensor with torch's own CUDA IPC reduc
 (`IpcHandle`): no pickle crosses the wire. `IpcPush.receive` checks every handle against the
 table (its view must lie inside the memory it shares, or the copy would read another process's
 memory), opens each with `rebuild_cuda_tensor`, copies it device to device into the standby
-slot on the slot writer's side stream (casting on the device), waits for the copies and drops
-the handles, then reports "released": from then on the trainer may free or change its tensors.
-Serving goes on meanwhile; the copies share the GPU with it.
+slot on the slot writer's side stream (casting on the device), waits for the copies and only
+then drops the handles, then reports "released": from then on the trainer may free or change
+its tensors. Tensors that share an allocation (views of one flat buffer, or blocks of one
+segment of the trainer's allocator) share one opening of it. Serving goes on meanwhile; the
+copies share the GPU with it.
 """
 
 from __future__ import annotations
@@ -92,17 +94,28 @@ class IpcPush:
         return self._plan.nbytes
 
     def _copy(self, writer: SlotWriter) -> None:
-        """Open, copy and drop each handle; return once every copy is done (stager thread)."""
-        with torch.cuda.device(writer.device), writer.side_stream():
-            for spec, handle in zip(self._plan.tensors, self._handles, strict=True):
-                # Rebuilt on the side stream: the producer's event is waited for there.
-                src = _rebuild(spec, handle, writer.device)
-                try:
-                    writer.write(spec.name, src)
-                except SlotWriteError as exc:
-                    raise VersionRejected(str(exc)) from None
-                del src  # the last reference: the producer's count drops once copied
-            writer.sync()  # the copies have read the trainer's memory: it is free again
+        """Open every handle and queue its copy, wait for the copies, then drop the handles
+        (stager thread).
+
+        Every opened tensor is held until the last copy is done: torch caches an opened
+        allocation only while a tensor maps it, so dropping each tensor once its copy was
+        queued closed the allocation's mapping (`cudaIpcCloseMemHandle`) for the next tensor
+        of the same allocation to open again, and let the mapping go while a copy could
+        still read it.
+        """
+        opened: list[torch.Tensor] = []
+        try:
+            with torch.cuda.device(writer.device), writer.side_stream():
+                for spec, handle in zip(self._plan.tensors, self._handles, strict=True):
+                    # Rebuilt on the side stream: the producer's event is waited for there.
+                    opened.append(_rebuild(spec, handle, writer.device))
+                    try:
+                        writer.write(spec.name, opened[-1])
+                    except SlotWriteError as exc:
+                        raise VersionRejected(str(exc)) from None
+        finally:
+            writer.sync()  # the copies have read the trainer's memory (even a push cut short)
+            opened.clear()  # the last references: the producer's counts drop
 
 
 def _check_extent(spec: TensorSpec, handle: IpcHandle) -> None:

@@ -4,10 +4,10 @@
 `TensorPiece`: a tensor's name and its next bytes (whole elements, row-major, little-endian,
 in the dtype the table gives). `StreamedPush.receive` takes them in the table's order and
 copies each straight into the slot on a thread of its own; the next piece is read off the
-stream only once the one before is copied, so a push holds one piece in memory at a time
-(gRPC's flow control holds the sender back meanwhile), never the version. A piece that does
-not fit the table (another tensor before this one is whole, more bytes than its shape, part of
-an element) rejects the version, naming the tensor.
+stream while one is copied, and copied only once that one is in, so a push holds two pieces in
+memory at most (gRPC's flow control holds the sender back meanwhile), never the version. A
+piece that does not fit the table (another tensor before this one is whole, more bytes than its
+shape, part of an element) rejects the version, naming the tensor.
 """
 
 from __future__ import annotations
@@ -100,17 +100,26 @@ class StreamedPush:
         # keeps a team per calling thread, and the engine's needs every core).
         with ThreadPoolExecutor(1, "sitsd-push", initializer=torch.set_num_threads,
                                 initargs=(1,)) as copier:  # fmt: skip
-            async for piece in self._pieces:
-                if not piece.data:
-                    continue
-                spec, start = cursor.take(piece)
-                done = cursor.total
-                # Awaited before the next read: one piece in memory; the copier's pacer sleeps
-                # in it, which holds the reads (and the sender) back too.
-                copy = functools.partial(
-                    _copy, writer, spec, start, piece.data, on_bytes, done, total
-                )
-                await loop.run_in_executor(copier, copy)
+            copying: asyncio.Future[None] | None = None  # the piece before this one
+            try:
+                async for piece in self._pieces:
+                    if not piece.data:
+                        continue
+                    spec, start = cursor.take(piece)
+                    # This piece was read while the one before was copied; it is copied once
+                    # that one is in (one copier thread, whose pacer sleeps in it and so
+                    # holds the reads, and the sender, back too): two pieces in memory at most.
+                    if copying is not None:
+                        await copying
+                    copy = functools.partial(
+                        _copy, writer, spec, start, piece.data, on_bytes, cursor.total, total
+                    )
+                    copying = loop.run_in_executor(copier, copy)
+                if copying is not None:
+                    await copying
+            finally:
+                if copying is not None and not copying.done():
+                    await asyncio.wait((copying,))  # no copy may land in the slot after this
         return cursor.total
 
 

@@ -145,3 +145,18 @@ def test_bad_ipc_pushes_are_rejected_and_twenty_more_leak_nothing(daemons, clien
     assert (status.num_blocks_used, status.num_running, status.num_waiting) == (0, 0, 0)
     slots = client.stub.ListVersions(admin_pb2.ListVersionsRequest(), metadata=client.metadata)
     assert sorted(v.slot for v in slots.versions if v.slot) == ["active", "standby"]
+
+
+def test_a_flattened_ipc_push_under_load_fails_nothing_and_matches_a_fresh_daemon(
+    daemons, prompts, client, pushed
+):
+    """`ipc_flatten`: the tensors as views of one buffer, one allocation for the daemon to map."""
+    before = client.status().weights_version
+    results = []
+
+    def push() -> None:
+        results.append(client.push(pushed, version="ipc-flat", ipc_flatten=True))
+
+    records, _ = push_under_load(daemons["v1"], prompts, push, (100, 200))
+    check_tokens(records, daemons["full"], before, "ipc-flat")
+    assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")]

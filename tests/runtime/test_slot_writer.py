@@ -141,3 +141,25 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
         else:
             want = base[name]
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_the_fused_check_on_a_gpu_finds_the_nonfinite_tensor_and_not_a_finite_overflowing_one():
+    """One summed pass, then an exact look at a tensor whose sum is not finite: finite values
+    whose magnitudes add past float32's range are no NaN."""
+    arch, first = tiny(random.randrange(2**20))
+    slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.bfloat16), "v1")
+    slots.release(1)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=64)
+    names = sorted(first)
+    bad, huge = random.sample(names, 2)
+    for name in names:
+        t = first[name].clone()
+        if name == huge:
+            t.fill_(3e38)  # finite in bfloat16; the sum of its magnitudes overflows
+        writer.write(name, t)
+    assert writer.first_nonfinite(names) is None
+    t = first[bad].clone()
+    t.view(-1)[random.randrange(t.numel())] = random.choice([float("nan"), float("-inf")])
+    writer.write(bad, t)
+    assert writer.first_nonfinite(names) == bad

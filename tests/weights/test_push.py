@@ -253,8 +253,8 @@ def test_the_prefix_cache_never_serves_kv_of_the_version_before_a_push(served, v
     assert after_push != first
 
 
-def test_a_streamed_push_copies_each_piece_before_it_reads_the_next(served, versions):
-    """Bounded memory: the daemon never holds more than the piece it is copying."""
+def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(served, versions):
+    """Bounded memory: the daemon holds the piece it is copying and the next one, no more."""
     tensors = version_tensors(versions["v2"])
     port = served.manager.stager.port
     writers = []
@@ -268,13 +268,16 @@ def test_a_streamed_push_copies_each_piece_before_it_reads_the_next(served, vers
     port.slot_writer = recording_writer
     plan_source = streamed(tensors)
     read = [0]
+    last = [0]  # bytes of the piece read last
 
     async def watched():
         async for piece in pieces(tensors.items(), random.randrange(64, 2048)):
-            # By the time the next piece is asked for, every byte read so far is in the slot.
+            # By the time the next piece is asked for, every byte read before the last piece
+            # is in the slot (that one may still be copying).
             copied = sum(writers[0].written(n) * 4 for n in tensors) if writers else 0
-            assert copied == read[0]
+            assert read[0] - last[0] <= copied <= read[0]
             read[0] += len(piece.data)
+            last[0] = len(piece.data)
             yield piece
 
     source = StreamedPush(plan_source.plan, watched())
