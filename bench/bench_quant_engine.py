@@ -40,7 +40,13 @@ import torch
 
 from bench.bench_gpu import run_batch
 from bench.engine_setup import engine_config, random_checkpoint
-from bench.floors import copy_bandwidth, fp8_matmul_rate, matmul_rate, prefill_flops
+from bench.floors import (
+    copy_bandwidth,
+    fp8_matmul_rate,
+    kv_read_bytes,
+    matmul_rate,
+    prefill_flops,
+)
 from bench.shapes import LLAMA3_8B
 from sitsd.builder import build_engine
 from sitsd.daemon import freeze_startup_objects
@@ -61,7 +67,7 @@ PREFILL_REQUESTS, PREFILL_PROMPT = 64, 512
 def step_bytes(weight_bytes: int, arch: LlamaArch, batch: int, context: float) -> float:
     """Bytes one decode step must read: the weights it passes over whole + every context's KV
     (bf16)."""
-    return weight_bytes + batch * context * arch.kv_bytes_per_token(2)
+    return weight_bytes + kv_read_bytes(arch, batch, context)
 
 
 async def measure(

@@ -67,13 +67,18 @@ def non_embedding_params(arch: LlamaArch) -> int:
     return arch.num_parameters - untied_table
 
 
+def kv_read_bytes(arch: LlamaArch, batch: int, context: float) -> float:
+    """Bytes of bf16 KV one decode step reads: every context of `batch` at a mean `context`."""
+    return batch * context * arch.kv_bytes_per_token(2)
+
+
 def decode_step_floor_s(
     arch: LlamaArch, batch: int, context: float, bw: float, mm: float
 ) -> tuple[float, float, float]:
     """(floor, memory floor, compute floor) in seconds of one bf16 decode step of `batch`
     sequences at a mean `context`, for copy bandwidth `bw` (bytes/s) and matmul rate `mm`."""
     weight_bytes = 2 * non_embedding_params(arch)
-    kv_bytes = batch * context * arch.kv_bytes_per_token(2)
+    kv_bytes = kv_read_bytes(arch, batch, context)
     memory = (weight_bytes + kv_bytes) / bw
     compute = 2 * non_embedding_params(arch) * batch / mm
     return max(memory, compute), memory, compute
