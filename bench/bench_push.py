@@ -9,12 +9,12 @@
    GPU (bf16, 16 GB; a host copy for the gRPC stream). With a second GPU the weight group's
    copy lives there (NCCL needs one GPU per rank). `--ipc-flatten`: IPC pushes send views of
    one flat copy of the tensors (one allocation for the daemon to map, not one per tensor).
-3. `--clients` streaming greedy requests keep going. After `--steady` seconds, one push per
-   transport (`--transports`: grpc, ipc, dist; the ones that cannot run here are skipped),
-   `--gap` seconds apart, each reporting: the time from the call to the commit (the client's
-   clock) and the daemon's stages (receive, validate, canary, commit), the serving pause at
-   the commit, inter-token latency P99 while receiving (the call to staged) and while
-   committing against steady, and the bytes per second received against the device copy
+3. `--clients` streaming greedy requests keep going, from a process of their own (`bench.load`).
+   After `--steady` seconds, one push per transport (`--transports`: grpc, ipc, dist; the ones that
+   cannot run here are skipped), `--gap` seconds apart, each reporting: the time from the call to
+   the commit (the client's clock) and the daemon's stages (receive, validate, canary, commit), the
+   serving pause at the commit, inter-token latency P99 while receiving (the call to staged) and
+   while committing against steady, and the bytes per second received against the device copy
    bandwidth measured first (bench.floors).
 4. Throughput: output tokens/s over `--period` seconds with no push, then over as long with a
    full push every `--push-every` seconds (over IPC where it runs, else the first transport),
@@ -34,25 +34,20 @@ steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
 from bench.bench_swap import stats
 from bench.daemon import BenchDaemon
+from bench.load import LoadSpec, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
-from sitsd.api.v1 import inference_pb2 as pb
-from sitsd.api.v1 import inference_pb2_grpc
 from sitsd.client import PushResult, WeightGroup, WeightsClient
 
 TRANSPORTS = ("grpc", "ipc", "dist")
@@ -97,45 +92,16 @@ def trainer_tensors(v1: Path, device: torch.device, seed: int) -> dict[str, torc
 # ------------------------------------------------------------------------------------- load
 
 
-class Load:
-    """`clients` greedy streams, one request after another each; token arrival times."""
+def load_spec(address: str, vocab: int, clients: int, seed: int) -> LoadSpec:
+    """`clients` greedy streams of random prompts (32-160 tokens), 64-256 tokens each."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))] for _ in range(64)]
+    return LoadSpec(address, prompts, clients, seed, max_tokens=(64, 256), timeout_s=600)
 
-    def __init__(self, address: str, vocab: int, clients: int, seed: int) -> None:
-        rng = random.Random(seed)
-        self.prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))]
-                        for _ in range(64)]  # fmt: skip
-        self.address, self.clients, self.rng = address, clients, rng
-        self.token_times: list[list[float]] = []  # per request
-        self.failed = 0
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
-    async def _main(self) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            await asyncio.gather(*(self._client(stub) for _ in range(self.clients)))
-
-    async def _client(self, stub: inference_pb2_grpc.InferenceStub) -> None:
-        while not self.stop_event.is_set():
-            times: list[float] = []
-            self.token_times.append(times)
-            request = pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=self.rng.choice(self.prompts)), ignore_eos=True,
-                sampling=pb.SamplingParams(max_tokens=self.rng.randint(64, 256), temperature=0),
-            )  # fmt: skip
-            try:
-                async for response in stub.Generate(request, timeout=600):
-                    times += [now()] * len(response.token_ids)
-            except grpc.aio.AioRpcError:
-                self.failed += 1
-
-    def itls(self, start: float, end: float) -> list[float]:
-        """Gaps between consecutive tokens of a request, for tokens arriving in [start, end)."""
-        return [b - a for s in list(self.token_times) for a, b in itertools.pairwise(s)
-                if start <= b < end]  # fmt: skip
-
-    def tokens(self, start: float, end: float) -> int:
-        return sum(start <= t < end for s in list(self.token_times) for t in s)
+def itls(load: StreamLoad, start: float, end: float) -> list[float]:
+    """Inter-token gaps of the arrivals in [start, end)."""
+    return [gap for gap, _ in arrival_gaps(load.streams(since=start), start, end)]
 
 
 # ------------------------------------------------------------------------------------- runs
@@ -187,18 +153,19 @@ class Trainer:
         return result, started, now()
 
 
-def measure_transports(args: argparse.Namespace, trainer: Trainer, load: Load) -> dict:
+def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamLoad) -> dict:
     steady_start = now()
     time.sleep(args.steady)
-    steady = stats(load.itls(steady_start, now()))
+    steady = stats(itls(load, steady_start, now()))
     out: dict = {"steady": steady, "pushes": {}}
     for transport in available(args.transports, args.device):
         time.sleep(args.gap)
         result, called, committed = trainer.push(transport, args.policy)
         # Staged (received, validated, canaried) at the daemon's total less its commit stage.
         staged = called + result.total_s - result.timings["commit"]
-        receiving = stats(load.itls(called, staged))
-        committing = stats(load.itls(staged, committed + 1.0))
+        time.sleep(1.0)  # the second after the commit is part of the window below
+        receiving = stats(itls(load, called, staged))
+        committing = stats(itls(load, staged, committed + 1.0))
         receive_s = result.timings["receive"]
         out["pushes"][transport] = {
             "call_to_commit_s": committed - called,
@@ -217,19 +184,21 @@ def measure_transports(args: argparse.Namespace, trainer: Trainer, load: Load) -
     return out
 
 
-def measure_throughput(args: argparse.Namespace, trainer: Trainer, load: Load) -> dict:
+def measure_throughput(args: argparse.Namespace, trainer: Trainer, load: StreamLoad) -> dict:
     """Output tokens/s with no push, then with a push every `push_every` seconds."""
     transports = available(args.transports, args.device)
     transport = "ipc" if "ipc" in transports else transports[0]  # 16 GB over grpc takes > 10 s
     start = now()
     time.sleep(args.period)
-    quiet = load.tokens(start, now()) / (now() - start)
+    end = now()
+    quiet = arrivals(load.streams(since=start), start, end) / (end - start)
     start = now()
     while now() - start < args.period:
         began = now()
         trainer.push(transport, args.policy)
         time.sleep(max(0.0, args.push_every - (now() - began)))
-    pushing = load.tokens(start, now()) / (now() - start)
+    end = now()
+    pushing = arrivals(load.streams(since=start), start, end) / (end - start)
     return {"transport": transport, "push_every_s": args.push_every, "quiet_tok_s": quiet,
             "pushing_tok_s": pushing, "ratio": pushing / quiet}  # fmt: skip
 
@@ -259,15 +228,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         daemon.wait_until_serving()
         trainer = Trainer(daemon, v1, args.device, args.seed, args.ipc_flatten)
         vocab = (LLAMA3_8B if args.device == "cuda" else SMOLLM2).vocab_size
-        load = Load(daemon.address, vocab, args.clients, args.seed)
-        load.thread.start()
+        load = StreamLoad(load_spec(daemon.address, vocab, args.clients, args.seed))
+        load.start()
         time.sleep(args.warmup)
         result |= measure_transports(args, trainer, load)
         if args.period > 0:
             result["throughput"] = measure_throughput(args, trainer, load)
-        load.stop_event.set()
-        load.thread.join(600)
-        result["requests"], result["failed_requests"] = len(load.token_times), load.failed
+        streams = load.stop(600)
+        result["requests"] = len(streams)
+        result["failed_requests"] = sum(s.failed for s in streams)
     finally:
         daemon.stop()
     return result

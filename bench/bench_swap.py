@@ -32,26 +32,22 @@ arrival falls in. Never part of the test run; on the CPU about 10 minutes per st
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import os
 import random
 import re
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
+from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now, percentile
-from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
-from sitsd.api.v1 import inference_pb2 as pb
+from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
 
 SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
 STAGES = ("verify", "validate", "stage", "canary")
@@ -100,73 +96,25 @@ def write_gpu_versions(work: Path) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------------- load
 
 
-@dataclass
-class Stream:
-    """One request: when it was sent, its tokens' arrival times, when it ended."""
-
-    started: float
-    times: list[float] = field(default_factory=list)
-    ended: float | None = None
-
-
-class Load:
-    """`clients` streaming greedy requests, one after another each."""
-
-    def __init__(self, address: str, prompts: list[list[int]], clients: int, seed: int) -> None:
-        self.address, self.prompts, self.clients = address, prompts, clients
-        self.rng = random.Random(seed)
-        self.streams: list[Stream] = []
-        self.failures: list[float] = []  # when a request failed
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            await asyncio.gather(*(self._client(stub) for _ in range(self.clients)))
-
-    async def _client(self, stub: inference_pb2_grpc.InferenceStub) -> None:
-        while not self.stop_event.is_set():
-            stream = Stream(now())
-            self.streams.append(stream)
-            request = pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=self.rng.choice(self.prompts)),
-                ignore_eos=True,
-                sampling=pb.SamplingParams(max_tokens=self.rng.randint(64, 128), temperature=0),
-            )
-            try:
-                async for response in stub.Generate(request, timeout=1800):
-                    stream.times += [now()] * len(response.token_ids)
-            except grpc.aio.AioRpcError:
-                self.failures.append(now())
-            stream.ended = now()
-
-    def itls(self, start: float, end: float) -> list[tuple[float, float]]:
-        """(gap, arrival) between consecutive tokens of a request, arrivals in [start, end)."""
-        return [(b - a, b) for s in list(self.streams)
-                for a, b in itertools.pairwise(s.times) if start <= b < end]  # fmt: skip
-
-    def effect_end(self, policy: str, swap: float, committed: float, timeout_s: float) -> float:
-        """When the swap's effect on requests in flight is over (see the module docstring)."""
-        if policy == "migrate":
-            return committed
-        deadline = now() + timeout_s
-        while now() < deadline:
-            if policy == "drain":  # the requests that had tokens before the flip ran on v-old
-                old = [s for s in list(self.streams) if s.times and s.times[0] < committed]
-                if all(s.ended is not None for s in old):
-                    return max((s.ended for s in old if s.ended), default=committed)
-            else:  # restart: each request in flight at the swap has its next token
-                inflight = [
-                    s
-                    for s in list(self.streams)
-                    if s.started < swap and (s.ended is None or s.ended > swap)
-                ]
-                after = [next((t for t in s.times if t > committed), s.ended) for s in inflight]
-                if all(t is not None for t in after):
-                    return max([committed, *(t for t in after if t is not None)])
-            time.sleep(0.2)
-        raise RuntimeError(f"the {policy} swap's effect did not end in {timeout_s:.0f} s")
+def effect_end(load: StreamLoad, policy: str, swap: float, committed: float,
+               timeout_s: float) -> float:  # fmt: skip
+    """When the swap's effect on requests in flight is over (see the module docstring)."""
+    if policy == "migrate":
+        return committed
+    deadline = now() + timeout_s
+    while now() < deadline:
+        streams = load.streams(since=swap, times_from=committed)
+        if policy == "drain":  # the requests that had tokens before the flip ran on v-old
+            old = [s for s in streams if s.first_token is not None and s.first_token < committed]
+            if all(s.ended is not None for s in old):
+                return max([committed, *(s.ended for s in old if s.ended is not None)])
+        else:  # restart: each request in flight at the swap has its next token
+            inflight = [s for s in streams if s.started < swap]
+            after = [next((t for t in s.times if t > committed), s.ended) for s in inflight]
+            if all(t is not None for t in after):
+                return max([committed, *(t for t in after if t is not None)])
+        time.sleep(0.2)
+    raise RuntimeError(f"the {policy} swap's effect did not end in {timeout_s:.0f} s")
 
 
 def stats(gaps: list[float], steady_p99: float | None = None) -> dict[str, float]:
@@ -207,7 +155,7 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
 
 
 def one_swap(
-    args: argparse.Namespace, daemon: BenchDaemon, load: Load, path: Path, version: str,
+    args: argparse.Namespace, daemon: BenchDaemon, load: StreamLoad, path: Path, version: str,
     policy: str,
 ) -> dict:  # fmt: skip
     """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
@@ -224,8 +172,7 @@ def one_swap(
 
     mark()
     time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
-    marks: dict = {"deploy": mark(), "stages": {}, "failures_before": len(load.failures),
-                   "metrics": snapshots}  # fmt: skip
+    marks: dict = {"deploy": mark(), "stages": {}, "metrics": snapshots}
     request = admin_pb2.DeployRequest(path=str(path), version=version)
     for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
         if progress.stage not in marks["stages"]:
@@ -240,7 +187,7 @@ def one_swap(
     assert last.stage == "committed", last
     marks.update(pause_ms=last.pause_ms, flip_ms=last.flip_ms, num_migrating=last.num_migrating,
                  num_restarted=last.num_restarted, num_draining=last.num_draining)  # fmt: skip
-    marks["effect_end"] = load.effect_end(policy, marks["swap"], marks["committed"], 1800)
+    marks["effect_end"] = effect_end(load, policy, marks["swap"], marks["committed"], 1800)
     mark()  # just after the effect's end (the end is known only once it is over)
     time.sleep(args.after)
     marks["end"] = mark()
@@ -283,17 +230,19 @@ def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[
     return phases
 
 
-def summarize(args: argparse.Namespace, load: Load, marks: dict, policy: str, clients: int) -> dict:
+def summarize(args: argparse.Namespace, streams: list[Stream], marks: dict, policy: str,
+              clients: int) -> dict:  # fmt: skip
     phases = phases_of(args, marks, policy)
-    steady = stats([g for g, _ in load.itls(phases[0][1], phases[0][2])])
-    by_phase = {name: stats([g for g, _ in load.itls(a, b)], steady["p99_ms"]) | {"s": b - a}
+    steady = stats([g for g, _ in arrival_gaps(streams, phases[0][1], phases[0][2])])
+    by_phase = {name: stats([g for g, _ in arrival_gaps(streams, a, b)], steady["p99_ms"])
+                | {"s": b - a}
                 | step_stats(marks["metrics"], a, b) for name, a, b in phases}  # fmt: skip
-    gaps = sorted(load.itls(phases[0][1], marks["end"]), reverse=True)[:5]
+    gaps = sorted(arrival_gaps(streams, phases[0][1], marks["end"]), reverse=True)[:5]
     largest = []
     for gap, at in gaps:
         name, start, _ = next(p for p in phases if p[1] <= at < p[2])
         largest.append({"ms": gap * 1e3, "phase": name, "into_phase_s": at - start})
-    started = [s for s in load.streams if phases[0][1] <= s.started < marks["end"]]
+    started = [s for s in streams if phases[0][1] <= s.started < marks["end"]]
     return {
         "clients": clients,
         "policy": policy,
@@ -303,7 +252,11 @@ def summarize(args: argparse.Namespace, load: Load, marks: dict, policy: str, cl
         "flip_ms": marks["flip_ms"],
         "in_flight": {k: marks[k] for k in ("num_migrating", "num_restarted", "num_draining")},
         "requests": len(started),
-        "failed": len(load.failures) - marks["failures_before"],
+        "failed": sum(
+            s.failed
+            for s in streams
+            if s.ended is not None and phases[0][1] <= s.ended <= marks["end"]
+        ),
         "largest_gaps": largest,
     }
 
@@ -322,8 +275,8 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
         vocab = (SMOLLM2 if args.device == "cpu" else LLAMA3_8B).vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 160))]
                    for _ in range(64)]  # fmt: skip
-        load = Load(daemon.address, prompts, clients, args.seed)
-        load.thread.start()
+        load = StreamLoad(LoadSpec(daemon.address, prompts, clients, args.seed))
+        load.start()
         time.sleep(args.warmup)
         swaps = []
         for i, policy in enumerate(args.policies):
@@ -331,12 +284,9 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
             swaps.append((policy, one_swap(args, daemon, load, path,
                                            f"{path.name}-{policy}-{i}", policy)))  # fmt: skip
             print(f"{clients} streams, {policy}: done", flush=True)
-        load.stop_event.set()
-        load.thread.join(1800)
-        # Only now: summarizing holds the GIL for a while, and the load's client thread, in
-        # this process, would time the tokens it could not read meanwhile as a stall.
+        streams = load.stop(1800)
         for policy, marks in swaps:
-            result = summarize(args, load, marks, policy, clients)
+            result = summarize(args, streams, marks, policy, clients)
             result["second_slot_mib"] = slot_mib
             results.append(result)
             print(table(result, args.device), flush=True)
