@@ -137,16 +137,23 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     """A few configurations per row count around the default (compiling is most of the run:
     the list is short, and layers that share K share compiled variants)."""
     c = Int4MatmulConfig
-    if num_rows <= 2:
+    if num_rows <= 4:
         m = 1 << max(num_rows - 1, 0).bit_length()
         return [
-            c("gemv", 1, 32, 256, split_k=4),
-            c("gemv", 1, 32, 512, split_k=4),
-            c("gemv", 1, 64, 256, split_k=4),
-            c("gemv", 1, 32, 256, split_k=8, num_warps=8),
-            c("gemv", 1, 16, 256, split_k=8),
+            c("gemv", m, 16, 512, split_k=2),
+            c("gemv", m, 32, 512, split_k=4),
+            c("gemv", m, 64, 128, split_k=4),
+            c("gemv", m, 8, 1024, split_k=2),
+            c("gemv", m, 128, 128, split_k=8),
             c("fma", m, 8, 512),
+            c("dot_swapped", 16, 64, 128, split_k=4),
+        ]
+    if num_rows <= 16:
+        return [
             c("dot_swapped", 16, 64, 128, split_k=2),
+            c("dot_swapped", 16, 64, 128, split_k=4),
+            c("dot_swapped", 16, 128, 128, split_k=2, num_warps=8),
+            c("dot_swapped", 16, 64, 256, split_k=2),
         ]
     if num_rows <= 64:
         m = max(16, 1 << (num_rows - 1).bit_length())
@@ -187,7 +194,7 @@ def variants(
     label = "int4 g128" + (" zero points" if fmt == "int4 zp" else "")
     default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=fmt == "int4 zp")
     out = {f"{label} default": functools.partial(int4_linear, config=default)}
-    for config in int4_sweep(num_rows) if sweep and fmt == "int4" else []:
+    for config in int4_sweep(num_rows) if sweep else []:
         if config != default:
             out[f"sweep {describe(config)}"] = functools.partial(int4_linear, config=config)
     if num_rows >= 32:
@@ -236,7 +243,9 @@ class Bench:
         return moved / self.copy_gbs / 1e3
 
 
-def _summarize(times: dict[str, float]) -> tuple[dict[str, tuple[float, str]], str | None]:
+def _summarize(
+    times: dict[str, float], fmt: str
+) -> tuple[dict[str, tuple[float, str]], str | None]:
     """The rows to print (label -> time, note): the sweep collapsed into its best; the winner."""
     swept = {lb: t for lb, t in times.items() if lb.startswith("sweep") or lb.endswith("default")}
     rows = {lb: (t, "") for lb, t in times.items() if not lb.startswith("sweep")}
@@ -244,7 +253,8 @@ def _summarize(times: dict[str, float]) -> tuple[dict[str, tuple[float, str]], s
         return rows, None
     best = min(swept, key=swept.__getitem__)
     note = "the default" if best.endswith("default") else best.removeprefix("sweep ")
-    rows[f"int4 g128 best of {len(swept)}"] = (swept[best], note)
+    label = "int4 g128" + (" zero points" if fmt == "int4 zp" else "")
+    rows[f"{label} best of {len(swept)}"] = (swept[best], note)
     return rows, best
 
 
@@ -265,9 +275,12 @@ def bench_shape(
             for label, fn in variants(fmt, num_rows, n, k, sweep, workspace).items():
                 check_close(fn(x, w0), ref, f"{name} M={num_rows} {label}")
                 times[label] = bench.time_linear(fn, x, copies[fmt])
+                if label.startswith("sweep"):  # every configuration's time, for the log
+                    print(f"    {name} M={num_rows} {fmt} {label}: {times[label]:.2f} us",
+                          flush=True)  # fmt: skip
             t_bf16 = t_bf16 or times["bf16 F.linear (cuBLAS)"]
-            summary, best = _summarize(times)
-            if best:
+            summary, best = _summarize(times, fmt)
+            if best and fmt == "int4":
                 winners[(name, num_rows)] = best
             floor = bench.floor_us(w0, num_rows, k)
             for label, (us, note) in summary.items():

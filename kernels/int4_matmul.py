@@ -7,17 +7,17 @@ needs in registers, in float32 (`q * scale + offset`, or `(q - 8) * scale`), and
 right away, so a decode step reads 4 bits per weight instead of 16 (`quant_reference.
 int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
 
-* `gemv`: one row of x per program, chunks of whole groups: each group's codes are summed
-  against x first (`sum_k q x`) and scaled once per row and group (`scale * (sum_k q x - 8
-  sum_k x)`, or `scale * sum_k q x + offset * sum_k x`), so a weight costs a shift, a mask, an
-  add and an FMA: a code becomes a float by setting it as the low mantissa bits of 2^23
+* `gemv`: 1 to 4 rows of x per program, the weight rows' words sliced by nibble
+  (`_int4_sliced`): each slice's codes meet x's matching strided columns in the words' own
+  registers, with no reshape; a chunk's `q * x` are summed per word before the scale (and the
+  offset, times the sum of x) is applied, so a weight costs a shift, a LOP3, an add and an FMA
+  per row of x. A code becomes a float by setting it as the low mantissa bits of 2^23
   (`(q | 0x4B000000)` read as float32, minus 2^23; exact), not by an int-to-float conversion,
-  which runs at a quarter of the FMA rate (all modes share that conversion). For
-  decode batches of one or two with offsets (zero points), with split-K for enough programs
-  to keep every SM streaming. On an H200 it beats `fma` with offsets and loses to it without.
+  which runs at a quarter of the FMA rate (the other modes share that conversion). For decode
+  batches of one or two, with split-K for enough programs to keep every SM streaming.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
-  the loop (gemv's one-row path): for one or two rows, where a padded MMA would waste most of
-  itself. The weight stays float32.
+  the loop: the 3-D formulation `gemv` replaced (kept as a second path for few rows; it
+  converts every tile through shared memory and measures 1.3-2x slower).
 * `dot_swapped`: `tl.dot(W_tile [BLOCK_N, BLOCK_K], x_tile^T [BLOCK_K, BLOCK_M])`, the weight rows
   on the MMA's M side (64 or 128 on Hopper's warp-group MMA) and the few rows of x on its N side
   (skinny_gemm's trick): for up to 64 rows.
@@ -31,7 +31,9 @@ of x as each chunk loads them, so the weight keeps contiguous groups.
 Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which configuration, is
 the model's decision; `choose_int4_config` gives defaults from the GPU benchmark
 (`bench/bench_quant_kernels.py`). No mode reaches its memory floor yet: one decode row reads
-the weight at 10-20% of the copy bandwidth, where cuBLAS bf16 reaches 60-97%.
+the weight at 20-35% of the copy bandwidth (`gemv`; the other modes 12-20%), where cuBLAS
+bf16 reaches 60-97%: the FP32 dequantization costs about four instructions per code, near the
+SMs' issue rate at full bandwidth.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sitsd.kernels._int4_tile import as_float, dequant_tile
+from sitsd.kernels._int4_sliced import int4_gemv_kernel
+from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
@@ -70,9 +73,9 @@ class Int4MatmulConfig:
     """Launch configuration of one `int4_matmul` call."""
 
     mode: str = "dot"  # one of MODES
-    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes; 1: gemv)
+    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes; gemv <= 4)
     block_n: int = 64  # rows of W (output columns) per program, a power of two
-    # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes; gemv: >= the group)
+    # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes)
     block_k: int = 64
     split_k: int = 1  # programs along K; their partials are summed by a second kernel
     num_warps: int = 4
@@ -166,81 +169,6 @@ def _int4_matmul_kernel(
         tl.store(out_ptr + split * M * N + offs, y, mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int4_gemv_kernel(
-    x_ptr,
-    qw_ptr,
-    s_ptr,
-    o_ptr,  # offsets, or any pointer without HAS_OFFSETS
-    perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
-    out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
-    M,
-    N,
-    stride_xm,
-    K: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # a multiple of GROUP: the chunk's groups are unrolled
-    SPLIT_K: tl.constexpr,
-    K_SPLIT: tl.constexpr,  # K elements per split, a multiple of BLOCK_K
-    HAS_OFFSETS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * BLOCK_K divides K: no masks
-    PDL: tl.constexpr,
-):
-    pdl_enter(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.program_id(1)
-    split = tl.program_id(2)
-    n_mask = offs_n < N
-    WORDS: tl.constexpr = GROUP // 8
-    NUM_GROUPS: tl.constexpr = (K + GROUP - 1) // GROUP
-    shifts = tl.arange(0, 8) * 4
-    offs_w = tl.arange(0, WORDS)
-    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BLOCK_K):
-        for sub in tl.static_range(BLOCK_K // GROUP):
-            k_group = k0 + sub * GROUP  # the first layout column of one group
-            g = k_group // GROUP
-            words_at = k_group // 8 + offs_w  # [WORDS]
-            cols = k_group + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]
-            if EVEN:
-                words = tl.load(w_rows + words_at[None, :])
-                if HAS_PERM:
-                    cols = tl.load(perm_ptr + cols)
-                x = tl.load(x_row + cols).to(tl.float32)
-                scale = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-            else:
-                w_mask = n_mask[:, None] & (words_at < K // 8)[None, :]
-                words = tl.load(w_rows + words_at[None, :], mask=w_mask, other=0)
-                k_mask = cols < K
-                if HAS_PERM:
-                    cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
-                x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
-                g_mask = n_mask & (g + 0 * offs_n < NUM_GROUPS)
-                scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
-            codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
-            q = as_float(codes)
-            qx = tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-            x_sum = tl.sum(tl.sum(x, axis=1), axis=0)
-            if HAS_OFFSETS:
-                if EVEN:
-                    offset = tl.load(o_ptr + g * N + offs_n).to(tl.float32)
-                else:
-                    offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0)
-                    offset = offset.to(tl.float32)
-                acc += scale * qx + offset * x_sum
-            else:
-                acc += scale * (qx - 8.0 * x_sum)
-    offs = row * N + offs_n
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(out_ptr + split * M * N + offs, acc, mask=n_mask)
-
-
 @triton.jit
 def _split_sum_kernel(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr):  # fmt: skip
@@ -265,28 +193,21 @@ def choose_int4_config(
     """A default configuration for `x [num_rows, k] @ W[n, k].T`, from an H200's figures
     (`bench/bench_quant_kernels.py`, Llama-3-8B's layers, groups of 128).
 
-    One or two rows without offsets: `fma` on 8 weight rows per program and chunks of up to 512
-    columns (one 16-byte vector of codes per thread of 4 warps): the fastest measured (qkv 21,
-    o 12, down 36 us), though still 5-7x its floor. With offsets: `gemv` on chunks of 256
-    columns and 4096 / group_size weight rows per program, split along K (a power of two, at
-    most 16, into whole chunks) until there are eight programs per SM: it applies each offset
-    once per row and group where `fma` adds it to every weight (down 67 us against 90). Up to
+    One or two rows: `gemv` on 32 weight rows per program, 128-column chunks (16 words per row:
+    four 16-byte vectors), 2 warps, split along K into up to 8 parts (a power of two, into
+    whole chunks): within 10% of the best of twelve configurations on every layer, with or
+    without offsets (qkv 13, o 10.5, gate_up 38, down 25 us at one row; `fma` took 21, 12, 73
+    and 36, the 3-D `gemv` with offsets 29, 22, 116 and 67). Up to
     64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x
     128 past 128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8,
     into whole chunks) until the grid has two programs per SM.
     """
     k_pow2 = next_power_of_2(k)
-    if num_rows <= 2 and not has_offsets:
-        return Int4MatmulConfig("fma", next_power_of_2(num_rows), 8, max(8, min(512, k_pow2)))
     if num_rows <= 2:
-        block_k = max(256, group_size)
-        block_n = 4096 // group_size
-        programs = cdiv(n, block_n) * num_rows
         split_k = 1
-        while (programs * split_k < 8 * num_sms and split_k < 16
-               and k % (2 * split_k * block_k) == 0):  # fmt: skip
+        while split_k < 8 and k % (2 * split_k * 128) == 0:
             split_k *= 2
-        return Int4MatmulConfig("gemv", 1, block_n, block_k, split_k)
+        return Int4MatmulConfig("gemv", next_power_of_2(num_rows), 32, 128, split_k, num_warps=2)
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip
@@ -307,9 +228,9 @@ def _check_config(config: Int4MatmulConfig) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
     dot = config.mode in ("dot", "dot_swapped")  # tl.dot needs every side >= 16
     least = {"block_m": 16 if dot else 1, "block_n": 16 if dot else 1, "block_k": 16 if dot else 8}
-    if config.mode == "gemv" and config.block_m != 1:
-        raise ValueError(f"block_m must be 1 in mode 'gemv' (a row per program), got "
-                         f"{config.block_m}")  # fmt: skip
+    if config.mode == "gemv" and config.block_m > 4:
+        raise ValueError(f"block_m must be at most 4 in mode 'gemv' (an accumulator per row), "
+                         f"got {config.block_m}")  # fmt: skip
     for name, minimum in least.items():
         value = getattr(config, name)
         if value < minimum or value & (value - 1):
@@ -372,9 +293,6 @@ def int4_matmul(
         num_rows, n, k, group_size, num_sms=num_sms(x.device), has_offsets=offsets is not None
     )
     _check_config(config)
-    if config.mode == "gemv" and config.block_k % group_size:
-        raise ValueError(f"block_k must be a multiple of the group size {group_size} in mode "
-                         f"'gemv', got {config.block_k}")  # fmt: skip
     if num_rows == 0 or n == 0:
         return out
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -387,13 +305,14 @@ def int4_matmul(
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
     grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
     if config.mode == "gemv":
-        _int4_gemv_kernel[grid](
+        int4_gemv_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
             qweight if perm is None else perm, target, num_rows, n, x.stride(0),
-            K=k, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            SPLIT_K=config.split_k, K_SPLIT=k_split, HAS_OFFSETS=offsets is not None,
-            HAS_PERM=perm is not None, EVEN=even, PDL=pdl, num_warps=config.num_warps,
-            num_stages=config.num_stages, launch_pdl=pdl,
+            K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
+            WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
+            HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
+            EVEN_K=even_k, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+            launch_pdl=pdl,
         )  # fmt: skip
     else:
         _int4_matmul_kernel[grid](

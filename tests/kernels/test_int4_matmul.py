@@ -18,7 +18,7 @@ CONFIGS = {
     "fma": Int4MatmulConfig("fma", block_m=2, block_n=8, block_k=64),
     "dot_swapped": Int4MatmulConfig("dot_swapped", block_m=16, block_n=16, block_k=32),
     "dot": Int4MatmulConfig("dot", block_m=16, block_n=32, block_k=128),
-    "gemv": Int4MatmulConfig("gemv", block_m=1, block_n=16, block_k=128),  # 1 to 4 groups
+    "gemv": Int4MatmulConfig("gemv", block_m=4, block_n=16, block_k=64),  # 2 or 1/2 groups
 }
 
 
@@ -108,10 +108,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 8, 32))
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16 in mode 'dot_sw"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot_swapped", 48, 64, 128))
-    with pytest.raises(ValueError, match="block_m must be 1 in mode 'gemv'"):
-        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 2, 16, 128))
-    with pytest.raises(ValueError, match="block_k must be a multiple of the group size 32"):
-        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 16))
+    with pytest.raises(ValueError, match="block_m must be at most 4 in mode 'gemv'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 8, 16, 128))
     with pytest.raises(ValueError, match="mode must be one of"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("wmma"))
     with pytest.raises(ValueError, match="split_k must be a power of two"):
@@ -124,8 +122,7 @@ def test_rejects_bad_arguments_with_messages(device):
 def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_offsets):
     n, k = LLAMA3_8B_SHAPES[name]
     config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=has_offsets)
-    if config.mode != "fma":
-        assert k % (config.split_k * config.block_k) == 0
+    assert k % (config.split_k * config.block_k) == 0
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
     assert programs * config.split_k >= 2 * 132 or config.split_k == 8
 
@@ -136,9 +133,10 @@ def _other_modes(num_rows: int) -> list[Int4MatmulConfig]:
     if num_rows <= 64:
         block_m = max(16, triton.next_power_of_2(num_rows))
         configs.append(Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k=2))
-    if num_rows <= 2:
+    if num_rows <= 4:
         configs.append(Int4MatmulConfig("fma", triton.next_power_of_2(num_rows), 4, 1024))
-        configs.append(Int4MatmulConfig("gemv", 1, 64, 512, split_k=2))
+        configs.append(Int4MatmulConfig("gemv", triton.next_power_of_2(num_rows), 64, 512,
+                                        split_k=2))  # fmt: skip
     return configs
 
 
