@@ -35,7 +35,7 @@ from sitsd.client.tensors import (
     NamedTensors,
     chunk_messages,
     flat_copy,
-    ipc_tensor,
+    ipc_tensors,
     named_list,
     nbytes,
     tensor_table,
@@ -291,7 +291,7 @@ class WeightsClient:
         torch.cuda.current_stream(device).synchronize()  # what the tensors hold is written
         request = admin_pb2.UpdateWeightsIpcRequest(
             header=header,
-            tensors=[ipc_tensor(name, t) for name, t in tensors],
+            tensors=ipc_tensors(tensors),
             device_uuid=str(torch.cuda.get_device_properties(device).uuid),
         )
         # `tensors` stays referenced until the daemon says "released" (or the call ends).

@@ -63,6 +63,36 @@ def test_copy_rest_fills_exactly_the_tensors_not_written_from_the_base_slot():
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
 
 
+def test_write_all_lands_views_of_any_dtype_and_strides_as_whole_copies_would():
+    slots, writer, _, second = writer_for(random.randrange(2**20))
+    rng = random.Random()
+    names = rng.sample(sorted(second), rng.randrange(1, len(second)))
+    srcs = []
+    for name in names:
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        tensor = second[name].to(dtype)
+        # Some as a transposed view's transpose (strided, not contiguous), as a shared
+        # storage's tensors may be.
+        srcs.append(tensor.t().contiguous().t() if tensor.dim() == 2 and rng.random() < 0.5
+                    else tensor)  # fmt: skip
+    writer.write_all(names, srcs)
+    got = named(slots, 1)
+    for name, src in zip(names, srcs, strict=True):
+        assert writer.written(name) == src.numel()
+        torch.testing.assert_close(got[name], src.float(), rtol=0, atol=0, msg=name)
+    assert sorted(writer.copy_rest()) == sorted(set(second) - set(names))
+
+
+def test_write_all_refuses_a_wrong_shape_or_name_before_copying_anything():
+    _, writer, _, second = writer_for(random.randrange(2**20))
+    first, other = random.sample(sorted(n for n, t in second.items() if t.dim() == 2), 2)
+    with pytest.raises(SlotWriteError, match=re.escape(f"{other} has shape")):
+        writer.write_all([first, other], [second[first], second[other].T.contiguous()[:1]])
+    with pytest.raises(SlotWriteError, match=r"model\.nope is not a tensor"):
+        writer.write_all([first, "model.nope"], [second[first], second[first]])
+    assert writer.written(first) == 0
+
+
 def test_a_nonfinite_value_is_found_in_the_tensor_it_landed_in():
     slots, writer, _, second = writer_for(random.randrange(2**20), chunk_bytes=64)
     names = sorted(second)
