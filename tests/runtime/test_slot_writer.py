@@ -155,8 +155,14 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
         flat = second[name].to(torch.bfloat16).view(-1)
         for start in range(0, flat.numel(), 300):
             writer.write_piece(name, start, flat[start : start + 300])
-    for name in from_device:  # device to device, as an IPC push copies
+    # Device to device: one by one, and in one call as an IPC push copies (the same dtype as
+    # the slot, or cast on the device).
+    one_by_one, in_one = from_device[::2], from_device[1::2]
+    for name in one_by_one:
         writer.write(name, second[name].cuda().half())
+    srcs = [second[n].cuda().half() if i % 2 else second[n].cuda() for i, n in enumerate(in_one)]
+    writer.write_all(in_one, srcs)
+    sent = dict(zip(in_one, srcs, strict=True))
     rest = writer.copy_rest()
     bad = writer.first_nonfinite(from_host + from_device)
     writer.sync()
@@ -166,8 +172,10 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
     for name in names:
         if name in from_host:
             want = second[name].to(torch.bfloat16).float().cuda()
-        elif name in from_device:
+        elif name in one_by_one:
             want = second[name].half().float().cuda()
+        elif name in sent:
+            want = sent[name].float()
         else:
             want = base[name]
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
