@@ -21,6 +21,7 @@ import grpc.aio
 import sitsd
 from sitsd.api import convert
 from sitsd.api.inference import EngineRef
+from sitsd.api.push_wire import UpdateRequest
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
 from sitsd.weights.progress import ProgressSink, SwapProgress
@@ -114,7 +115,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def UpdateWeights(
         self,
-        request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
+        request_iterator: AsyncIterator[UpdateRequest],  # `push_wire` reads them
         context: grpc.aio.ServicerContext,
     ) -> admin_pb2.WeightUpdate:
         return await self._pushes().update_weights(request_iterator, context)

@@ -10,7 +10,7 @@ to gRPC statuses.
   runs, so a refused call does nothing.
 - `RequestDecodingInterceptor` makes request bytes that do not parse (bad UTF-8, truncated,
   garbage, nested too deep) INVALID_ARGUMENT on every service, where grpc would answer UNKNOWN
-  and log a traceback per call.
+  and log a traceback per call, and holds every method but a push's to gRPC's default size.
 - `replace_behavior` wraps a method handler's behavior; these interceptors and
   `sitsd.api.telemetry`'s use it.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,38 +131,49 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
 
 @dataclass(frozen=True)
 class MalformedRequest:
-    """What a guarded deserializer hands the behavior for bytes that do not parse.
+    """What a guarded deserializer hands the behavior for bytes that do not parse, or more
+    bytes than the method takes.
 
     grpc itself would answer UNKNOWN and log an error-level traceback for each such call.
     """
 
-    reason: str  # the parser's words
+    reason: str  # the parser's words, or the size
 
     @property
     def message(self) -> str:
-        return f"request: the message does not parse: {self.reason}"
+        return f"request: {self.reason}"
 
 
-def _guarded_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+def _guarded_deserializer(
+    deserialize: Callable[[bytes], Any] | None, max_bytes: int
+) -> Callable[[bytes], Any]:
     def guarded(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return MalformedRequest(f"{len(data)} bytes, more than the {max_bytes} it may have")
         try:
             return data if deserialize is None else deserialize(data)
         except Exception as exc:  # DecodeError: bad UTF-8, truncated, garbage, nested too deep
-            return MalformedRequest(str(exc) or type(exc).__name__)
+            return MalformedRequest(f"the message does not parse: {str(exc) or type(exc).__name__}")
 
     return guarded
 
 
 class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
-    """Request bytes that do not parse are INVALID_ARGUMENT, for every service (health too).
+    """Request bytes that do not parse are INVALID_ARGUMENT, for every service (health too),
+    and so is a message over `max_message_bytes` (gRPC's own default limit), but for the
+    methods `larger` names (the server's limit holds those).
 
     The handler's deserializer returns a `MalformedRequest` instead of raising, and the
     behavior aborts on one (for request streams, at the message that does not parse). sitsd's
     own methods are logged by the telemetry interceptor; others here, at a bounded rate.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, max_message_bytes: int = 4 * 2**20, larger: Mapping[str, int] | None = None
+    ) -> None:
         self._log = RateLimitedLog(log)
+        self._max_message_bytes = max_message_bytes
+        self._larger = dict(larger or {})  # method -> its limit
 
     async def intercept_service(
         self,
@@ -179,8 +190,9 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
                 self._log.log(logging.INFO, method, "%s refused: %s", method, malformed.message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed.message)
 
+        max_bytes = self._larger.get(method, self._max_message_bytes)
         changes: dict[str, Any] = {
-            "request_deserializer": _guarded_deserializer(handler.request_deserializer)
+            "request_deserializer": _guarded_deserializer(handler.request_deserializer, max_bytes)
         }
         if handler.unary_unary is not None:
             changes["unary_unary"] = _checked_unary(handler.unary_unary, refuse)

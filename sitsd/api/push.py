@@ -19,6 +19,7 @@ import grpc.aio
 
 from sitsd.api import convert
 from sitsd.api.inference import EngineRef
+from sitsd.api.push_wire import UpdateRequest, WireChunk
 from sitsd.api.v1 import admin_pb2
 from sitsd.engine.errors import EngineStoppedError, InvalidRequestError
 from sitsd.weights.errors import SwapRefusedError
@@ -43,12 +44,14 @@ class PushRpcs:
 
     async def update_weights(
         self,
-        requests: AsyncIterator[admin_pb2.UpdateWeightsRequest],
+        requests: AsyncIterator[UpdateRequest],
         context: grpc.aio.ServicerContext,
     ) -> admin_pb2.WeightUpdate:
         first = await anext(aiter(requests), None)  # bytes that do not parse: refused here
         pushes = self._pushes()
-        if first is None or first.WhichOneof("item") != "header":
+        if not isinstance(first, admin_pb2.UpdateWeightsRequest) or (
+            first.WhichOneof("item") != "header"
+        ):
             raise InvalidRequestError("header", "the first message of a push is its header")
         header, plan = header_of(first.header)
         source = StreamedPush(plan, _pieces(requests))
@@ -138,10 +141,11 @@ def _no_progress(progress: SwapProgress) -> None:
     """A client stream has no way back before its answer."""
 
 
-async def _pieces(
-    requests: AsyncIterator[admin_pb2.UpdateWeightsRequest],
-) -> AsyncIterator[TensorPiece]:
+async def _pieces(requests: AsyncIterator[UpdateRequest]) -> AsyncIterator[TensorPiece]:
     async for message in requests:
+        if isinstance(message, WireChunk):  # read in place (`push_wire`)
+            yield TensorPiece(message.name, message.data)
+            continue
         if message.WhichOneof("item") != "chunk":
             raise InvalidRequestError("chunk", "only the first message of a push is a header")
         yield TensorPiece(message.chunk.name, message.chunk.data)

@@ -27,6 +27,7 @@ from sitsd.api.interceptors import (
     ErrorInterceptor,
     RequestDecodingInterceptor,
 )
+from sitsd.api.push_wire import MAX_MESSAGE_BYTES, update_weights_handler
 from sitsd.api.reflection import enable_reflection
 from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from sitsd.config import ServerConfig
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+UPDATE_WEIGHTS = f"/{ADMIN_SERVICE}/UpdateWeights"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OVERALL_HEALTH = ""  # the health service name that stands for the whole server
 
@@ -83,17 +85,26 @@ class ApiServer:
             interceptors=[
                 *interceptors,
                 AdminAuthInterceptor(admin_token),
-                RequestDecodingInterceptor(),
+                RequestDecodingInterceptor(larger={UPDATE_WEIGHTS: MAX_MESSAGE_BYTES}),
                 ErrorInterceptor(),
             ],
             # gRPC turns SO_REUSEPORT on by default: a second daemon on this port would then
-            # bind too, and clients would be spread over both. Off, its bind fails.
-            options=[("grpc.so_reuseport", 0)],
+            # bind too, and clients would be spread over both. Off, its bind fails. A pushed
+            # chunk may be larger than gRPC's default 4 MiB (no other RPC's message may: the
+            # decoding interceptor holds them to it).
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
         )
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.engines, max_tokens_default=max_tokens_default), self._server
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engines), self._server)
+        admin = AdminServicer(self.engines)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, self._server)
+        self._server.add_registered_method_handlers(
+            ADMIN_SERVICE, {"UpdateWeights": update_weights_handler(admin.UpdateWeights)}
+        )  # its chunks read in place, not parsed
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((INFERENCE_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE), self._server)
         self.port = 0

@@ -32,7 +32,7 @@ class TensorPiece:
     """The next bytes of one tensor of a streamed push."""
 
     name: str
-    data: bytes
+    data: bytes | memoryview  # a view of the received message (`sitsd.api.push_wire`)
 
 
 class _Cursor:
@@ -127,7 +127,7 @@ def _copy(
     writer: SlotWriter,
     spec: TensorSpec,
     start: int,
-    data: bytes,
+    data: bytes | memoryview,
     on_bytes: ByteProgress,
     done: int,
     total: int,

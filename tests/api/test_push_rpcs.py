@@ -13,8 +13,11 @@ import grpc
 import pytest
 import torch
 
-from sitsd.api.v1 import admin_pb2, admin_pb2_grpc
+from sitsd.api.push_wire import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from sitsd.api.server import UPDATE_WEIGHTS
+from sitsd.api.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from sitsd.client import PushError, WeightGroup, WeightsClient
+from sitsd.client.tensors import tensor_table
 from sitsd.weights.versions import VersionState
 from tests.weights.push_harness import ADMIN_TOKEN, PushServed, version_tensors, write_two_versions
 
@@ -109,6 +112,39 @@ def test_a_push_stream_starts_with_its_header_and_transports_are_checked(served,
     assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "no weight group joined" in error.value.details()
     assert served.pushes.last is None  # nothing was pushed
+
+
+def test_a_push_message_may_carry_64_mib_and_every_other_rpcs_message_4(served, client):
+    header = admin_pb2.PushHeader(version="big", partial=True,
+                                  tensors=tensor_table([(NORM, torch.ones(64))]))  # fmt: skip
+    first = admin_pb2.UpdateWeightsRequest(header=header).SerializeToString()
+    push = grpc.insecure_channel(served.address).stream_unary(UPDATE_WEIGHTS)
+
+    def chunk(nbytes: int) -> bytes:
+        data = random.randbytes(nbytes)
+        return admin_pb2.UpdateWeightsRequest(
+            chunk=admin_pb2.TensorChunk(name=NORM, data=data)
+        ).SerializeToString()
+
+    # The largest chunk is taken (and read: more bytes than the tensor holds), one past the
+    # daemon's limit is not.
+    with pytest.raises(grpc.RpcError) as error:
+        push(iter([first, chunk(MAX_CHUNK_BYTES)]), metadata=client.metadata)
+    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{NORM}: more bytes than its shape" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        push(iter([first, chunk(MAX_MESSAGE_BYTES + 1)]), metadata=client.metadata)
+    assert error.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(ValueError, match="chunk_bytes must be in"):
+        client.push({NORM: torch.ones(64)}, partial=True, chunk_bytes=MAX_CHUNK_BYTES + 1)
+    # Any other RPC: gRPC's default 4 MiB, as before pushes raised the server's limit.
+    text = "".join(random.choices("abcdefgh ", k=4 * 2**20 + 1))
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(served.address))
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(inference_pb2.GenerateRequest(text=text)))
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("request: ")
+    assert f"more than the {4 * 2**20}" in error.value.details()
 
 
 def test_a_gloo_group_push_commits_what_the_trainer_broadcast(served, client, versions):

@@ -20,7 +20,7 @@ import torch
 from sitsd.api.v1 import admin_pb2, inference_pb2_grpc
 from sitsd.api.v1 import inference_pb2 as pb
 from sitsd.client import PushError, WeightsClient
-from sitsd.client.tensors import ipc_tensor, tensor_table
+from sitsd.client.tensors import flat_copy, ipc_tensor, ipc_tensors, tensor_table
 from sitsd.weights.export import perturbed, write_version
 from tests.e2e.daemon_process import DaemonProcess
 from tests.e2e.test_hot_swap_load import QUESTIONS
@@ -150,8 +150,16 @@ def test_bad_ipc_pushes_are_rejected_and_twenty_more_leak_nothing(daemons, clien
 def test_a_flattened_ipc_push_under_load_fails_nothing_and_matches_a_fresh_daemon(
     daemons, prompts, client, pushed
 ):
-    """`ipc_flatten`: the tensors as views of one buffer, one allocation for the daemon to map."""
+    """`ipc_flatten`: the tensors as views of one buffer, one allocation for the daemon to map,
+    reduced once (one handle, one count: the daemon releases it once, and the buffer is free)."""
     before = client.status().weights_version
+    two = random.sample(sorted(pushed.items()), 2)
+    described = ipc_tensors(flat_copy(two))
+    assert len({(t.storage_handle, t.ref_counter_handle, t.ref_counter_offset)
+                for t in described}) == 1  # fmt: skip
+    del described  # (its count is never released: those two views' buffer stays in limbo)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
     results = []
 
     def push() -> None:
@@ -160,3 +168,6 @@ def test_a_flattened_ipc_push_under_load_fails_nothing_and_matches_a_fresh_daemo
     records, _ = push_under_load(daemons["v1"], prompts, push, (100, 200))
     check_tokens(records, daemons["full"], before, "ipc-flat")
     assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")]
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()  # the flat buffer is free once the daemon let go of its count
+    assert torch.cuda.memory_allocated() <= allocated

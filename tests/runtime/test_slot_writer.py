@@ -63,6 +63,36 @@ def test_copy_rest_fills_exactly_the_tensors_not_written_from_the_base_slot():
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
 
 
+def test_write_all_lands_views_of_any_dtype_and_strides_as_whole_copies_would():
+    slots, writer, _, second = writer_for(random.randrange(2**20))
+    rng = random.Random()
+    names = rng.sample(sorted(second), rng.randrange(1, len(second)))
+    srcs = []
+    for name in names:
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        tensor = second[name].to(dtype)
+        # Some as a transposed view's transpose (strided, not contiguous), as a shared
+        # storage's tensors may be.
+        srcs.append(tensor.t().contiguous().t() if tensor.dim() == 2 and rng.random() < 0.5
+                    else tensor)  # fmt: skip
+    writer.write_all(names, srcs)
+    got = named(slots, 1)
+    for name, src in zip(names, srcs, strict=True):
+        assert writer.written(name) == src.numel()
+        torch.testing.assert_close(got[name], src.float(), rtol=0, atol=0, msg=name)
+    assert sorted(writer.copy_rest()) == sorted(set(second) - set(names))
+
+
+def test_write_all_refuses_a_wrong_shape_or_name_before_copying_anything():
+    _, writer, _, second = writer_for(random.randrange(2**20))
+    first, other = random.sample(sorted(n for n, t in second.items() if t.dim() == 2), 2)
+    with pytest.raises(SlotWriteError, match=re.escape(f"{other} has shape")):
+        writer.write_all([first, other], [second[first], second[other].T.contiguous()[:1]])
+    with pytest.raises(SlotWriteError, match=r"model\.nope is not a tensor"):
+        writer.write_all([first, "model.nope"], [second[first], second[first]])
+    assert writer.written(first) == 0
+
+
 def test_a_nonfinite_value_is_found_in_the_tensor_it_landed_in():
     slots, writer, _, second = writer_for(random.randrange(2**20), chunk_bytes=64)
     names = sorted(second)
@@ -125,8 +155,14 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
         flat = second[name].to(torch.bfloat16).view(-1)
         for start in range(0, flat.numel(), 300):
             writer.write_piece(name, start, flat[start : start + 300])
-    for name in from_device:  # device to device, as an IPC push copies
+    # Device to device: one by one, and in one call as an IPC push copies (the same dtype as
+    # the slot, or cast on the device).
+    one_by_one, in_one = from_device[::2], from_device[1::2]
+    for name in one_by_one:
         writer.write(name, second[name].cuda().half())
+    srcs = [second[n].cuda().half() if i % 2 else second[n].cuda() for i, n in enumerate(in_one)]
+    writer.write_all(in_one, srcs)
+    sent = dict(zip(in_one, srcs, strict=True))
     rest = writer.copy_rest()
     bad = writer.first_nonfinite(from_host + from_device)
     writer.sync()
@@ -136,8 +172,10 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
     for name in names:
         if name in from_host:
             want = second[name].to(torch.bfloat16).float().cuda()
-        elif name in from_device:
+        elif name in one_by_one:
             want = second[name].half().float().cuda()
+        elif name in sent:
+            want = sent[name].float()
         else:
             want = base[name]
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)

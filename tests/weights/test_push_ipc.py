@@ -1,0 +1,135 @@
+"""What an IPC push decides from its handles, on the CPU: which tensors share a storage (opened
+once), each tensor as a view of its storage, which of the producer's counts to release, and the
+checks that keep a view inside the memory it shares. Opening CUDA handles needs the GPU
+(`tests/e2e/test_push_ipc_gpu.py`); here CPU storages stand for the opened ones."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sitsd.client.tensors import DTYPE_NAMES, flat_copy
+from sitsd.model.llama import build_weights
+from sitsd.runtime.slot_writer import SlotWriter
+from sitsd.runtime.weight_slots import WeightSlots
+from sitsd.weights.checks import VersionRejected
+from sitsd.weights.push_ipc import (
+    IpcHandle,
+    IpcPush,
+    counter_of,
+    counters_to_release,
+    first_of_each_storage,
+    storage_key,
+    storage_views,
+)
+from sitsd.weights.push_plan import PushPlan, TensorSpec
+from tests.runtime.test_slot_writer import named
+from tests.runtime.test_weight_slots import tiny
+
+
+def handles_of(
+    tensors: list[tuple[str, torch.Tensor]], count_per_storage: bool
+) -> tuple[list[IpcHandle], dict[tuple[bytes, int], torch.UntypedStorage]]:
+    """Handles as a trainer's reduction would describe `tensors` (a storage's address standing
+    for its CUDA handle), a count per tensor or per storage; the storages by key."""
+    handles, storages = [], {}
+    for i, (name, t) in enumerate(tensors):
+        storage = t.untyped_storage()
+        handle = storage.data_ptr().to_bytes(8, "little")
+        counter = (b"/torch_counters", storage.data_ptr() if count_per_storage else 10_000 + i)
+        handles.append(IpcHandle(
+            name=name, stride=tuple(t.stride()), storage_offset=t.storage_offset(),
+            storage_handle=handle, storage_size_bytes=storage.nbytes(), storage_offset_bytes=0,
+            ref_counter_handle=counter[0], ref_counter_offset=counter[1], event_handle=b"",
+            event_sync_required=False,
+        ))  # fmt: skip
+        storages[(handle, 0)] = storage
+    return handles, storages
+
+
+def plan_of(tensors: list[tuple[str, torch.Tensor]]) -> PushPlan:
+    return PushPlan(tuple(TensorSpec(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors))
+
+
+def random_tensors(rng: random.Random, count: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return [
+        (f"t{i}", torch.randn(rng.randrange(1, 30), rng.randrange(1, 30), generator=gen).to(
+            rng.choice(dtypes)))
+        for i in range(count)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("count_per_storage", [False, True])
+def test_views_of_one_flat_buffer_open_one_storage_and_rebuild_every_tensor_exactly(
+    count_per_storage,
+):
+    rng = random.Random()
+    tensors = random_tensors(rng, rng.randrange(3, 20))
+    flat = flat_copy(tensors)
+    apart = random_tensors(rng, 2)  # tensors of storages of their own, too
+    apart[1] = (apart[1][0], apart[1][1].t())  # a strided view
+    sent = [*flat, *apart]
+    handles, storages = handles_of(sent, count_per_storage)
+    firsts = first_of_each_storage(handles)
+    assert [h.name for h in firsts] == [flat[0][0], apart[0][0], apart[1][0]]
+    IpcPush(plan_of(sent), handles).check()
+    views = storage_views(plan_of(sent), handles, storages)
+    for (name, tensor), view in zip(sent, views, strict=True):
+        assert view.dtype == tensor.dtype, name
+        assert view.stride() == tensor.stride(), name
+        assert view.data_ptr() == tensor.data_ptr(), name  # a view, not a copy
+        assert torch.equal(view, tensor), name
+    held = {counter_of(h) for h in firsts}
+    released = counters_to_release(handles, held)
+    if count_per_storage:  # one count per storage, held by its opening
+        assert released == []
+    else:  # every tensor's own count, but the openings'
+        assert released == [counter_of(h) for h in handles if counter_of(h) not in held]
+        assert len(released) == len(sent) - 3
+
+
+def test_counts_of_storages_never_opened_are_released_each_once():
+    tensors = random_tensors(random.Random(), 6)
+    handles, _ = handles_of(flat_copy(tensors[:4]) + tensors[4:], count_per_storage=True)
+    held = {counter_of(handles[0])}  # the flat buffer opened, the last two storages not
+    assert counters_to_release(handles, held) == [counter_of(handles[4]), counter_of(handles[5])]
+
+
+def test_pushed_views_land_in_the_slot_exactly_in_one_write():
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    _, second = tiny(seed + 1)
+    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
+    slots.release(1)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000)
+    rng = random.Random(seed)
+    pushed = [(n, t.to(rng.choice([torch.float32, torch.bfloat16]))) for n, t in second.items()]
+    sent = flat_copy(pushed)
+    handles, storages = handles_of(sent, count_per_storage=True)
+    plan = plan_of(sent)
+    writer.write_all(plan.names, storage_views(plan, handles, storages))
+    got = named(slots, 1)
+    for name, tensor in pushed:
+        torch.testing.assert_close(got[name], tensor.float(), rtol=0, atol=0, msg=name)
+    assert writer.copy_rest() == []
+
+
+def test_a_view_past_its_storage_or_a_storage_of_two_sizes_is_rejected_by_name():
+    tensors = random_tensors(random.Random(), 4)
+    flat = flat_copy(tensors)
+    handles, _ = handles_of(flat, count_per_storage=True)
+    last = handles[-1]
+    short = [*handles[:-1], replace(last, storage_offset=last.storage_offset + 10**6)]
+    with pytest.raises(VersionRejected, match=f"{last.name}: its view reaches byte"):
+        IpcPush(plan_of(flat), short).check()
+    # Two sizes for one storage: the first is opened, the other's view was checked against its
+    # own (larger) size only.
+    grown = replace(last, storage_size_bytes=last.storage_size_bytes * 4)
+    with pytest.raises(VersionRejected, match=f"{last.name}: its IPC storage is"):
+        IpcPush(plan_of(flat), [*handles[:-1], grown]).check()
+    assert storage_key(grown) == storage_key(handles[0])
