@@ -7,7 +7,8 @@ its blocks are freed, the full ones stay in the prefix cache until evicted, and 
 to the queue keeping its place). `schedule()` runs the step's phases:
 
     0. ahead     asynchronous scheduling: the step still computing counts as done
-       flip      a migration whose shadows all caught up flips (`swaps.flip_if_ready`)
+       flip      a migration whose shadows all caught up flips, in a step scheduled in turn
+                 (`swaps.flip_if_ready`)
     1. caps      the tiers' live P99s, once per control interval; the policy sets caps, the
                  order of the running requests and this step's prompt allowance
     2. running   running requests in the policy's order, preempting from the end for blocks
@@ -185,9 +186,10 @@ class Scheduler:
             preemptions=self._preemptions,
         )
         self._finished_req_ids, self._preempted_req_ids, self._preemptions = set(), set(), []
-        if self._ahead is not None:
-            self._apply_ahead(self._ahead)  # 0: the step still running counts as done
-        self.swaps.flip_if_ready(out)  # 0: migrated requests take their shadows' KV
+        ahead = self._ahead
+        if ahead is not None:
+            self._apply_ahead(ahead)  # 0: the step still running counts as done
+        self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now

@@ -7,8 +7,8 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     commits: requests that have not started move to the new version at once; running ones
     follow the policy (`drain`: stay on their version; `restart`: preempted and recomputed on
     the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
-  - `flip_if_ready` (first in a step): once every shadow has caught up, each migrating request
-    takes its shadow's blocks and version, and its old blocks are freed;
+  - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
+    migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
     allowance of swap work (`sitsd.engine.pacing`), raised when the migration must speed up
     to end within its deadline; a starved shadow's request is recomputed instead;
@@ -96,11 +96,12 @@ class SwapPolicies:
 
     # ------------------------------------------------------------------------------- phases
 
-    def flip_if_ready(self, out: SchedulerOutput) -> None:
+    def flip_if_ready(self, out: SchedulerOutput, in_turn: bool) -> None:
         """First phase: every shadow caught up: each request takes its shadow's KV and
-        version."""
+        version; only in a step scheduled in turn (`in_turn`: no step is running ahead, so
+        every original's tokens are known to the host)."""
         migration = self.migration
-        if migration is None or not migration.ready:
+        if migration is None or not in_turn or not migration.ready:
             return
         kv = self._batch.kv_cache
         started = time.perf_counter()
