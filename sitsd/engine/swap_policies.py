@@ -6,7 +6,8 @@ writer of request state: every move below goes through its primitives (`sitsd.en
   - `switch(version, policy)`, called by the swap controller between two steps when a swap
     commits: requests that have not started move to the new version at once; running ones
     follow the policy (`drain`: stay on their version; `restart`: preempted and recomputed on
-    the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
+    the new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
+    order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
     migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
@@ -52,6 +53,11 @@ class SwapPolicies:
         self.migration_deadline_s = migration_deadline_s
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
+        # Requests a restart took back, by req_id: the tokens they had computed, which they
+        # recompute at most `_room` a step (the pacer's say, `start_step`).
+        self._recompute: dict[str, int] = {}
+        self._room = 0  # restart recompute tokens the step being scheduled may still take
+        self.num_recomputed = 0  # restart recompute tokens scheduled in that step
 
     def switch(self, version: str, policy: str) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`.
@@ -72,12 +78,15 @@ class SwapPolicies:
                 request.weights_version = version
         migration = Migration(from_version or "", version, batch.now())
         num_restarted = 0
-        for request in list(batch.running):
+        # From the end of the batch: each one taken back goes to the head of the queue, so
+        # the restarted keep their order there.
+        for request in reversed(list(batch.running)):
             if request.weights_version == version or policy == "drain":
                 continue
             if policy == "migrate" and request.num_output_tokens:
                 migration.add(request, migration.started)
             else:  # restart, or nothing sampled yet: recompute from scratch on the new weights
+                self._recompute[request.req_id] = request.num_computed_tokens
                 batch.take_back(request, None)
                 request.weights_version = version
                 num_restarted += 1
@@ -95,6 +104,28 @@ class SwapPolicies:
         return num
 
     # ------------------------------------------------------------------------------- phases
+
+    def start_step(self, room: int) -> None:
+        """Before the step's requests are scheduled: restarted requests may recompute `room`
+        tokens in it, together, in their queue order (the rest wait for the next steps)."""
+        requests = self._batch.requests
+        for req_id in [r for r, n in self._recompute.items()
+                       if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
+            del self._recompute[req_id]  # caught up, or finished
+        self._room, self.num_recomputed = room, 0
+
+    def recompute_room(self, request: Request) -> int | None:
+        """The most tokens `request` may compute in this step while it recomputes what a
+        restart took back; None: it is not recomputing (no limit of this part's)."""
+        if request.req_id not in self._recompute:
+            return None
+        return self._room
+
+    def charge(self, request: Request, num_new: int) -> None:
+        """`request` was scheduled `num_new` tokens: a recomputing one spends the room."""
+        if request.req_id in self._recompute:
+            self._room -= num_new
+            self.num_recomputed += num_new
 
     def flip_if_ready(self, out: SchedulerOutput, in_turn: bool) -> None:
         """First phase: every shadow caught up: each request takes its shadow's KV and
