@@ -357,6 +357,15 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "past --swap-step-share near the end if it must) (default: %(default)s)",
     )
     group.add_argument(
+        "--drain-hold",
+        type=float,
+        default=sw.drain_hold_s,
+        metavar="SECONDS",
+        help="after a drain commit, new requests wait up to this long for the requests left "
+        "on the old version to finish, so that no step reads both versions' weights; 0: no "
+        "wait (default: %(default)s)",
+    )
+    group.add_argument(
         "--staging-share",
         "--staging-cpu-share",
         dest="staging_share",
@@ -515,6 +524,7 @@ def config_from_args(
             step_share=args.swap_step_share,
             migration_tokens_per_step=args.migration_tokens_per_step or 0,
             migration_deadline_s=args.migration_deadline,
+            drain_hold_s=max(0.0, args.drain_hold),
         ),
     )
 

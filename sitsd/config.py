@@ -258,6 +258,9 @@ class SwapConfig:
     # A migration ends within this many seconds of its commit: near the end its recompute
     # grows past `step_share` if it must.
     migration_deadline_s: float = 10.0
+    # A drain holds new requests back for up to this many seconds while requests still run on
+    # the old version (a step serving both reads both versions' weights); 0: no hold.
+    drain_hold_s: float = 2.0
     slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
 
 

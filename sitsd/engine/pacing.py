@@ -70,6 +70,9 @@ class PacingSettings:
     # A step the swap's work makes longer than the share allows (a spaced piece) comes at
     # most once in this many steps: under 1% of them, out of every inter-token P99.
     spaced_every: int = 128
+    # After a drain commit, new requests wait up to this long for the old version's requests
+    # to finish (`sitsd.engine.swap_policies`): a step serving both reads both weight sets.
+    drain_hold_s: float = 2.0
 
 
 class FinishedStep(Protocol):

@@ -115,7 +115,7 @@ class Scheduler:
         self.policy = make_policy(config, self.tiers_config, self.tracker, controller)
         pacing = pacing or PacingSettings()
         self.pacer = StepPacer(pacing)
-        self.swaps = SwapPolicies(self, pacing.migration_deadline_s)
+        self.swaps = SwapPolicies(self, pacing.migration_deadline_s, pacing.drain_hold_s)
         self.probes = Probes(self)
         self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}
@@ -290,7 +290,7 @@ class Scheduler:
 
     def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
-        if self.budget(out) <= 0:
+        if self.budget(out) <= 0 or self.swaps.holds(request):
             return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size

@@ -5,7 +5,9 @@ writer of request state: every move below goes through its primitives (`sitsd.en
 
   - `switch(version, policy)`, called by the swap controller between two steps when a swap
     commits: requests that have not started move to the new version at once; running ones
-    follow the policy (`drain`: stay on their version; `restart`: preempted and recomputed on
+    follow the policy (`drain`: stay on their version, and requests on the new one wait up
+    to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
+    weights; `restart`: preempted and recomputed on
     the new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
     order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
@@ -44,13 +46,20 @@ class VersionSwitch:
 class SwapPolicies:
     """Switches the requests in flight to a new weights version; see the module docstring."""
 
-    def __init__(self, batch: Batch, migration_deadline_s: float) -> None:
+    def __init__(
+        self, batch: Batch, migration_deadline_s: float, drain_hold_s: float = 0.0
+    ) -> None:
         """Args:
         batch: the scheduler whose requests this part switches.
         migration_deadline_s: a migration ends within this many seconds of its commit.
+        drain_hold_s: after a drain commit, requests on the new version wait up to this long
+            for the old version's requests to finish.
         """
         self._batch = batch
         self.migration_deadline_s = migration_deadline_s
+        self.drain_hold_s = drain_hold_s
+        self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
+        self._holding = False  # this step, requests on the drain's new version wait
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
         # Requests a restart took back, by req_id: the tokens they had computed, which they
@@ -92,6 +101,8 @@ class SwapPolicies:
                 num_restarted += 1
         if migration.shadows:
             self.migration = migration
+        holds = policy == "drain" and self.drain_hold_s > 0
+        self._drain = (version, batch.now()) if holds else None
         others_left = [r for r in batch.requests.values() if r.weights_version != version]
         num_draining = len(others_left) - len(migration.shadows) if policy == "drain" else 0
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
@@ -113,6 +124,31 @@ class SwapPolicies:
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
             del self._recompute[req_id]  # caught up, or finished
         self._room, self.num_recomputed = room, 0
+        self._holding = self._drain_holds()
+
+    def holds(self, request: Request) -> bool:
+        """`request` must not be admitted in this step: a drain is holding new requests back
+        (the old version's preempted ones are admitted: they are draining)."""
+        return (
+            self._holding
+            and self._drain is not None
+            and (request.weights_version == self._drain[0])
+        )
+
+    def _drain_holds(self) -> bool:
+        """A drain still holds: requests run on another version, and it began less than
+        `drain_hold_s` ago."""
+        drain = self._drain
+        if drain is None:
+            return False
+        version, started = drain
+        batch = self._batch
+        if batch.now() - started >= self.drain_hold_s or all(
+            r.weights_version == version for r in batch.requests.values()
+        ):
+            self._drain = None
+            return False
+        return True
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
