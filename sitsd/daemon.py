@@ -43,6 +43,7 @@ from sitsd.api.server import ApiServer
 from sitsd.api.telemetry import TelemetryInterceptor
 from sitsd.config import ADMIN_TOKEN_FILE_NAME, ConfigError, ServerConfig, SitsdConfig
 from sitsd.observability import Observability
+from sitsd.observability.gc_pauses import GcPauseMonitor
 from sitsd.observability.loop_lag import LoopLagMonitor
 from sitsd.weights import CheckpointError
 
@@ -187,6 +188,8 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
     server, http = servers
     loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
     loop_lag.start()
+    gc_pauses = GcPauseMonitor()  # a collection stops the engine's thread too: logged
+    gc_pauses.start()
     try:
         started = None if stop.is_set() else await _start_weights(config, stop, obs)
         if started is None:
@@ -202,6 +205,7 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         await _shutdown(server, engine, config.server.shutdown_grace_s, http)
         return 0
     finally:
+        gc_pauses.stop()
         await loop_lag.stop()
 
 
