@@ -163,6 +163,32 @@ def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip():
         assert {d.weights_version for d in deltas[r] if d.new_token_ids} == {V0, V1}
 
 
+def test_a_step_failing_mid_migration_ahead_fails_its_requests_and_leaks_no_block():
+    # Shadows count their chunks when scheduled: a step that fails must take its shadows
+    # (with their requests) down, and the engine serves on.
+    core, runner, sink = make_core("ahead", slow_s=0.001, fixed_tokens=4, num_blocks=256)
+    try:
+        prompts = {f"r{i}": bytes(random.randrange(1, 250) for _ in range(30)) for i in range(3)}
+        for r, p in prompts.items():
+            add(core, r, p, 200)
+        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 50 for r in prompts))
+        runner.slots.load(V1)
+        events = Events()
+        core.submit(SwapCommand(V1, "migrate", events))
+        assert wait_for(lambda: core.scheduler.swaps.migration is not None)
+        runner.fail_next = True
+        deltas = sink.until_finished(set(prompts))
+        assert all(deltas[r][-1].error for r in prompts), "the failed step's requests failed"
+        assert events.until_done()[-1].kind == "committed"  # nothing left to migrate
+        assert wait_for(lambda: core.status().num_blocks_used == 0)
+        add(core, "after", b"hello there", 12)  # the engine serves on, on the new version
+        (last,) = [d for d in sink.until_finished({"after"})["after"] if d.finished]
+        assert not last.error
+        assert last.weights_version == V1
+    finally:
+        core.stop()
+
+
 def test_commit_of_a_version_in_no_slot_fails_and_changes_nothing(overlaps):
     core, _, _ = make_core(overlaps)
     try:
