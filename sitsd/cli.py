@@ -358,7 +358,7 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--drain-hold",
-        type=float,
+        type=seconds,
         default=sw.drain_hold_s,
         metavar="SECONDS",
         help="after a drain commit, new requests wait up to this long for the requests left "
@@ -524,7 +524,7 @@ def config_from_args(
             step_share=args.swap_step_share,
             migration_tokens_per_step=args.migration_tokens_per_step or 0,
             migration_deadline_s=args.migration_deadline,
-            drain_hold_s=max(0.0, args.drain_hold),
+            drain_hold_s=args.drain_hold,
         ),
     )
 
