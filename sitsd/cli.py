@@ -431,6 +431,14 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
         metavar="SECONDS",
         help="how long SIGTERM waits for in-flight requests (default: %(default)s)",
     )
+    group.add_argument(
+        "--gil-switch-interval",
+        type=positive_float,
+        default=d.gil_switch_interval_s,
+        metavar="SECONDS",
+        help="the longest a thread running Python keeps the GIL from the engine's thread "
+        "when it asks for it (Python's own default is 0.005) (default: %(default)s)",
+    )
 
 
 def _add_http_flags(group: argparse._ArgumentGroup) -> None:
@@ -500,6 +508,7 @@ def config_from_args(
             host=args.host,
             port=args.port,
             shutdown_grace_s=args.shutdown_grace,
+            gil_switch_interval_s=args.gil_switch_interval,
             admin_token_file=args.admin_token_file,
             state_dir=args.state_dir or default_state_dir(environ),
         ),

@@ -200,6 +200,7 @@ def test_kv_cache_memory_takes_sizes(text, size):
         ("--shutdown-grace", "-1", "must be >= 0"),
         ("--shutdown-grace", "nan", "must be >= 0"),
         ("--drain-hold", "-0.5", "must be >= 0"),
+        ("--gil-switch-interval", "0", "must be > 0"),
         ("--dtype", "float64", "invalid choice"),
         ("--log-level", "verbose", "invalid choice"),
     ],
@@ -286,3 +287,9 @@ def test_drain_hold_reaches_the_swap_config():
     hold = round(random.uniform(0.1, 9.0), 2)
     assert config_of("--drain-hold", str(hold)).swap.drain_hold_s == hold
     assert config_of().swap.drain_hold_s == SwapConfig().drain_hold_s
+
+
+def test_gil_switch_interval_reaches_the_server_config():
+    seconds = round(random.uniform(0.0001, 0.01), 5)
+    assert config_of("--gil-switch-interval", str(seconds)).server.gil_switch_interval_s == seconds
+    assert config_of().server.gil_switch_interval_s == ServerConfig().gil_switch_interval_s
