@@ -193,8 +193,9 @@ class Scheduler:
             self._apply_ahead(ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
-        budget = self.config.max_num_batched_tokens
-        self.swaps.start_step(self.pacer.recompute_tokens(budget))  # 1: a restart's recompute
+        swaps = self.swaps  # 1: a restart's recompute, paced (the pacer asked only then)
+        swaps.start_step(self.pacer.recompute_tokens(self.config.max_num_batched_tokens)
+                         if swaps.recomputing else 0)  # fmt: skip
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.

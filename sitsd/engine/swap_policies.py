@@ -7,9 +7,9 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     commits: requests that have not started move to the new version at once; running ones
     follow the policy (`drain`: stay on their version, and requests on the new one wait up
     to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
-    weights; `restart`: preempted and recomputed on
-    the new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
-    order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
+    weights; `restart`: preempted and recomputed on the new one, at most the pacer's
+    recompute tokens a step, `start_step`, in their queue order; `migrate`: each gets a
+    shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
     migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
@@ -149,6 +149,11 @@ class SwapPolicies:
             self._drain = None
             return False
         return True
+
+    @property
+    def recomputing(self) -> bool:
+        """Requests a restart took back may still be recomputing."""
+        return bool(self._recompute)
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
