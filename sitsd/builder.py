@@ -218,7 +218,7 @@ def build_engine(
         scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
     swap = config.swap
     pacing = PacingSettings(swap.step_share, swap.migration_tokens_per_step,
-                            swap.migration_deadline_s)  # fmt: skip
+                            swap.migration_deadline_s, drain_hold_s=swap.drain_hold_s)  # fmt: skip
     scheduler = Scheduler(scfg, kv_cache, info.max_model_len, tiers=config.tiers, pacing=pacing)
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,

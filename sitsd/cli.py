@@ -357,6 +357,15 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "past --swap-step-share near the end if it must) (default: %(default)s)",
     )
     group.add_argument(
+        "--drain-hold",
+        type=seconds,
+        default=sw.drain_hold_s,
+        metavar="SECONDS",
+        help="after a drain commit, new requests wait up to this long for the requests left "
+        "on the old version to finish, so that no step reads both versions' weights; 0: no "
+        "wait (default: %(default)s)",
+    )
+    group.add_argument(
         "--staging-share",
         "--staging-cpu-share",
         dest="staging_share",
@@ -421,6 +430,14 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
         default=d.shutdown_grace_s,
         metavar="SECONDS",
         help="how long SIGTERM waits for in-flight requests (default: %(default)s)",
+    )
+    group.add_argument(
+        "--gil-switch-interval",
+        type=positive_float,
+        default=d.gil_switch_interval_s,
+        metavar="SECONDS",
+        help="the longest a thread running Python keeps the GIL from the engine's thread "
+        "when it asks for it (Python's own default is 0.005) (default: %(default)s)",
     )
 
 
@@ -491,6 +508,7 @@ def config_from_args(
             host=args.host,
             port=args.port,
             shutdown_grace_s=args.shutdown_grace,
+            gil_switch_interval_s=args.gil_switch_interval,
             admin_token_file=args.admin_token_file,
             state_dir=args.state_dir or default_state_dir(environ),
         ),
@@ -515,6 +533,7 @@ def config_from_args(
             step_share=args.swap_step_share,
             migration_tokens_per_step=args.migration_tokens_per_step or 0,
             migration_deadline_s=args.migration_deadline,
+            drain_hold_s=args.drain_hold,
         ),
     )
 

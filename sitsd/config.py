@@ -176,6 +176,9 @@ class ServerConfig:
     host: str = "127.0.0.1"  # address to bind
     port: int = 50051  # gRPC port; 0 = pick a free one (printed at start-up)
     shutdown_grace_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    # The interpreter's GIL switch interval: how long a thread running Python keeps the GIL
+    # from one that asks for it (the engine's thread, after each wait for the device).
+    gil_switch_interval_s: float = 0.0005
     admin_token_file: str = ""  # file holding the bearer token Admin RPCs require
     # Directory for daemon state (the generated admin token); `sitsd.cli` resolves "" to
     # $SITSD_STATE_DIR or ~/.local/state/sitsd.
@@ -258,6 +261,9 @@ class SwapConfig:
     # A migration ends within this many seconds of its commit: near the end its recompute
     # grows past `step_share` if it must.
     migration_deadline_s: float = 10.0
+    # A drain holds new requests back for up to this many seconds while requests still run on
+    # the old version (a step serving both reads both versions' weights); 0: no hold.
+    drain_hold_s: float = 2.0
     slot_wait_s: float = 600.0  # how long staging waits for draining requests to free a slot
 
 

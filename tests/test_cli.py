@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from sitsd.config import (
     SchedulerConfig,
     ServerConfig,
     SitsdConfig,
+    SwapConfig,
     TiersConfig,
     default_state_dir,
     default_tiers,
@@ -197,6 +199,8 @@ def test_kv_cache_memory_takes_sizes(text, size):
         ("--gpu-memory-utilization", "1.5", "must be in (0, 1]"),
         ("--shutdown-grace", "-1", "must be >= 0"),
         ("--shutdown-grace", "nan", "must be >= 0"),
+        ("--drain-hold", "-0.5", "must be >= 0"),
+        ("--gil-switch-interval", "0", "must be > 0"),
         ("--dtype", "float64", "invalid choice"),
         ("--log-level", "verbose", "invalid choice"),
     ],
@@ -277,3 +281,15 @@ def test_parsing_flags_does_not_load_the_model_stack():
         cwd=Path(__file__).resolve().parents[1],
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_drain_hold_reaches_the_swap_config():
+    hold = round(random.uniform(0.1, 9.0), 2)
+    assert config_of("--drain-hold", str(hold)).swap.drain_hold_s == hold
+    assert config_of().swap.drain_hold_s == SwapConfig().drain_hold_s
+
+
+def test_gil_switch_interval_reaches_the_server_config():
+    seconds = round(random.uniform(0.0001, 0.01), 5)
+    assert config_of("--gil-switch-interval", str(seconds)).server.gil_switch_interval_s == seconds
+    assert config_of().server.gil_switch_interval_s == ServerConfig().gil_switch_interval_s

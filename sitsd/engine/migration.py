@@ -9,15 +9,23 @@ time: `tokens_to_finish` says how many tokens a step must give shadows for every
 will still be needed then to have caught up by a deadline, which the scheduler's allowance
 never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
 migration takes longer than its deadline rather than stall the streams). A shadow's target in
-a step is every known token when its original computes its last token in the same step, else
-all but the last one: a flipped request always has a token left to compute, and so samples at
-once.
+a step is every known token when its original computes its last token in the same step or
+has a token pending (asynchronous scheduling: the step ahead is sampling it), else all but the
+last one: a flipped request always has a token left to compute, and so samples at once.
 
-When, at the start of a step, every shadow has computed at least as many tokens as its
-original, all migrating requests flip in that step: each takes its shadow's blocks, computed
-count and version, and its old blocks are freed. Nothing ever mixes versions: originals run on
-the old slot over blocks the old weights wrote, shadows on the new slot over blocks the new
-weights wrote (prefix-cache hits included: hashes are keyed by version).
+A shadow counts its tokens as computed when they are scheduled, as a request's step ahead is
+counted: with asynchronous scheduling the next chunk is scheduled while the last one is still
+computing (stream order puts its KV before any read of it). A shadow only ever computes tokens
+the host knows, and an original scheduled ahead is always one token past them, so shadows catch
+up only in steps run in turn: once every shadow is within one token of what the host knows
+(`nearly_ready`), the engine runs in turn (`SwapController.one_step_at_a_time`), one step
+brings the shadows level with their originals, and the next flips.
+
+When, at the start of a step run in turn, every shadow has computed at least as many tokens as
+its original, all migrating requests flip in that step: each takes its shadow's blocks,
+computed count and version, and its old blocks are freed. Nothing ever mixes versions:
+originals run on the old slot over blocks the old weights wrote, shadows on the new slot over
+blocks the new weights wrote (prefix-cache hits included: hashes are keyed by version).
 
 A request that finishes or is preempted mid-migration drops its shadow (a preempted one comes
 back on the new weights); a shadow that finds no free block is given up and its request is
@@ -96,6 +104,15 @@ class Migration:
         )
 
     @property
+    def nearly_ready(self) -> bool:
+        """Every shadow is within one token of the tokens the host knows: steps run in turn
+        from now on catch the shadows up and flip (see the module docstring)."""
+        return all(
+            s.request.num_computed_tokens >= s.original.num_tokens - 1
+            for s in self.shadows.values()
+        )
+
+    @property
     def num_caught_up(self) -> int:
         return sum(
             s.request.num_computed_tokens >= s.original.num_computed_tokens
@@ -149,12 +166,11 @@ class Migration:
         return starved, allowance - left
 
     def advance(self, sched_out: SchedulerOutput, kv: KVCacheManager) -> None:
-        """After a successful step: count the shadows' computed tokens, cache their full blocks."""
+        """After a successful step: cache the shadows' full blocks (their tokens were counted
+        when scheduled)."""
         for entry in self.shadows.values():
             shadow = entry.request
-            num = sched_out.num_scheduled_tokens.get(shadow.req_id)
-            if num:
-                shadow.num_computed_tokens += num
+            if sched_out.num_scheduled_tokens.get(shadow.req_id):
                 kv.cache_full_blocks(shadow)
 
     # ------------------------------------------------------------------------------ internal
@@ -171,6 +187,8 @@ class Migration:
         end has used up the step's budget; the rule keeps the flip safe whatever the order.)
         """
         original = entry.original
+        if original.num_pending_outputs:  # the step ahead samples a token the host lacks
+            return original.num_tokens
         num_scheduled = out.num_scheduled_tokens.get(original.req_id, 0)
         reaches_end = original.num_computed_tokens + num_scheduled == original.num_tokens
         return original.num_tokens if reaches_end else original.num_tokens - 1
@@ -209,6 +227,7 @@ class Migration:
                     shadow_of=entry.original.req_id,
                 )
             )
+        shadow.num_computed_tokens += num_new  # counted now: the next chunk follows it
         out.num_scheduled_tokens[shadow.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
         return num_new

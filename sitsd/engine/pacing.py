@@ -28,7 +28,8 @@ the engine's time on average.
                such step in five (what the share alone would space them by) shows in every
                inter-token P99; one in 128 shows in none, and each still at most doubles.
     most       what one steady step of extra time buys: a migration behind its deadline may
-               take more than the allowance, never more than that.
+               take more than the allowance, never more than that; the requests a restart
+               took back recompute that much a step (`recompute_tokens`).
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -69,6 +70,9 @@ class PacingSettings:
     # A step the swap's work makes longer than the share allows (a spaced piece) comes at
     # most once in this many steps: under 1% of them, out of every inter-token P99.
     spaced_every: int = 128
+    # After a drain commit, new requests wait up to this long for the old version's requests
+    # to finish (`sitsd.engine.swap_policies`): a step serving both reads both weight sets.
+    drain_hold_s: float = 2.0
 
 
 class FinishedStep(Protocol):
@@ -210,6 +214,16 @@ class StepPacer:
             return 0
         fixed, per_token = cost.fit()
         return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
+
+    def recompute_tokens(self, budget: int) -> int:
+        """Tokens the requests a swap restarted may recompute in the step being scheduled:
+        what one steady step of extra time buys (`most_tokens`: they are the streams waiting,
+        so as much as keeps a step from more than doubling); the whole `budget` until the cost
+        of work that joins a serving sub-batch is measured (nothing else would measure it)."""
+        if self.settings.fixed_tokens:
+            return self.settings.fixed_tokens
+        most = self.most_tokens(1, alone=False)
+        return most if most > 0 else budget
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

@@ -7,13 +7,16 @@ its blocks are freed, the full ones stay in the prefix cache until evicted, and 
 to the queue keeping its place). `schedule()` runs the step's phases:
 
     0. ahead     asynchronous scheduling: the step still computing counts as done
-       flip      a migration whose shadows all caught up flips (`swaps.flip_if_ready`)
+       flip      a migration whose shadows all caught up flips, in a step scheduled in turn
+                 (`swaps.flip_if_ready`)
     1. caps      the tiers' live P99s, once per control interval; the policy sets caps, the
                  order of the running requests and this step's prompt allowance
     2. running   running requests in the policy's order, preempting from the end for blocks
     3. admission the policy admits waiting requests (`policy.admit`), possibly preempting
     4. swap work a swap's work, in what the step has left and the pacer allows: migration
-                 shadows, then canary probes (`sitsd.engine.swap_work`)
+                 shadows, then canary probes (`sitsd.engine.swap_work`); requests a swap
+                 restarted recompute in phases 2 and 3, within the pacer's recompute tokens
+                 (`swaps.start_step`, in phase 1)
 
 Its composed parts decide, it moves: the scheduling policy (`sitsd.engine.policy`: FCFS, or
 the SLA tiers of `sitsd.engine.tier_policy`) answers order, caps, chunk sizes, admission and
@@ -112,7 +115,7 @@ class Scheduler:
         self.policy = make_policy(config, self.tiers_config, self.tracker, controller)
         pacing = pacing or PacingSettings()
         self.pacer = StepPacer(pacing)
-        self.swaps = SwapPolicies(self, pacing.migration_deadline_s)
+        self.swaps = SwapPolicies(self, pacing.migration_deadline_s, pacing.drain_hold_s)
         self.probes = Probes(self)
         self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}
@@ -185,10 +188,14 @@ class Scheduler:
             preemptions=self._preemptions,
         )
         self._finished_req_ids, self._preempted_req_ids, self._preemptions = set(), set(), []
-        if self._ahead is not None:
-            self._apply_ahead(self._ahead)  # 0: the step still running counts as done
-        self.swaps.flip_if_ready(out)  # 0: migrated requests take their shadows' KV
+        ahead = self._ahead
+        if ahead is not None:
+            self._apply_ahead(ahead)  # 0: the step still running counts as done
+        self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
+        swaps = self.swaps  # 1: a restart's recompute, paced (the pacer asked only then)
+        swaps.start_step(self.pacer.recompute_tokens(self.config.max_num_batched_tokens)
+                         if swaps.recomputing else 0)  # fmt: skip
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -229,7 +236,7 @@ class Scheduler:
         while i < len(self.running) and self.budget(out) > 0:
             request = self.running[i]
             left = request.num_tokens + request.num_pending_outputs - request.num_computed_tokens
-            num_new = self.policy.allowed(request, min(left, self.budget(out)))
+            num_new = self.policy.allowed(request, self._room(request, left, out))
             if num_new == 0 or self._finishes_pending(request):
                 # A lower-tier prompt chunk left for a step without gold's, or a request whose
                 # pending token is its last.
@@ -261,10 +268,18 @@ class Scheduler:
             or request.num_tokens + request.num_pending_outputs >= self.max_model_len
         )
 
+    def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
+        """Tokens `request` may compute in this step before the policy's say: what it has
+        left, within the step's budget and, recomputing after a swap restart, that room."""
+        num = min(num_left, self.budget(out))
+        room = self.swaps.recompute_room(request)
+        return num if room is None else max(0, min(num, room))
+
     def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.num_scheduled_tokens[request.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
         self.policy.charge(request, num_new)
+        self.swaps.charge(request, num_new)
 
     # ------------------------------------------------- primitives (`sitsd.engine.batch.Batch`)
 
@@ -276,11 +291,13 @@ class Scheduler:
 
     def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
-        if self.budget(out) <= 0:
+        if self.budget(out) <= 0 or self.swaps.holds(request):
             return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size
-        num_new = self.policy.allowed(request, min(request.num_tokens - num_hit, self.budget(out)))
+        num_new = self.policy.allowed(
+            request, self._room(request, request.num_tokens - num_hit, out)
+        )
         if num_new == 0:
             return None
         new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks)

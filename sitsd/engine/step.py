@@ -13,8 +13,9 @@ schedules and launches step N+1 before it takes step N's tokens, so the GPU neve
 the host's update and scheduling. The scheduler counts the running step's tokens as computed,
 the runner reads a token the running step is still sampling on the device, and a request that
 stops at EOS learns it one step late: the token the next step computed for it is dropped.
-While a swap commits (`StepPacing.one_step_at_a_time`) it finishes the step ahead and runs in
-turn; swap commands and engine calls finish it first too (`finish_ahead`).
+When a swap needs it (`StepPacing.one_step_at_a_time`: a commit's pause being measured, a
+migration's catch-up and flip) it finishes the step ahead and runs in turn; swap commands and
+engine calls finish it first too (`finish_ahead`).
 
 Both report to `StepHooks` at named points (the swap controller and the observer listen):
 `step_started` before scheduling, `scheduled` after, `step_ended` after the update (or after a
@@ -52,7 +53,7 @@ class StepHooks(Protocol):
 
 
 class StepPacing(Protocol):
-    """Whether steps must run one at a time now (a swap commits: `SwapController`)."""
+    """Whether steps must run one at a time now (a swap's commit: `SwapController`)."""
 
     @property
     def one_step_at_a_time(self) -> bool: ...
@@ -208,7 +209,7 @@ class AheadStep:
         return self._ahead is not None
 
     def __call__(self) -> list[RequestDelta]:
-        if self._pacing.one_step_at_a_time:  # a swap commits: one step at a time
+        if self._pacing.one_step_at_a_time:  # a swap's commit: one step at a time
             deltas = self.finish_ahead()
             scheduler = self._in_turn.parts.scheduler
             return deltas + (self._in_turn() if scheduler.has_work() else [])

@@ -25,8 +25,9 @@ start of the step in which every shadow has caught up (the scheduler's flip phas
 carries the flip's own time and the serving pause: the gap between the end of the last step
 before the flip and the start of the first step after it (flip included), and, to compare it
 with, the median gap between two busy steps before it. The controller is a step hook
-(`sitsd.engine.step.StepHooks`) to measure those, and tells the step function to run one step
-at a time while a commit is in flight (`one_step_at_a_time`).
+(`sitsd.engine.step.StepHooks`) to measure those, and tells the step function when steps must
+run one at a time (`one_step_at_a_time`): the step that measures a pause, and a migration's
+last two steps (the shadows' catch-up and the flip); the rest of a migration runs ahead.
 
 Which version to stage, validate and commit, and when, is `sitsd.weights.swap`'s business.
 """
@@ -111,8 +112,14 @@ class SwapController:
 
     @property
     def one_step_at_a_time(self) -> bool:
-        """Steps must not run ahead: a commit or a migration is in progress."""
-        return self._inflight is not None or self._scheduler.swaps.migration is not None
+        """Steps must not run ahead: a commit waits for the next step to measure its pause,
+        or a migration's shadows are close enough to catch up and flip (shadows compute only
+        tokens the host knows, which a step ahead is always one past: `Migration`). The rest
+        of a migration runs ahead."""
+        migration = self._scheduler.swaps.migration
+        if migration is None:
+            return self._inflight is not None
+        return migration.nearly_ready
 
     # ------------------------------------------------------------------ the port's calls
 

@@ -5,10 +5,13 @@ writer of request state: every move below goes through its primitives (`sitsd.en
 
   - `switch(version, policy)`, called by the swap controller between two steps when a swap
     commits: requests that have not started move to the new version at once; running ones
-    follow the policy (`drain`: stay on their version; `restart`: preempted and recomputed on
-    the new one; `migrate`: each gets a shadow, `sitsd.engine.migration`);
-  - `flip_if_ready` (first in a step): once every shadow has caught up, each migrating request
-    takes its shadow's blocks and version, and its old blocks are freed;
+    follow the policy (`drain`: stay on their version, and requests on the new one wait up
+    to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
+    weights; `restart`: preempted and recomputed on the new one, at most the pacer's
+    recompute tokens a step, `start_step`, in their queue order; `migrate`: each gets a
+    shadow, `sitsd.engine.migration`);
+  - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
+    migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
     allowance of swap work (`sitsd.engine.pacing`), raised when the migration must speed up
     to end within its deadline; a starved shadow's request is recomputed instead;
@@ -43,15 +46,27 @@ class VersionSwitch:
 class SwapPolicies:
     """Switches the requests in flight to a new weights version; see the module docstring."""
 
-    def __init__(self, batch: Batch, migration_deadline_s: float) -> None:
+    def __init__(
+        self, batch: Batch, migration_deadline_s: float, drain_hold_s: float = 0.0
+    ) -> None:
         """Args:
         batch: the scheduler whose requests this part switches.
         migration_deadline_s: a migration ends within this many seconds of its commit.
+        drain_hold_s: after a drain commit, requests on the new version wait up to this long
+            for the old version's requests to finish.
         """
         self._batch = batch
         self.migration_deadline_s = migration_deadline_s
+        self.drain_hold_s = drain_hold_s
+        self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
+        self._holding = False  # this step, requests on the drain's new version wait
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
+        # Requests a restart took back, by req_id: the tokens they had computed, which they
+        # recompute at most `_room` a step (the pacer's say, `start_step`).
+        self._recompute: dict[str, int] = {}
+        self._room = 0  # restart recompute tokens the step being scheduled may still take
+        self.num_recomputed = 0  # restart recompute tokens scheduled in that step
 
     def switch(self, version: str, policy: str) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`.
@@ -72,17 +87,22 @@ class SwapPolicies:
                 request.weights_version = version
         migration = Migration(from_version or "", version, batch.now())
         num_restarted = 0
-        for request in list(batch.running):
+        # From the end of the batch: each one taken back goes to the head of the queue, so
+        # the restarted keep their order there.
+        for request in reversed(list(batch.running)):
             if request.weights_version == version or policy == "drain":
                 continue
             if policy == "migrate" and request.num_output_tokens:
                 migration.add(request, migration.started)
             else:  # restart, or nothing sampled yet: recompute from scratch on the new weights
+                self._recompute[request.req_id] = request.num_computed_tokens
                 batch.take_back(request, None)
                 request.weights_version = version
                 num_restarted += 1
         if migration.shadows:
             self.migration = migration
+        holds = policy == "drain" and self.drain_hold_s > 0
+        self._drain = (version, batch.now()) if holds else None
         others_left = [r for r in batch.requests.values() if r.weights_version != version]
         num_draining = len(others_left) - len(migration.shadows) if policy == "drain" else 0
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
@@ -96,11 +116,64 @@ class SwapPolicies:
 
     # ------------------------------------------------------------------------------- phases
 
-    def flip_if_ready(self, out: SchedulerOutput) -> None:
+    def start_step(self, room: int) -> None:
+        """Before the step's requests are scheduled: restarted requests may recompute `room`
+        tokens in it, together, in their queue order (the rest wait for the next steps)."""
+        requests = self._batch.requests
+        for req_id in [r for r, n in self._recompute.items()
+                       if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
+            del self._recompute[req_id]  # caught up, or finished
+        self._room, self.num_recomputed = room, 0
+        self._holding = self._drain_holds()
+
+    def holds(self, request: Request) -> bool:
+        """`request` must not be admitted in this step: a drain is holding new requests back
+        (the old version's preempted ones are admitted: they are draining)."""
+        return (
+            self._holding
+            and self._drain is not None
+            and (request.weights_version == self._drain[0])
+        )
+
+    def _drain_holds(self) -> bool:
+        """A drain still holds: requests run on another version, and it began less than
+        `drain_hold_s` ago."""
+        drain = self._drain
+        if drain is None:
+            return False
+        version, started = drain
+        batch = self._batch
+        if batch.now() - started >= self.drain_hold_s or all(
+            r.weights_version == version for r in batch.requests.values()
+        ):
+            self._drain = None
+            return False
+        return True
+
+    @property
+    def recomputing(self) -> bool:
+        """Requests a restart took back may still be recomputing."""
+        return bool(self._recompute)
+
+    def recompute_room(self, request: Request) -> int | None:
+        """The most tokens `request` may compute in this step while it recomputes what a
+        restart took back; None: it is not recomputing (no limit of this part's)."""
+        if request.req_id not in self._recompute:
+            return None
+        return self._room
+
+    def charge(self, request: Request, num_new: int) -> None:
+        """`request` was scheduled `num_new` tokens: a recomputing one spends the room."""
+        if request.req_id in self._recompute:
+            self._room -= num_new
+            self.num_recomputed += num_new
+
+    def flip_if_ready(self, out: SchedulerOutput, in_turn: bool) -> None:
         """First phase: every shadow caught up: each request takes its shadow's KV and
-        version."""
+        version; only in a step scheduled in turn (`in_turn`: no step is running ahead, so
+        every original's tokens are known to the host)."""
         migration = self.migration
-        if migration is None or not migration.ready:
+        if migration is None or not in_turn or not migration.ready:
             return
         kv = self._batch.kv_cache
         started = time.perf_counter()

@@ -47,7 +47,9 @@ class SwapWorkPhase:
         joining = pending & serving
         versions, alone = (joining, False) if joining else (pending, True)
         used = self._schedule(out, versions, alone, len(serving)) if versions else 0
-        out.swap_work = SwapWork(used, alone and used > 0, len(serving))
+        # A restart's recompute (phases 2 and 3) is a swap's work too, joining its version's.
+        out.swap_work = SwapWork(used + self._swaps.num_recomputed, alone and used > 0,
+                                 len(serving))  # fmt: skip
 
     def _schedule(
         self, out: SchedulerOutput, versions: set[str], alone: bool, num_serving: int

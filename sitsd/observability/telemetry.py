@@ -42,6 +42,7 @@ from sitsd.engine.observer import StepRecord
 from sitsd.engine.request import Request
 from sitsd.observability.metrics import Metrics
 from sitsd.observability.request_trace import QueueWait, RequestTrace
+from sitsd.observability.slow_steps import SlowStepLog
 from sitsd.observability.tracing import MonotonicClock
 from sitsd.outputs import EngineStatus, Preemption, PreemptionReason
 from sitsd.types import EndReason, FinishReason, Tier
@@ -125,6 +126,7 @@ class EngineTelemetry:
         self._last_step = 0  # index of the last step observed
         self._last_tiers: tuple[tuple[str, int, float | None, float | None], ...] = ()
         self.model = metrics.model
+        self.slow_steps = SlowStepLog()  # a step far past the recent ones: a log line
 
     # ----------------------------------------------------------------------- engine hooks
 
@@ -203,6 +205,7 @@ class EngineTelemetry:
             sched_out.total_num_scheduled_tokens,
             step.end - step.start,
         )
+        self.slow_steps.observe(step)
 
     def on_request_finished(self, request: Request, now: float) -> None:
         live = self._live.pop(request.req_id, None)

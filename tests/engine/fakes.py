@@ -132,13 +132,29 @@ class FakeRunner:
         self.probes: set[str] = set()  # canary probes the runner holds
         self.probe_logprobs: dict[str, list[torch.Tensor]] = {}  # per probe, one per chunk
         self.step_log: list[dict[str, int]] = []  # num_scheduled_tokens of every step run
+        # Tokens sampled by a launched step whose result() has not been taken: the host has
+        # not seen them (by the request that samples them; its shadow shares the list).
+        self.unseen: dict[str, set[int]] = {}
+        self.owner: dict[str, str] = {}  # shadow -> the request whose token list it shares
 
     @property
     def weights_version(self) -> str:
         return self.slots.active_version
 
     def launch(self, so: SchedulerOutput) -> _Done:
-        return _Done(self.execute(so))
+        """Computes at once, but the tokens it samples count as unseen by the host until
+        `result()`: only the request that samples one may read it next (the real runner copies
+        it into that request's inputs on the device), never a shadow."""
+        out = self.execute(so)
+        sampled = {r: len(self.tokens[r]) - 1 for r, t in zip(out.req_ids, out.sampled_token_ids)
+                   if t and r in self.tokens}  # fmt: skip
+        for req_id, index in sampled.items():
+            self.unseen.setdefault(req_id, set()).add(index)
+        return _Done(out, lambda: self._seen(sampled))
+
+    def _seen(self, sampled: dict[str, int]) -> None:
+        for req_id, index in sampled.items():
+            self.unseen.get(req_id, set()).discard(index)
 
     def take_prompt_logprobs(self, req_id: str) -> torch.Tensor:
         """A computed probe's log-probabilities ([len(prompt), vocab]); `next_token` of each
@@ -167,7 +183,7 @@ class FakeRunner:
     def _update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             for d in (self.tokens, self.blocks, self.computed, self.versions, self.samples,
-                      self.probe_logprobs):  # fmt: skip
+                      self.probe_logprobs, self.owner):  # fmt: skip
                 d.pop(req_id, None)
             self.probes.discard(req_id)
         for new in sorted(so.new_reqs, key=lambda n: n.shadow_of is not None):
@@ -176,6 +192,7 @@ class FakeRunner:
                 self.tokens[new.req_id] = list(new.token_ids)
             else:  # shares its request's token list, like the real runner
                 self.tokens[new.req_id] = self.tokens[new.shadow_of]
+                self.owner[new.req_id] = new.shadow_of
                 assert self.tokens[new.req_id][: len(new.token_ids)] == new.token_ids
             self.blocks[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
@@ -203,6 +220,10 @@ class FakeRunner:
         assert end <= len(tokens)
         assert len(self.blocks[req_id]) * self.block_size >= end, "block table too short"
         self._check_reads(req_id, start)
+        unseen = self.unseen.get(self.owner.get(req_id, req_id), set())
+        for pos in unseen & set(range(start, end)):  # the host has not seen that token yet
+            assert self.samples[req_id], f"{req_id!r} reads position {pos}, unseen by the host"
+            assert pos == end - 1, f"{req_id!r} reads unseen {pos} before its last position"
         for pos in range(start, end):
             slot = self._slot(req_id, pos)
             assert slot not in written, f"{req_id!r} writes KV slot {slot} another request writes"
@@ -234,8 +255,11 @@ class FakeRunner:
 
 
 class _Done:
-    def __init__(self, out: ModelRunnerOutput) -> None:
+    def __init__(self, out: ModelRunnerOutput, on_result=None) -> None:
         self._out = out
+        self._on_result = on_result
 
     def result(self) -> ModelRunnerOutput:
+        if self._on_result is not None:
+            self._on_result()
         return self._out

@@ -4,6 +4,7 @@ weights version that computed their tokens (sync runner and overlapping runner).
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 
@@ -14,6 +15,7 @@ from sitsd.config import SchedulerConfig
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.messages import AddRequest, EngineCall, InPlaceCopy, SwapCommand
+from sitsd.engine.observer import NullObserver, StepRecord
 from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.scheduler import Scheduler
 from sitsd.types import SamplingParams
@@ -25,7 +27,18 @@ BLOCK = 4
 V0, V1 = "fake@0", "fake@1"
 
 
-def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0):
+class Steps(NullObserver):
+    """Records every step the engine ran (engine thread)."""
+
+    def __init__(self):
+        self.records: list[StepRecord] = []
+
+    def on_step(self, step):
+        self.records.append(step)
+
+
+def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0,
+              observer=None, fixed_tokens: int = 8, num_blocks: int = 64):  # fmt: skip
     """`overlaps`: False (a runner that computes in launch), True (one that overlaps), or
     "ahead" (it overlaps, and steps are scheduled ahead: asynchronous scheduling)."""
     tok = ByteTokenizer()
@@ -34,11 +47,11 @@ def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0):
     if slow_s:  # steps that take time, so requests are in flight when the command comes
         execute = runner.execute
         runner.execute = lambda so: (time.sleep(slow_s), execute(so))[1]
-    kv = KVCacheManager(64, BLOCK)
+    kv = KVCacheManager(num_blocks, BLOCK)
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs",
                           async_scheduling=ahead)  # fmt: skip
-    sched = Scheduler(cfg, kv, 256, pacing=PacingSettings(fixed_tokens=8))
-    core = EngineCore(sched, runner, tok, "fake")
+    sched = Scheduler(cfg, kv, 256, pacing=PacingSettings(fixed_tokens=fixed_tokens))
+    core = EngineCore(sched, runner, tok, "fake", observer=observer)
     sink = Collector()
     core.start(sink)
     return core, runner, sink
@@ -107,6 +120,71 @@ def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_t
             (V0, V1),
             False,
         )
+    finally:
+        core.stop()
+
+
+def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip():
+    # Asynchronous scheduling: shadows catch up over many steps scheduled ahead (the fake
+    # runner asserts no shadow reads a token the host has not seen, and every KV read is its
+    # own version's); only the last two steps of the migration run in turn.
+    steps = Steps()
+    core, runner, sink = make_core("ahead", slow_s=0.001, observer=steps, fixed_tokens=12,
+                                   num_blocks=256)  # fmt: skip
+    try:
+        rng = random.Random()
+        prompts = {f"r{i}": bytes(rng.randrange(1, 250) for _ in range(rng.randrange(20, 40)))
+                   for i in range(4)}  # fmt: skip
+        for r, p in prompts.items():
+            add(core, r, p, 150)
+        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 60 for r in prompts))
+        runner.slots.load(V1)
+        events = Events()
+        core.submit(SwapCommand(V1, "migrate", events))
+        done = events.until_done()
+        assert done[-1].kind == "committed"
+        assert done[-1].num_migrating == 4
+        deltas = sink.until_finished(set(prompts))
+    finally:
+        core.stop()
+    first = next(i for i, r in enumerate(steps.records)
+                 if any(n.shadow_of for n in r.sched_out.new_reqs))  # fmt: skip
+    flip = next(i for i, r in enumerate(steps.records) if r.sched_out.committed_version)
+    migrating = steps.records[first : flip + 1]
+    assert len(migrating) > 20, "shadows of 80-100 tokens, 12 tokens a step, 4 added a step"
+    in_turn = [r.index for r in migrating if not r.sched_out.applied_ahead]
+    assert len(in_turn) <= 3, f"steps {in_turn} of {len(migrating)} ran in turn"
+    for r, p in prompts.items():
+        prev = p[-1]
+        for d in deltas[r]:
+            for token in d.new_token_ids:
+                assert token == next_token(prev, d.weights_version, 256)
+                prev = token
+        assert {d.weights_version for d in deltas[r] if d.new_token_ids} == {V0, V1}
+
+
+def test_a_step_failing_mid_migration_ahead_fails_its_requests_and_leaks_no_block():
+    # Shadows count their chunks when scheduled: a step that fails must take its shadows
+    # (with their requests) down, and the engine serves on.
+    core, runner, sink = make_core("ahead", slow_s=0.001, fixed_tokens=4, num_blocks=256)
+    try:
+        prompts = {f"r{i}": bytes(random.randrange(1, 250) for _ in range(30)) for i in range(3)}
+        for r, p in prompts.items():
+            add(core, r, p, 200)
+        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 50 for r in prompts))
+        runner.slots.load(V1)
+        events = Events()
+        core.submit(SwapCommand(V1, "migrate", events))
+        assert wait_for(lambda: core.scheduler.swaps.migration is not None)
+        runner.fail_next = True
+        deltas = sink.until_finished(set(prompts))
+        assert all(deltas[r][-1].error for r in prompts), "the failed step's requests failed"
+        assert events.until_done()[-1].kind == "committed"  # nothing left to migrate
+        assert wait_for(lambda: core.status().num_blocks_used == 0)
+        add(core, "after", b"hello there", 12)  # the engine serves on, on the new version
+        (last,) = [d for d in sink.until_finished({"after"})["after"] if d.finished]
+        assert not last.error
+        assert last.weights_version == V1
     finally:
         core.stop()
 

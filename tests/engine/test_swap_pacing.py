@@ -237,3 +237,37 @@ def test_steps_a_canary_makes_longer_than_the_share_are_too_rare_for_the_p99():
     p99 = periods[int(0.99 * (len(periods) - 1))]
     assert p99 <= (1 + 0.2) * steady + sim.token_s + 1e-9
     assert max(periods) <= 2 * steady + sim.token_s + 1e-9, "a step at most doubles"
+
+
+def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_doubles():
+    # 8 requests of 60-100 tokens: all at once, their recompute would be a step of ~640 tokens
+    # (the 512 budget: over five steady steps). The canary before the swap measured what
+    # tokens joining the batch cost.
+    sim = SimEngine(share=0.2)
+    for i in range(8):
+        sim.add(f"r{i}", sim.rng.randrange(40, 80), 100_000)
+    for _ in range(20):
+        sim.step()
+    steady = statistics.median(p for p, *_ in sim.steps[-10:])
+    sim.runner.slots.load(V1)
+    run_canary(sim, probe_prompts(sim.rng, 2))
+    computed = {r: sim.sched.requests[r].num_computed_tokens for r in sim.sched.requests}
+    sim.runner.slots.activate(V1)
+    switch = sim.sched.swaps.switch(V1, "restart")
+    assert switch.num_restarted == 8
+    first = len(sim.steps)
+    resumed: dict[str, int] = {}  # req_id -> the step in which it sampled again
+    while len(resumed) < 8:
+        so = sim.step()
+        for req_id in so.num_scheduled_tokens:
+            request = sim.sched.requests[req_id]
+            if request.num_computed_tokens > computed[req_id] and req_id not in resumed:
+                resumed[req_id] = len(sim.steps)
+        assert len(sim.steps) - first < 500, "the restarted requests never caught up"
+    periods = [p for p, *_ in sim.steps[first:]]
+    # A step at most doubles (a few tokens' slack: the allowance comes from the fitted cost).
+    assert max(periods) <= 2 * steady + 4 * sim.token_s + 1e-9
+    assert len(set(resumed.values())) > 2, "the recompute was spread over several steps"
+    order = [resumed[f"r{i}"] for i in range(8)]
+    assert order == sorted(order), "restarted requests resume in their queue order"
+    assert all(sim.runner.versions[f"r{i}"] == V1 for i in range(8)), "none lost, all on V1"

@@ -26,12 +26,14 @@ V0, V1, V2 = "fake@0", "fake@1", "fake@2"
 class Engine:
     """A scheduler and the fake runner, stepped by hand; `swap` does what a commit does."""
 
-    def __init__(self, num_blocks=256, max_num_seqs=8, budget=64, policy="fcfs", migrate=64):
+    def __init__(self, num_blocks=256, max_num_seqs=8, budget=64, policy="fcfs", migrate=64,
+                 drain_hold_s=0.0):  # fmt: skip
         self.kv = KVCacheManager(num_blocks, BLOCK)
         cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                               policy=policy)  # fmt: skip
-        self.sched = Scheduler(cfg, self.kv, 512, clock=lambda: 0.0,
-                               pacing=PacingSettings(fixed_tokens=migrate))  # fmt: skip
+        self.now = 0.0
+        pacing = PacingSettings(fixed_tokens=migrate, drain_hold_s=drain_hold_s)
+        self.sched = Scheduler(cfg, self.kv, 512, clock=lambda: self.now, pacing=pacing)
         self.runner = FakeRunner(BLOCK)
         self.tokens: dict[str, list[tuple[int, str]]] = {}  # req_id -> (token, version)
         self.finished: dict[str, FinishReason] = {}
@@ -114,6 +116,44 @@ def test_drain_leaves_started_requests_on_the_old_version_and_starts_new_ones_on
         consistent(e.tokens[r], p)
     assert e.sched.swaps.num_on_version(V0) == 0
     e.assert_all_free()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "tiers"])
+def test_a_drain_holds_new_requests_until_the_old_ones_finish_so_no_step_reads_both(policy):
+    eng = Engine(policy=policy, drain_hold_s=5.0)
+    old = {f"old{i}": prompt() for i in range(3)}
+    for r, p in old.items():
+        eng.add(r, p, max_tokens=random.randrange(8, 20))
+    for _ in range(3):
+        eng.step()
+    eng.swap(V1, "drain")
+    new = {f"new{i}": prompt() for i in range(3)}
+    for r, p in new.items():
+        eng.add(r, p, max_tokens=10)
+    eng.run()
+    assert eng.runner.max_versions_in_step == 1, "a step served both versions"
+    for r, p in {**old, **new}.items():
+        assert eng.finished[r] is FinishReason.LENGTH
+        assert {v for _, v in eng.tokens[r]} == {V1 if r.startswith("new") else V0}
+        consistent(eng.tokens[r], p)
+    eng.assert_all_free()
+
+
+def test_a_drain_holds_new_requests_no_longer_than_its_hold():
+    eng = Engine(drain_hold_s=1.0)
+    eng.add("old", prompt(), max_tokens=400)
+    eng.step()
+    eng.swap(V1, "drain")
+    eng.add("new", prompt(), max_tokens=5)
+    for _ in range(5):
+        eng.step()
+    assert not eng.tokens["new"], "held while the old request drains"
+    eng.now = 1.0  # the hold is over: the new request runs next to the draining one
+    for _ in range(10):
+        eng.step()
+    assert eng.finished["new"] is FinishReason.LENGTH
+    assert "old" not in eng.finished
+    assert eng.runner.max_versions_in_step == 2
 
 
 def test_drain_keeps_a_preempted_old_request_on_the_old_version():

@@ -76,3 +76,69 @@ def test_on_the_gpu_steps_launched_ahead_sample_what_steps_in_turn_do(temperatur
     ahead = generate(True, temperature, seed, "cuda", mixed)
     assert ahead == in_turn, f"seed {seed}"
     assert all(len(t) == 20 for t in in_turn.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_migration_scheduled_ahead_computes_each_token_on_the_version_it_reports(device):
+    # The real runner with steps launched ahead: shadows share their request's token list,
+    # which holds a placeholder for the token the step ahead samples; a shadow must never read
+    # it. Each request's tokens before the flip are v1's greedy ones, after it v2's greedy
+    # continuation of the same prefix.
+    from sitsd.config import WeightsConfig
+    from sitsd.engine.core import EngineCore
+    from sitsd.engine.messages import AddRequest, SwapCommand
+    from sitsd.engine.pacing import PacingSettings
+    from tests.engine.test_core import Collector, wait_for
+    from tests.engine.test_core_swap import Events, Steps
+    from tests.engine.test_detokenizer import ByteTokenizer
+    from tests.runtime.test_weight_slots import greedy, tiny
+
+    seed = random.randrange(10**6)
+    arch, first = tiny(seed, vocab_size=256)
+    _, second = tiny(seed + 1, vocab_size=256)
+    scheduler_config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs",
+                                       async_scheduling=True)  # fmt: skip
+    config = SitsdConfig(
+        model=ModelConfig(max_model_len=256, device=device, dtype="float32"),
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        scheduler=scheduler_config,
+        weights=WeightsConfig(weight_slots="2"),
+    )
+    runner, _ = build_runner(config, arch, first, "v1")
+    standby = runner.slots.standby
+    runner.slots.release(standby)
+    runner.slots.copy_into(standby, second)
+    runner.slots.fill(standby, "v2")
+    sched = Scheduler(scheduler_config, KVCacheManager(64, BLOCK), 256,
+                      pacing=PacingSettings(fixed_tokens=10))  # fmt: skip
+    steps = Steps()
+    core = EngineCore(sched, runner, ByteTokenizer(), "tiny", observer=steps)
+    sink = Collector()
+    core.start(sink)
+    rng = random.Random(seed)
+    prompts = {f"r{i}": [rng.randrange(3, 256) for _ in range(rng.randrange(8, 20))]
+               for i in range(3)}  # fmt: skip
+    params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    try:
+        for r, p in prompts.items():
+            core.submit(AddRequest(r, list(p), params, None, None, 0.0))
+        assert wait_for(lambda: sched.num_running == 3 and all(
+            sched.requests[r].num_output_tokens > 12 for r in prompts))  # fmt: skip
+        events = Events()
+        core.submit(SwapCommand("v2", "migrate", events))
+        assert events.until_done()[-1].kind == "committed"
+        deltas = sink.until_finished(set(prompts))
+    finally:
+        core.stop()
+    shadows = [
+        s for s in steps.records if any("shadow" in r for r in s.sched_out.num_scheduled_tokens)
+    ]
+    assert sum(s.sched_out.applied_ahead for s in shadows) > 2, "shadow steps ran ahead"
+    for r, p in prompts.items():
+        tokens = [(t, d.weights_version) for d in deltas[r] for t in d.new_token_ids]
+        old = [t for t, v in tokens if v == "v1"]
+        new = [t for t, v in tokens if v == "v2"]
+        assert [v for _, v in tokens] == ["v1"] * len(old) + ["v2"] * len(new), f"seed {seed}"
+        assert old, new
+        assert greedy(runner, {r: (p, "v1")}, len(old))[r] == old, f"seed {seed}"
+        assert greedy(runner, {r: (p + old, "v2")}, len(new))[r] == new, f"seed {seed}"

@@ -1,0 +1,89 @@
+"""Slow engine steps: a step far longer than the engine's recent ones holds up every stream at
+once. `SlowStepLog` keeps the recent periods between busy steps (the inter-token latency with
+asynchronous scheduling), and logs a warning for a step whose period is `factor` times their
+median and at least `min_s`, at most one a second, with what the step carried (tokens, prompt
+chunks, versions, a swap's work, migrated or preempted requests), so a stall a benchmark sees
+can be told apart: a step that did more, or one that did the usual and took longer (the host:
+a garbage collection, `sitsd.observability.gc_pauses`; or the device).
+
+When the telemetry observer calls it is `sitsd.observability.telemetry`'s business.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+
+from sitsd.engine.observer import StepRecord
+
+log = logging.getLogger(__name__)
+
+_WINDOW = 128  # busy periods the median is taken over
+_REFRESH_EVERY = 32  # steps between two medians (cheap enough for every step)
+_IDLE_GAP_S = 0.005  # a step that started this long after the last one ended: after idling
+_WARN_EVERY_S = 1.0
+
+
+class SlowStepLog:
+    """Logs engine steps much slower than the recent ones (engine thread)."""
+
+    def __init__(self, factor: float = 3.0, min_s: float = 0.02) -> None:
+        """Args:
+        factor: a step this many times the recent median period is slow...
+        min_s: ...and this long at least.
+        """
+        self.factor = factor
+        self.min_s = min_s
+        self.num_slow = 0
+        self._periods: deque[float] = deque(maxlen=_WINDOW)
+        self._median: float | None = None  # of `_periods`, every `_REFRESH_EVERY` of them
+        self._num_periods = 0
+        self._last_end: float | None = None
+        self._last_warning = float("-inf")
+
+    def observe(self, step: StepRecord) -> None:
+        last_end, self._last_end = self._last_end, step.end
+        if last_end is None or step.start - last_end > _IDLE_GAP_S:
+            return  # the first step, or one after the engine idled: no period
+        period = step.end - last_end
+        median = self._median
+        if median is not None and period >= max(self.factor * median, self.min_s):
+            self.num_slow += 1
+            if step.end - self._last_warning >= _WARN_EVERY_S:
+                self._last_warning = step.end
+                self._warn(step, period, median)
+        self._periods.append(period)
+        self._num_periods += 1
+        if self._num_periods % _REFRESH_EVERY == 0:
+            self._median = statistics.median(self._periods)
+
+    def _warn(self, step: StepRecord, period: float, median: float) -> None:
+        out = step.sched_out
+        num_requests = len(out.num_scheduled_tokens)
+        work = out.swap_work
+        fields = {
+            "step_index": step.index,
+            "step_ms": round(period * 1e3, 2),
+            "median_step_ms": round(median * 1e3, 2),
+            "num_requests": num_requests,
+            "num_tokens": out.total_num_scheduled_tokens,
+            "num_new_requests": len(out.new_reqs),
+            "num_migrated": len(out.migrated),
+            "num_preempted": len(out.preempted_req_ids),
+            "swap_work_tokens": work.num_tokens if work is not None else 0,
+            "swap_work_alone": work.alone if work is not None else False,
+            "serving_versions": work.num_serving_versions if work is not None else 0,
+            "scheduled_ahead": out.applied_ahead,
+        }
+        log.warning(
+            "engine step %d took %.1f ms (%.1fx the recent median): %d requests, %d tokens, "
+            "%d of a swap's work",
+            step.index,
+            period * 1e3,
+            period / median,
+            num_requests,
+            out.total_num_scheduled_tokens,
+            fields["swap_work_tokens"],
+            extra=fields,
+        )

@@ -1,0 +1,53 @@
+"""SlowStepLog: a step far past the recent busy periods is logged with what it carried."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from sitsd.engine.observer import StepRecord
+from sitsd.observability.slow_steps import SlowStepLog
+from sitsd.outputs import SchedulerOutput, SwapWork
+
+
+def step(index: int, start: float, end: float, tokens: int = 8, swap: int = 0) -> StepRecord:
+    out = SchedulerOutput()
+    for i in range(tokens):
+        out.num_scheduled_tokens[f"r{i}"] = 1
+    out.total_num_scheduled_tokens = tokens + swap
+    out.swap_work = SwapWork(swap, swap > 0, 1)
+    return StepRecord(out, [], start, end, index)
+
+
+def busy_steps(log: SlowStepLog, periods: list[float], t: float = 0.0) -> float:
+    """Back-to-back steps of these periods (each starts as the last one ends); the end."""
+    for i, period in enumerate(periods):
+        log.observe(step(i + 1, t, t + period))
+        t += period
+    return t
+
+
+def test_a_step_far_past_the_recent_ones_is_logged_with_its_swap_work(caplog):
+    slow = SlowStepLog(factor=3.0, min_s=0.02)
+    base = random.uniform(0.004, 0.006)
+    t = busy_steps(slow, [base * random.uniform(0.9, 1.1) for _ in range(100)])
+    long = random.uniform(0.03, 0.09)
+    with caplog.at_level(logging.WARNING, logger="sitsd.observability.slow_steps"):
+        slow.observe(step(101, t, t + long, swap=37))
+    (record,) = caplog.records
+    assert record.step_index == 101
+    assert abs(record.step_ms - long * 1e3) < 0.01
+    assert record.swap_work_tokens == 37
+    assert record.swap_work_alone
+    assert abs(record.median_step_ms - base * 1e3) < 0.15 * base * 1e3
+    assert slow.num_slow == 1
+
+
+def test_steady_steps_and_a_step_after_idling_are_not_logged(caplog):
+    slow = SlowStepLog(factor=3.0, min_s=0.02)
+    with caplog.at_level(logging.WARNING, logger="sitsd.observability.slow_steps"):
+        t = busy_steps(slow, [random.uniform(0.009, 0.011) for _ in range(200)])
+        slow.observe(step(201, t + 2.0, t + 2.01))  # the engine waited 2 s for work
+        busy_steps(slow, [random.uniform(0.009, 0.011) for _ in range(50)], t + 2.01)
+    assert not caplog.records
+    assert slow.num_slow == 0
