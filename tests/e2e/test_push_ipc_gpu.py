@@ -100,8 +100,10 @@ def test_partial_then_full_ipc_pushes_under_load_fail_nothing_and_match_fresh_da
 
         return run
 
-    # A GPU streams 20 tokens faster than a push commits: requests long enough to span it.
-    long = (100, 200)
+    # A GPU streams 200 tokens faster than a push commits and its migration catches up (an
+    # IPC push takes ~0.1 s; the shadows recompute under a per-step budget): requests long
+    # enough to span it.
+    long = (300, 500)
     records, _ = push_under_load(daemons["v1"], prompts, push(layer0, "ipc-partial", True), long)
     check_tokens(records, daemons["partial"], "v1", "ipc-partial")
     records, _ = push_under_load(daemons["v1"], prompts, push(pushed, "ipc-full", False), long)
@@ -165,7 +167,7 @@ def test_a_flattened_ipc_push_under_load_fails_nothing_and_matches_a_fresh_daemo
     def push() -> None:
         results.append(client.push(pushed, version="ipc-flat", ipc_flatten=True))
 
-    records, _ = push_under_load(daemons["v1"], prompts, push, (100, 200))
+    records, _ = push_under_load(daemons["v1"], prompts, push, (300, 500))
     check_tokens(records, daemons["full"], before, "ipc-flat")
     assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")]
     torch.cuda.synchronize()
