@@ -21,11 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sitsd.kernels._int4_tile import as_float
 from sitsd.kernels._pdl import pdl_enter
-
-_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23 as float32
-_TWO_23 = tl.constexpr(8388608.0)  # 2^23
-_TWO_23_PLUS_8 = tl.constexpr(8388616.0)  # 2^23 + 8: subtracting it leaves q - 8
 
 
 @triton.jit
@@ -76,11 +73,11 @@ def _slice_partial(part, words, i: tl.constexpr, x_row, cols, k_mask, HAS_PERM: 
         x = tl.load(x_row + cols).to(tl.float32)
     else:
         x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
-    bits = ((words >> (4 * i)) & 0xF) | _MAGIC
+    codes = (words >> (4 * i)) & 0xF
     if HAS_OFFSETS:
-        q = bits.to(tl.float32, bitcast=True) - _TWO_23  # q
+        q = as_float(codes)  # q
     else:
-        q = bits.to(tl.float32, bitcast=True) - _TWO_23_PLUS_8  # q - 8
+        q = as_float(codes, 8.0)  # q - 8
     return part + q * x[None, :], x
 
 

@@ -16,10 +16,11 @@ import triton.language as tl
 
 
 @triton.jit
-def as_float(codes):
-    """Codes 0..15 (int32) as float32, exactly: set as the low mantissa bits of 2^23, minus 2^23
-    (an OR and an add, at the full rate; an int-to-float conversion runs at a quarter of it)."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def as_float(codes, BIAS: tl.constexpr = 0.0):
+    """Codes 0..15 (int32) as float32 minus BIAS, exactly: set as the low mantissa bits of 2^23,
+    minus 2^23 + BIAS in the same add (an OR and an add, at the full rate; an int-to-float
+    conversion runs at a quarter of it). BIAS 8 gives a symmetric weight's `q - 8`."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
 
 
 @triton.jit

@@ -197,10 +197,10 @@ def choose_int4_config(
     four 16-byte vectors), 2 warps, split along K into up to 8 parts (a power of two, into
     whole chunks): within 10% of the best of twelve configurations on every layer, with or
     without offsets (qkv 13, o 10.5, gate_up 38, down 25 us at one row; `fma` took 21, 12, 73
-    and 36, the 3-D `gemv` with offsets 29, 22, 116 and 67). Up to
-    64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on 64 x 128 (128 x
-    128 past 128 rows) tiles, 64-wide chunks. The dot modes split K (a power of two, at most 8,
-    into whole chunks) until the grid has two programs per SM.
+    and 36, the 3-D `gemv` with offsets 29, 22, 116 and 67); `has_offsets` no longer changes
+    the choice. Up to 64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on
+    64 x 128 (128 x 128 past 128 rows) tiles, 64-wide chunks. The dot modes split K (a power of
+    two, at most 8, into whole chunks) until the grid has two programs per SM.
     """
     k_pow2 = next_power_of_2(k)
     if num_rows <= 2:
