@@ -49,6 +49,7 @@ from bench.load import LoadSpec, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
 from sitsd.client import PushResult, WeightGroup, WeightsClient
+from sitsd.client.weights import DEFAULT_CHUNK_BYTES
 
 TRANSPORTS = ("grpc", "ipc", "dist")
 
@@ -137,7 +138,9 @@ class Trainer:
         self._device = device
         self._pushes = 0
 
-    def push(self, transport: str, policy: str) -> tuple[PushResult, float, float]:
+    def push(
+        self, transport: str, policy: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> tuple[PushResult, float, float]:
         """One push of every tensor; (its result, call time, commit time)."""
         self._pushes += 1
         version = f"push-{self._pushes}-{transport}"
@@ -149,7 +152,8 @@ class Trainer:
         started = now()
         result = self.client.push(self.tensors[transport], version=version,
                                   transport=transport, policy=policy,
-                                  ipc_flatten=self.ipc_flatten)  # fmt: skip
+                                  ipc_flatten=self.ipc_flatten,
+                                  chunk_bytes=chunk_bytes)  # fmt: skip
         return result, started, now()
 
 
@@ -158,9 +162,15 @@ def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamL
     time.sleep(args.steady)
     steady = stats(itls(load, steady_start, now()))
     out: dict = {"steady": steady, "pushes": {}}
-    for transport in available(args.transports, args.device):
+    runs = [(t, None) for t in available(args.transports, args.device) if t != "grpc"]
+    if "grpc" in args.transports:  # one push per chunk size (--grpc-chunk-mib)
+        runs[:0] = [("grpc", mib) for mib in args.grpc_chunk_mib]
+    for transport, mib in runs:
         time.sleep(args.gap)
-        result, called, committed = trainer.push(transport, args.policy)
+        chunk = mib * 2**20 if mib else DEFAULT_CHUNK_BYTES
+        result, called, committed = trainer.push(transport, args.policy, chunk)
+        if mib is not None and len(args.grpc_chunk_mib) > 1:
+            transport = f"grpc-{mib}MiB"
         # Staged (received, validated, canaried) at the daemon's total less its commit stage.
         staged = called + result.total_s - result.timings["commit"]
         time.sleep(1.0)  # the second after the commit is part of the window below
@@ -250,7 +260,7 @@ def table(r: dict) -> str:
     for name, p in r["pushes"].items():
         stages = " / ".join(f"{p['stages_s'][s] * 1e3:.0f}" for s in p["stages_s"])
         share = f" ({p['bytes_per_s'] / 1e9 / bandwidth:.2f} of the copy)" if bandwidth else ""
-        target = {"ipc": "< 0.25 s", "grpc": "", "dist": ""}[name]
+        target = "< 0.25 s" if name == "ipc" else ""
         rows += [
             (f"{name}: call to commit", f"{p['call_to_commit_s']:.3f} s", target),
             (f"{name}: call to staged (commit: {r['policy']})", f"{p['call_to_staged_s']:.3f} s",
@@ -260,7 +270,7 @@ def table(r: dict) -> str:
             (f"{name}: ITL P99 while receiving / steady", f"{p['p99_ratio']:.2f}x", "<= 1.5x"),
             (f"{name}: ITL P99 while committing / steady", f"{p['p99_ratio_commit']:.2f}x", ""),
             (f"{name}: received", f"{p['bytes_per_s'] / 1e9:.2f} GB/s{share}",
-             ">= 1 GB/s" if name == "grpc" else ""),
+             ">= 1 GB/s" if name.startswith("grpc") else ""),
         ]  # fmt: skip
     if "throughput" in r:
         t = r["throughput"]
@@ -292,11 +302,15 @@ def main() -> int:
                         "tenth of a core, which paces a gRPC push's copies)")  # fmt: skip
     parser.add_argument("--ipc-flatten", action="store_true",
                         help="IPC pushes send views of one flat copy of the tensors")  # fmt: skip
+    parser.add_argument("--grpc-chunk-mib", default=str(DEFAULT_CHUNK_BYTES // 2**20),
+                        help="comma-separated chunk sizes of gRPC pushes in MiB, one push "
+                        "each (default: the client's)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where v1 is written")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     args.transports = [t for t in args.transports.split(",") if t]
+    args.grpc_chunk_mib = [int(m) for m in args.grpc_chunk_mib.split(",") if m]
     if unknown := set(args.transports) - set(TRANSPORTS):
         parser.error(f"unknown transports: {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory(prefix="sitsd-push-") as tmp:
