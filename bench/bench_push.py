@@ -7,8 +7,9 @@
    it on the same GPU).
 2. This process is the trainer: the pushed tensors are v1's with 1% relative noise, made on the
    GPU (bf16, 16 GB; a host copy for the gRPC stream). With a second GPU the weight group's
-   copy lives there (NCCL needs one GPU per rank). `--ipc-flatten`: IPC pushes send views of
-   one flat copy of the tensors (one allocation for the daemon to map, not one per tensor).
+   copy lives there (NCCL needs one GPU per rank). `--ipc-flatten`: the trainer keeps its
+   tensors as views of one flat buffer (made once, as trainers with contiguous parameter
+   buffers do), so an IPC push sends one allocation for the daemon to map, not one per tensor.
 3. `--clients` streaming greedy requests keep going, from a process of their own (`bench.load`).
    After `--steady` seconds, one push per transport (`--transports`: grpc, ipc, dist; the ones that
    cannot run here are skipped), `--gap` seconds apart, each reporting: the time from the call to
@@ -18,7 +19,10 @@
    bandwidth measured first (bench.floors).
 4. Throughput: output tokens/s over `--period` seconds with no push, then over as long with a
    full push every `--push-every` seconds (over IPC where it runs, else the first transport),
-   and their ratio.
+   for each policy of `--throughput-policies`, and their ratios.
+5. The peer: a bare gRPC server in this process taking the same chunks over loopback (nothing
+   done with them), before the daemon starts: what one Python gRPC stream moves on this host,
+   against which the daemon's receive rate is read.
 
 Targets (GPU): IPC call to commit < 0.25 s with a pause < 1 ms and ITL P99 within 1.5x of
 steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 of none. With
@@ -39,6 +43,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -49,6 +54,7 @@ from bench.load import LoadSpec, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
 from sitsd.client import PushResult, WeightGroup, WeightsClient
+from sitsd.client.tensors import flat_copy
 from sitsd.client.weights import DEFAULT_CHUNK_BYTES
 
 TRANSPORTS = ("grpc", "ipc", "dist")
@@ -108,6 +114,56 @@ def itls(load: StreamLoad, start: float, end: float) -> list[float]:
 # ------------------------------------------------------------------------------------- runs
 
 
+def loopback_grpc_rate(chunk_bytes: int, total_bytes: int = 4 * 2**30) -> float:
+    """Bytes/s one client stream moves to a bare gRPC server over loopback, in messages of
+    `chunk_bytes` that the server only counts: the peer of the daemon's receive rate."""
+    import asyncio
+    import threading
+
+    import grpc
+    import grpc.aio
+
+    options = [("grpc.max_receive_message_length", chunk_bytes + 2**20),
+               ("grpc.max_send_message_length", chunk_bytes + 2**20)]  # fmt: skip
+
+    async def count(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        received = 0
+        async for message in messages:
+            received += len(message)
+        return str(received).encode()
+
+    ready, stop, port = threading.Event(), threading.Event(), []
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=options)
+        handler = grpc.stream_unary_rpc_method_handler(count)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Sink", {"Take": handler}),)
+        )
+        port.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(None)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    ready.wait(60)
+    payload = bytes(chunk_bytes)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port[0]}", options=options) as channel:
+            take = channel.stream_unary("/bench.Sink/Take")
+            count_of = total_bytes // chunk_bytes
+            started = now()
+            # Each message a new bytes object, as the client builds each chunk's message.
+            take(b"".join((b"", payload)) for _ in range(count_of))
+            return count_of * chunk_bytes / (now() - started)
+    finally:
+        stop.set()
+        thread.join(60)
+
+
 def available(transports: list[str], device: str) -> list[str]:
     """The transports that can run here: IPC needs a GPU, NCCL a second one (gloo on a CPU)."""
     out = []
@@ -128,9 +184,11 @@ class Trainer:
         self, daemon: BenchDaemon, v1: Path, device: str, seed: int, ipc_flatten: bool = False
     ) -> None:
         self.client = WeightsClient(daemon.address, token=daemon.token())
-        self.ipc_flatten = ipc_flatten  # IPC pushes copy the tensors into one buffer first
         gpu = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.tensors = {"ipc": trainer_tensors(v1, gpu, seed) if device == "cuda" else {}}
+        if ipc_flatten:  # the trainer's tensors live in one flat buffer (see the docstring)
+            self.tensors["ipc"] = dict(flat_copy(list(self.tensors["ipc"].items())))
+            torch.cuda.empty_cache()
         self.tensors["grpc"] = {n: t.cpu() for n, t in self.tensors["ipc"].items()} or (
             trainer_tensors(v1, torch.device("cpu"), seed)
         )
@@ -152,7 +210,6 @@ class Trainer:
         started = now()
         result = self.client.push(self.tensors[transport], version=version,
                                   transport=transport, policy=policy,
-                                  ipc_flatten=self.ipc_flatten,
                                   chunk_bytes=chunk_bytes)  # fmt: skip
         return result, started, now()
 
@@ -195,22 +252,27 @@ def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamL
 
 
 def measure_throughput(args: argparse.Namespace, trainer: Trainer, load: StreamLoad) -> dict:
-    """Output tokens/s with no push, then with a push every `push_every` seconds."""
+    """Output tokens/s with no push, then with a push every `push_every` seconds, per policy
+    of `--throughput-policies`."""
     transports = available(args.transports, args.device)
     transport = "ipc" if "ipc" in transports else transports[0]  # 16 GB over grpc takes > 10 s
     start = now()
     time.sleep(args.period)
     end = now()
     quiet = arrivals(load.streams(since=start), start, end) / (end - start)
-    start = now()
-    while now() - start < args.period:
-        began = now()
-        trainer.push(transport, args.policy)
-        time.sleep(max(0.0, args.push_every - (now() - began)))
-    end = now()
-    pushing = arrivals(load.streams(since=start), start, end) / (end - start)
-    return {"transport": transport, "push_every_s": args.push_every, "quiet_tok_s": quiet,
-            "pushing_tok_s": pushing, "ratio": pushing / quiet}  # fmt: skip
+    out: dict = {"transport": transport, "push_every_s": args.push_every, "quiet_tok_s": quiet,
+                 "policies": {}}  # fmt: skip
+    for policy in args.throughput_policies:
+        start = now()
+        while now() - start < args.period:
+            began = now()
+            trainer.push(transport, policy)
+            time.sleep(max(0.0, args.push_every - (now() - began)))
+        end = now()
+        pushing = arrivals(load.streams(since=start), start, end) / (end - start)
+        out["policies"][policy] = {"pushing_tok_s": pushing, "ratio": pushing / quiet}
+        print(f"throughput, {policy}: {json.dumps(out['policies'][policy])}", flush=True)
+    return out
 
 
 def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
@@ -232,6 +294,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
         result["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9  # before the daemon takes the GPU
         torch.cuda.empty_cache()
+    result["loopback_grpc_b_s"] = {
+        mib: loopback_grpc_rate(mib * 2**20) for mib in args.grpc_chunk_mib
+    }  # before the daemon and the load take the host's cores
     v1 = write_v1(work, args.device)
     daemon = BenchDaemon(work / "state", daemon_flags(args, v1), log_path=work / "daemon.log")
     try:
@@ -272,11 +337,16 @@ def table(r: dict) -> str:
             (f"{name}: received", f"{p['bytes_per_s'] / 1e9:.2f} GB/s{share}",
              ">= 1 GB/s" if name.startswith("grpc") else ""),
         ]  # fmt: skip
+    for chunk_mib, rate in r.get("loopback_grpc_b_s", {}).items():
+        rows.append((f"peer: bare gRPC over loopback, {chunk_mib} MiB chunks",
+                     f"{rate / 1e9:.2f} GB/s", ""))  # fmt: skip
     if "throughput" in r:
         t = r["throughput"]
-        rows.append((f"tok/s, a {t['transport']} push every {t['push_every_s']:g} s / none",
-                     f"{t['pushing_tok_s']:.0f} / {t['quiet_tok_s']:.0f} = {t['ratio']:.3f}",
-                     ">= 0.95"))  # fmt: skip
+        for policy, p in t["policies"].items():
+            rows.append((f"tok/s, a {t['transport']} push every {t['push_every_s']:g} s / none "
+                         f"({policy})",
+                         f"{p['pushing_tok_s']:.0f} / {t['quiet_tok_s']:.0f} = {p['ratio']:.3f}",
+                         ">= 0.95"))  # fmt: skip
     if bandwidth:
         rows.append(("device copy bandwidth (read + write)", f"{bandwidth:.0f} GB/s", ""))
     rows.append(("requests served / failed", f"{r['requests']} / {r['failed_requests']}", "0"))
@@ -305,12 +375,18 @@ def main() -> int:
     parser.add_argument("--grpc-chunk-mib", default=str(DEFAULT_CHUNK_BYTES // 2**20),
                         help="comma-separated chunk sizes of gRPC pushes in MiB, one push "
                         "each (default: the client's)")  # fmt: skip
+    parser.add_argument("--throughput-policies", default=None,
+                        help="comma-separated swap policies, one throughput run each "
+                        "(default: --policy)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where v1 is written")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     args.transports = [t for t in args.transports.split(",") if t]
     args.grpc_chunk_mib = [int(m) for m in args.grpc_chunk_mib.split(",") if m]
+    args.throughput_policies = (args.throughput_policies or args.policy).split(",")
+    if unknown := set(args.throughput_policies) - {"migrate", "drain", "restart"}:
+        parser.error(f"unknown policies: {', '.join(sorted(unknown))}")
     if unknown := set(args.transports) - set(TRANSPORTS):
         parser.error(f"unknown transports: {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory(prefix="sitsd-push-") as tmp:

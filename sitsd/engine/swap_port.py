@@ -136,15 +136,17 @@ class SwapPort:
         clock staging paces a copy to a GPU on. Read it on the copying thread."""
         return self._slots.copy_seconds
 
-    def slot_writer(self, index: int, *, chunk_bytes: int) -> SlotWriter:
+    def slot_writer(self, index: int, *, chunk_bytes: int, device_share: float = 1.0) -> SlotWriter:
         """A writer into reserved slot `index` for a pushed version; what the push leaves out
-        it copies from the active slot. Used on the caller's threads (never the engine's or the
-        loop's: copies take seconds)."""
+        it copies from the active slot; on a GPU its device work takes at most `device_share`
+        of the time. Used on the caller's threads (never the engine's or the loop's: copies
+        take seconds)."""
         from sitsd.runtime.slot_writer import SlotWriter  # torch, only once a push arrives
 
         slots = self._slots
         active = slots.weights(slots.active)
-        return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes)
+        return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes,
+                          device_share=device_share)  # fmt: skip
 
     def quantized_tensors(self) -> list[str]:
         """Tensors a weight slot holds in a quantized layout (a push writes 16-bit ones only)."""

@@ -13,6 +13,12 @@ casting to the slot's dtype on the way; nothing is buffered beyond one chunk. Th
     first_nonfinite       the first written tensor holding NaN or Inf in the slot's dtype
     sync                  wait for the copies (on CUDA they run on a side stream)
 
+On a GPU the copies and checks read and write the same memory the serving steps read, so
+they go in pieces of at most `DEVICE_PIECE_BYTES` and, with `device_share` below 1, the thread
+waits for each piece and then sleeps so that their device time is at most that share of the
+wall time: a step overlaps a few pieces at most (16 GB copied in one call slowed the step
+beside it 2-4x). On a CPU pacing is the caller's (its progress callbacks).
+
 One thread at a time (calls may move between threads: the stream orders them); the slot must
 have been released by the engine, so nothing reads it meanwhile, and the base slot is only
 read. Which tensors a push may name, and what to do when one is wrong, is the weights
@@ -26,6 +32,7 @@ to be rebuilt in new tensors (`WeightSlots.copy_into` does that for checkpoints)
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
@@ -36,6 +43,10 @@ from sitsd.model.llama import LlamaWeights, expected_shapes, weight_copy_plan
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+# The most one piece of a push's device work moves (a GPU): ~0.25 ms of an H200's bandwidth, so
+# that pacing needs few host round trips (each waits for the interpreter) yet a 5 ms step
+# overlaps only a few pieces.
+DEVICE_PIECE_BYTES = 512 * 2**20
 
 
 class SlotWriteError(ValueError):
@@ -52,13 +63,23 @@ class SlotWriter:
     """Fills one released weight slot; see the module docstring."""
 
     def __init__(
-        self, arch: LlamaArch, slot: LlamaWeights, base: LlamaWeights, *, chunk_bytes: int
+        self,
+        arch: LlamaArch,
+        slot: LlamaWeights,
+        base: LlamaWeights,
+        *,
+        chunk_bytes: int,
+        device_share: float = 1.0,
+        piece_bytes: int = DEVICE_PIECE_BYTES,
     ) -> None:
         """Args:
         arch: the architecture both slots hold.
         slot: the released slot's tensors (written).
         base: the serving slot's tensors (read: what a partial push keeps).
         chunk_bytes: the most a host-to-device upload moves at once.
+        device_share: on a GPU, the most of the wall time the device-side copies and checks
+            may take, counted on their own device time (1: unpaced).
+        piece_bytes: the most one piece of device-side work moves.
 
         Raises:
             SlotWriteError: either slot holds quantized layouts.
@@ -76,6 +97,8 @@ class SlotWriter:
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._uploads: PinnedUpload | None = None  # made on the first host-to-device copy
+        self._piece_bytes = piece_bytes
+        self._share = _DeviceShare(device_share) if on_cuda else None
 
     @property
     def names(self) -> list[str]:
@@ -112,9 +135,10 @@ class SlotWriter:
     def write_all(self, names: list[str], srcs: list[torch.Tensor]) -> None:
         """Copy whole tensors on the slot's device (any dtype: cast there) into the slot.
 
-        One `_foreach_copy_` for them all: a copy queued per tensor is a call into torch per
-        tensor, each letting go of the interpreter, which a thread that contends with the
-        engine's waits to get back (291 tensors of an 8B model: most of an IPC push's 197 ms).
+        One `_foreach_copy_` per piece of `piece_bytes`, not one per tensor: a copy queued per
+        tensor is a call into torch per tensor, each letting go of the interpreter, which a
+        thread that contends with the engine's waits to get back (291 tensors of an 8B model:
+        most of an IPC push's 197 ms). Paced to `device_share` (see the module docstring).
         """
         dsts = []
         for name, src in zip(names, srcs, strict=True):
@@ -124,9 +148,7 @@ class SlotWriter:
             if src.device != self.device:
                 raise SlotWriteError(f"{name} is on {src.device}, the slot on {self.device}")
             dsts.append(dst)
-        if dsts:
-            with self.side_stream():
-                torch._foreach_copy_(dsts, srcs)
+        self._copy_in_pieces(dsts, srcs)
         for name, dst in zip(names, dsts, strict=True):
             self._written[name] = dst.numel()
 
@@ -147,20 +169,33 @@ class SlotWriter:
         self._written[name] = max(self._written.get(name, 0), end)
 
     def copy_rest(self, on_progress: Progress | None = None) -> list[str]:
-        """Copy every tensor not written from the base slot (device to device); their names."""
+        """Copy every tensor not written from the base slot (device to device); their names.
+        On a GPU in paced pieces (see the module docstring), else chunk by chunk."""
         rest = [name for name in self._dst if name not in self._written]
         total = sum(self._nbytes(name) for name in rest)
-        done = 0
-        with torch.inference_mode(), self.side_stream():
-            for name in rest:
-                dst, src = self._dst[name], self._base[name]
-                for rows in row_chunks(dst, self._chunk_bytes):
-                    dst[rows].copy_(src[rows])
-                    done += (rows.stop - rows.start) * dst[0:1].numel() * dst.element_size()
-                    if on_progress is not None:
-                        on_progress(done, total)
-                self._written[name] = dst.numel()
+        if self._share is not None:
+            with torch.inference_mode():
+                self._copy_in_pieces([self._dst[n] for n in rest], [self._base[n] for n in rest])
+            if on_progress is not None:
+                on_progress(total, total)
+        else:
+            done = 0
+            with torch.inference_mode():
+                for name in rest:
+                    dst, src = self._dst[name], self._base[name]
+                    for rows in row_chunks(dst, self._chunk_bytes):
+                        dst[rows].copy_(src[rows])
+                        done += (rows.stop - rows.start) * dst[0:1].numel() * dst.element_size()
+                        if on_progress is not None:
+                            on_progress(done, total)
+        for name in rest:
+            self._written[name] = self._dst[name].numel()
         return rest
+
+    @property
+    def device_busy_s(self) -> float:
+        """Device seconds the paced pieces took so far (0 unpaced or on a CPU)."""
+        return self._share.busy_s if self._share is not None else 0.0
 
     # ------------------------------------------------------------------------------ checks
 
@@ -175,16 +210,20 @@ class SlotWriter:
     def first_nonfinite(self, names: list[str], on_progress: Progress | None = None) -> str | None:
         """The first of `names` whose slot tensor holds NaN or Inf, or None.
 
-        On a GPU one fused pass sums every tensor's magnitudes (a sum is finite exactly when
-        every element is, or it overflowed) and one host sync reads the sums; only a tensor
-        whose sum is not finite is read again, element by element. Per chunk, 16 GB took
-        ~700 launches from a thread that contends with the engine's for the interpreter:
-        139 ms on an H200 while serving. On a CPU the chunks stay, each paced by `on_progress`.
+        On a GPU a fused pass per piece sums the tensors' magnitudes (a sum is finite exactly
+        when every element is, or it overflowed), paced (see the module docstring), and one
+        host sync reads the sums; only a tensor whose sum is not finite is read again, element
+        by element. Per chunk, 16 GB took ~700 launches from a thread that contends with the
+        engine's for the interpreter: 139 ms on an H200 while serving. On a CPU the chunks
+        stay, each paced by `on_progress`.
         """
-        if self.device.type == "cuda" and names:
+        if self._share is not None and names:
+            views = [self._dst[name] for name in names]
+            sums: list[torch.Tensor] = []
             with torch.inference_mode(), self.side_stream():
-                views = [self._dst[name] for name in names]
-                sums = torch._foreach_norm(views, 1, dtype=torch.float32)
+                for piece in pieces([_bytes_of(v) for v in views], self._piece_bytes):
+                    with self._share.piece():
+                        sums += torch._foreach_norm(views[piece], 1, dtype=torch.float32)
                 finite = torch.isfinite(torch.stack(sums)).tolist()  # host sync, this thread
             names = [name for name, ok in zip(names, finite, strict=True) if not ok]
             if on_progress is not None:
@@ -234,7 +273,66 @@ class SlotWriter:
         dst = self._dst[name]
         return dst.numel() * dst.element_size()
 
+    def _copy_in_pieces(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """`dsts[i].copy_(srcs[i])` for all i, a `_foreach_copy_` per piece of at most
+        `piece_bytes` (a tensor split by rows where larger), each paced on a GPU."""
+        rows = [
+            (dst[part], src[part])
+            for dst, src in zip(dsts, srcs, strict=True)
+            for part in row_chunks(dst, self._piece_bytes)
+        ]
+        to, of = [dst for dst, _ in rows], [src for _, src in rows]
+        with self.side_stream():
+            for piece in pieces([_bytes_of(dst) for dst in to], self._piece_bytes):
+                with self._share.piece() if self._share is not None else nullcontext():
+                    torch._foreach_copy_(to[piece], of[piece])
+
     def _upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self._uploads is None:
             self._uploads = PinnedUpload(self.device, self._chunk_bytes)
         self._uploads.upload(src, dst)
+
+
+def pieces(sizes: list[int], piece_bytes: int) -> Iterator[slice[int, int, None]]:
+    """Consecutive runs of items, in order, each at most `piece_bytes` in all (an item larger
+    than that makes a run of its own)."""
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > piece_bytes:
+            yield slice(start, i)
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        yield slice(start, len(sizes))
+
+
+def _bytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _DeviceShare:
+    """Device work paced to a share of the wall time on its own device time: each piece is
+    timed with CUDA events on the current stream, waited for by the calling thread, which then
+    sleeps `(1 - share) / share` times as long as the piece took."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.busy_s = 0.0  # device seconds of the pieces so far
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    @contextlib.contextmanager
+    def piece(self) -> Iterator[None]:
+        """Time the work queued inside (on the current stream), wait for it, then pause
+        (unpaced, a share of 1, neither times nor waits)."""
+        if self.share >= 1.0:
+            yield
+            return
+        self._start.record()
+        yield
+        self._end.record()
+        self._end.synchronize()  # host sync, this (push) thread: the piece's device time
+        busy = self._start.elapsed_time(self._end) / 1e3
+        self.busy_s += busy
+        if self.share < 1.0:
+            time.sleep(busy * (1.0 - self.share) / self.share)

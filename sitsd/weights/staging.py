@@ -118,7 +118,12 @@ class StandbyStager:
         check_plan(push.plan, self.serving)  # before any slot is touched
         push.check()
         index = await self._reserve_standby(version, progress)
-        writer = self.port.slot_writer(index, chunk_bytes=self.settings.chunk_bytes)
+        # On a GPU the push's device copies and checks share the memory serving reads: they
+        # take the staging share of the device's time, as a file's copy takes of the link.
+        share = self.settings.share if self.settings.to_gpu else 1.0
+        writer = self.port.slot_writer(
+            index, chunk_bytes=self.settings.chunk_bytes, device_share=share
+        )
         try:
             with trace.stage("receive"):
                 await push.receive(writer, version, progress, self._host_pacer().share)

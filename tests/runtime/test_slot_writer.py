@@ -3,15 +3,17 @@ from the serving slot, values checked where they will serve."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
+import time
 
 import pytest
 import torch
 
 from sitsd.model.llama import ServingFormat, build_weights, weight_copy_plan
 from sitsd.quant.precision import PrecisionMap
-from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, quantized_tensors
+from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, pieces, quantized_tensors
 from sitsd.runtime.weight_slots import WeightSlots
 from tests.runtime.test_weight_slots import tiny
 
@@ -139,6 +141,66 @@ def test_a_slot_holding_quantized_layers_is_refused_naming_the_first():
     for slot, base in ((quantized, dense), (dense, quantized)):
         with pytest.raises(SlotWriteError, match=rf"{re.escape(name)} is held quantized"):
             SlotWriter(arch, slot, base, chunk_bytes=1000)
+
+
+def test_pieces_are_consecutive_runs_covering_every_item_once_within_the_bound():
+    rng = random.Random(random.randrange(2**20))
+    bound = rng.randrange(1, 500)
+    sizes = [rng.randrange(0, 3 * bound) for _ in range(rng.randrange(0, 60))]
+    runs = list(pieces(sizes, bound))
+    assert [i for run in runs for i in range(len(sizes))[run]] == list(range(len(sizes)))
+    for run in runs:
+        assert run.stop > run.start
+        assert sum(sizes[run]) <= bound or run.stop - run.start == 1  # or one large item
+    # A run ends only where the next item would not fit.
+    for before, after in itertools.pairwise(runs):
+        assert sum(sizes[before]) + sizes[after.start] > bound
+
+
+def test_whole_tensors_copied_in_small_pieces_land_exactly_and_copy_rest_keeps_the_rest():
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    _, second = tiny(seed + 1)
+    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
+    slots.release(1)
+    piece_bytes = random.randrange(64, 4096)  # tensors split by rows across pieces
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000,
+                        piece_bytes=piece_bytes)  # fmt: skip
+    names = random.sample(sorted(second), len(second) // 2)
+    srcs = [second[n].to(random.choice([torch.float32, torch.bfloat16])) for n in names]
+    writer.write_all(names, srcs)
+    assert sorted(writer.copy_rest()) == sorted(set(second) - set(names))
+    got, base = named(slots, 1), named(slots, 0)
+    for name in second:
+        want = srcs[names.index(name)].float() if name in names else base[name]
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_paced_device_work_takes_at_most_its_share_of_the_wall_time_and_lands_exactly():
+    """With `device_share` the writer waits out each piece and pauses: the copies' device time
+    is at most that share of the time the calls took, and the slot holds what was sent."""
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    _, second = tiny(seed + 1)
+    slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.float32), "v1")
+    slots.release(1)
+    share = random.choice([0.1, 0.25, 0.5])
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000,
+                        device_share=share, piece_bytes=4096)  # fmt: skip
+    names = random.sample(sorted(second), len(second) // 2)
+    srcs = [second[n].cuda() for n in names]
+    started = time.perf_counter()
+    writer.write_all(names, srcs)
+    writer.copy_rest()
+    assert writer.first_nonfinite(sorted(second)) is None
+    wall = time.perf_counter() - started
+    busy = writer.device_busy_s
+    assert 0 < busy <= share * wall
+    got, base = named(slots, 1), named(slots, 0)
+    for name in second:
+        want = srcs[names.index(name)] if name in names else base[name]
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.gpu

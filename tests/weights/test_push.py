@@ -260,8 +260,8 @@ def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(se
     writers = []
     open_writer = port.slot_writer
 
-    def recording_writer(index, *, chunk_bytes):
-        writer = open_writer(index, chunk_bytes=chunk_bytes)
+    def recording_writer(index, *, chunk_bytes, device_share=1.0):
+        writer = open_writer(index, chunk_bytes=chunk_bytes, device_share=device_share)
         writers.append(writer)
         return writer
 
