@@ -14,10 +14,10 @@ casting to the slot's dtype on the way; nothing is buffered beyond one chunk. Th
     sync                  wait for the copies (on CUDA they run on a side stream)
 
 On a GPU the copies and checks read and write the same memory the serving steps read, so
-they go in pieces of at most `DEVICE_PIECE_BYTES` and, with `device_share` below 1, the thread
-waits for each piece and then sleeps so that their device time is at most that share of the
-wall time: a step overlaps a few pieces at most (16 GB copied in one call slowed the step
-beside it 2-4x). On a CPU pacing is the caller's (its progress callbacks).
+they go in pieces of at most `DEVICE_PIECE_BYTES` and, with `device_share` below 1, at most
+that share of the card's memory bandwidth, on a bytes clock (`_DevicePace`): a step overlaps a
+few pieces at most (16 GB copied in one call slowed the step beside it 2-4x). On a CPU pacing
+is the caller's (its progress callbacks).
 
 One thread at a time (calls may move between threads: the stream orders them); the slot must
 have been released by the engine, so nothing reads it meanwhile, and the base slot is only
@@ -77,8 +77,8 @@ class SlotWriter:
         slot: the released slot's tensors (written).
         base: the serving slot's tensors (read: what a partial push keeps).
         chunk_bytes: the most a host-to-device upload moves at once.
-        device_share: on a GPU, the most of the wall time the device-side copies and checks
-            may take, counted on their own device time (1: unpaced).
+        device_share: on a GPU, the most of the card's memory bandwidth the device-side copies
+            and checks may use (1: unpaced).
         piece_bytes: the most one piece of device-side work moves.
 
         Raises:
@@ -98,7 +98,7 @@ class SlotWriter:
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._uploads: PinnedUpload | None = None  # made on the first host-to-device copy
         self._piece_bytes = piece_bytes
-        self._share = _DeviceShare(device_share) if on_cuda else None
+        self._pace = _DevicePace(self.device, device_share) if on_cuda else None
 
     @property
     def names(self) -> list[str]:
@@ -138,7 +138,7 @@ class SlotWriter:
         One `_foreach_copy_` per piece of `piece_bytes`, not one per tensor: a copy queued per
         tensor is a call into torch per tensor, each letting go of the interpreter, which a
         thread that contends with the engine's waits to get back (291 tensors of an 8B model:
-        most of an IPC push's 197 ms). Paced to `device_share` (see the module docstring).
+        most of an IPC push's 197 ms), each paced (see the module docstring).
         """
         dsts = []
         for name, src in zip(names, srcs, strict=True):
@@ -173,7 +173,7 @@ class SlotWriter:
         On a GPU in paced pieces (see the module docstring), else chunk by chunk."""
         rest = [name for name in self._dst if name not in self._written]
         total = sum(self._nbytes(name) for name in rest)
-        if self._share is not None:
+        if self._pace is not None:
             with torch.inference_mode():
                 self._copy_in_pieces([self._dst[n] for n in rest], [self._base[n] for n in rest])
             if on_progress is not None:
@@ -193,9 +193,13 @@ class SlotWriter:
         return rest
 
     @property
-    def device_busy_s(self) -> float:
-        """Device seconds the paced pieces took so far (0 unpaced or on a CPU)."""
-        return self._share.busy_s if self._share is not None else 0.0
+    def device_traffic(self) -> tuple[int, float]:
+        """(bytes the paced device work moved so far, the bytes/s it may move): (0, 0) on a
+        CPU or unpaced."""
+        pace = self._pace
+        if pace is None or not pace.paced:
+            return 0, 0.0
+        return pace.traffic, pace.share * pace.bandwidth
 
     # ------------------------------------------------------------------------------ checks
 
@@ -217,13 +221,15 @@ class SlotWriter:
         engine's for the interpreter: 139 ms on an H200 while serving. On a CPU the chunks
         stay, each paced by `on_progress`.
         """
-        if self._share is not None and names:
+        if self._pace is not None and names:
             views = [self._dst[name] for name in names]
+            sizes = [_bytes_of(v) for v in views]
             sums: list[torch.Tensor] = []
+            self._pace.begin()
             with torch.inference_mode(), self.side_stream():
-                for piece in pieces([_bytes_of(v) for v in views], self._piece_bytes):
-                    with self._share.piece():
-                        sums += torch._foreach_norm(views[piece], 1, dtype=torch.float32)
+                for piece in pieces(sizes, self._piece_bytes):
+                    sums += torch._foreach_norm(views[piece], 1, dtype=torch.float32)
+                    self._pace.after(sum(sizes[piece]))  # read once
                 finite = torch.isfinite(torch.stack(sums)).tolist()  # host sync, this thread
             names = [name for name, ok in zip(names, finite, strict=True) if not ok]
             if on_progress is not None:
@@ -282,10 +288,14 @@ class SlotWriter:
             for part in row_chunks(dst, self._piece_bytes)
         ]
         to, of = [dst for dst, _ in rows], [src for _, src in rows]
+        sizes = [_bytes_of(dst) + _bytes_of(src) for dst, src in rows]  # read + written
+        if self._pace is not None:
+            self._pace.begin()
         with self.side_stream():
-            for piece in pieces([_bytes_of(dst) for dst in to], self._piece_bytes):
-                with self._share.piece() if self._share is not None else nullcontext():
-                    torch._foreach_copy_(to[piece], of[piece])
+            for piece in pieces(sizes, 2 * self._piece_bytes):
+                torch._foreach_copy_(to[piece], of[piece])
+                if self._pace is not None:
+                    self._pace.after(sum(sizes[piece]))
 
     def _upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self._uploads is None:
@@ -310,29 +320,40 @@ def _bytes_of(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class _DeviceShare:
-    """Device work paced to a share of the wall time on its own device time: each piece is
-    timed with CUDA events on the current stream, waited for by the calling thread, which then
-    sleeps `(1 - share) / share` times as long as the piece took."""
+class _DevicePace:
+    """Device work paced on a bytes clock: each piece's memory traffic (bytes read + written)
+    counts at `share` of the device's memory bandwidth, and the thread waits for each piece,
+    then until the clock allows the next. A piece slowed by serving is never made up for with
+    a burst: the clock is only ever a floor. The bandwidth is the card's own (memory clock x
+    bus width), not measured: a measurement while serving would count serving's traffic, and
+    timing the pieces themselves counts the time their kernels wait for the SMs."""
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, device: torch.device, share: float) -> None:
+        props = torch.cuda.get_device_properties(device)
+        clock_khz = getattr(props, "memory_clock_rate", 0)
+        bus_bits = getattr(props, "memory_bus_width", 0)
+        self.bandwidth = 2 * clock_khz * 1e3 * bus_bits / 8  # bytes/s, double data rate
         self.share = share
-        self.busy_s = 0.0  # device seconds of the pieces so far
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
+        self.traffic = 0  # bytes the paced pieces moved so far
+        self._start = 0.0  # when the current run of pieces began
+        self._run_traffic = 0  # bytes of the current run
 
-    @contextlib.contextmanager
-    def piece(self) -> Iterator[None]:
-        """Time the work queued inside (on the current stream), wait for it, then pause
-        (unpaced, a share of 1, neither times nor waits)."""
-        if self.share >= 1.0:
-            yield
+    @property
+    def paced(self) -> bool:
+        return self.share < 1.0 and self.bandwidth > 0
+
+    def begin(self) -> None:
+        """A new run of pieces (one copy or one check): the clock starts now."""
+        self._start, self._run_traffic = time.monotonic(), 0
+
+    def after(self, traffic: int) -> None:
+        """A piece moving `traffic` bytes was queued on the current stream: wait for it, then
+        until the clock allows the next (unpaced: neither)."""
+        if not self.paced:
             return
-        self._start.record()
-        yield
-        self._end.record()
-        self._end.synchronize()  # host sync, this (push) thread: the piece's device time
-        busy = self._start.elapsed_time(self._end) / 1e3
-        self.busy_s += busy
-        if self.share < 1.0:
-            time.sleep(busy * (1.0 - self.share) / self.share)
+        # Host sync, this (push) thread: one piece in flight at a time.
+        torch.cuda.current_stream().synchronize()
+        self.traffic += traffic
+        self._run_traffic += traffic
+        due = self._start + self._run_traffic / (self.share * self.bandwidth)
+        time.sleep(max(0.0, due - time.monotonic()))
