@@ -36,6 +36,12 @@ FLAGS = ("--device", "cuda", "--dtype", "float32", "--gpu-memory-limit", "6GiB",
          "--served-model-name", "smollm2", "--scheduling-policy", "fcfs", "--max-num-seqs", "8",
          "--max-model-len", "1024", "--migration-tokens-per-step", "64")  # fmt: skip
 NOISE_SEED = random.randrange(2**20)
+# Tokens of each continuation compared with a fresh daemon's. On a GPU a float32 step's result
+# depends on the batch it ran in (cuBLAS picks its kernels by shape), so two daemons given the
+# same weights and prefix agree only up to the first near tie; in the 300-500 tokens these
+# requests run, mostly past their answers (ignore_eos), an H200 run met one (in one of the
+# flattened push's continuations; the other pushes' all matched).
+COMPARED = 48
 LAYER0 = "model.layers.0."
 
 
@@ -108,9 +114,9 @@ def test_partial_then_full_ipc_pushes_under_load_fail_nothing_and_match_fresh_da
     # push (~0.1 s) and the migration behind it.
     long = (300, 500)
     records, _ = push_under_load(daemons["v1"], prompts, push(layer0, "ipc-partial", True), long)
-    check_tokens(records, daemons["partial"], "v1", "ipc-partial")
+    check_tokens(records, daemons["partial"], "v1", "ipc-partial", COMPARED)
     records, _ = push_under_load(daemons["v1"], prompts, push(pushed, "ipc-full", False), long)
-    check_tokens(records, daemons["full"], "ipc-partial", "ipc-full")
+    check_tokens(records, daemons["full"], "ipc-partial", "ipc-full", COMPARED)
     assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")] * 2
     stages = [e.stage for e in events]
     assert stages.count("released") == 2  # the daemon said when the tensors were free
@@ -171,7 +177,7 @@ def test_a_flattened_ipc_push_under_load_fails_nothing_and_matches_a_fresh_daemo
         results.append(client.push(pushed, version="ipc-flat", ipc_flatten=True))
 
     records, _ = push_under_load(daemons["v1"], prompts, push, (300, 500))
-    check_tokens(records, daemons["full"], before, "ipc-flat")
+    check_tokens(records, daemons["full"], before, "ipc-flat", COMPARED)
     assert [(r.transport, r.outcome) for r in results] == [("ipc", "committed")]
     torch.cuda.synchronize()
     torch.cuda.ipc_collect()  # the flat buffer is free once the daemon let go of its count

@@ -120,18 +120,26 @@ def split_at_commit(record: Record, old: str, new: str) -> tuple[list[int], list
     return record.token_ids[:cut], record.token_ids[cut:]
 
 
-def check_tokens(records: list[Record], fresh: DaemonProcess, old: str, new: str) -> None:
+def check_tokens(
+    records: list[Record], fresh: DaemonProcess, old: str, new: str, first: int | None = None
+) -> None:
+    """Every request ok, the versions switching once, and each continuation on `new` (of a
+    request spanning the commit, or started after it) what `fresh` makes of the same prefix:
+    all of it, or its `first` tokens."""
     assert all(r.ok for r in records), [r.status for r in records if not r.ok]
     splits = [(r, *split_at_commit(r, old, new)) for r in records]
-    spanning = [(r, b, a) for r, b, a in splits if b and a]
+    spanning = [(r, b, a[:first]) for r, b, a in splits if b and a]
     after = [r for r, b, _ in splits if not b]
     assert spanning, "no request was in flight across the commit"
     assert after, "no request started after the commit"
+    got = [a for _, _, a in spanning] + [r.token_ids[:first] for r in after]
     queries = [(r.prompt + b, len(a)) for r, b, a in spanning] + [
-        (r.prompt, len(r.tokens)) for r in after
+        (r.prompt, len(g)) for r, g in zip(after, got[len(spanning) :], strict=True)
     ]
     want = generate_all(fresh, queries)
-    assert [a for _, _, a in spanning] + [r.token_ids for r in after] == want
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        where = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), None)
+        assert g == w, f"continuation {i} of {len(got)} differs from token {where} on"
 
 
 def test_a_grpc_push_under_load_fails_nothing_and_every_token_is_its_versions(
