@@ -18,12 +18,17 @@ from sitsd.runtime.weight_slots import WeightSlots
 from tests.runtime.test_weight_slots import tiny
 
 
-def writer_for(seed: int, tied: bool = False, chunk_bytes: int = 1000):
+def writer_for(
+    seed: int, tied: bool = False, chunk_bytes: int = 1000, device: str = "cpu", **options: float
+):
+    """Two float32 slots of a tiny model on `device` (v1 active), a writer into the second
+    (`options`: SlotWriter's keywords), v1's tensors and another version's."""
     arch, first = tiny(seed, tie_word_embeddings=tied)
     _, second = tiny(seed + 1, tie_word_embeddings=tied)
-    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
+    slots = WeightSlots(arch, build_weights(arch, first, device, torch.float32), "v1")
     slots.release(1)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=chunk_bytes)
+    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=chunk_bytes,
+                        **options)  # fmt: skip
     return slots, writer, first, second
 
 
@@ -158,14 +163,8 @@ def test_pieces_are_consecutive_runs_covering_every_item_once_within_the_bound()
 
 
 def test_whole_tensors_copied_in_small_pieces_land_exactly_and_copy_rest_keeps_the_rest():
-    seed = random.randrange(2**20)
-    arch, first = tiny(seed)
-    _, second = tiny(seed + 1)
-    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
-    slots.release(1)
     piece_bytes = random.randrange(64, 4096)  # tensors split by rows across pieces
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000,
-                        piece_bytes=piece_bytes)  # fmt: skip
+    slots, writer, _, second = writer_for(random.randrange(2**20), piece_bytes=piece_bytes)
     names = random.sample(sorted(second), len(second) // 2)
     srcs = [second[n].to(random.choice([torch.float32, torch.bfloat16])) for n in names]
     writer.write_all(names, srcs)
@@ -181,16 +180,11 @@ def test_paced_device_work_moves_at_most_its_share_of_the_bandwidth_and_lands_ex
     """With `device_share` the writer waits out each piece and pauses: the bytes its copies and
     checks moved took at least as long as that share of the card's bandwidth allows, and the
     slot holds what was sent."""
-    seed = random.randrange(2**20)
-    arch, first = tiny(seed)
-    _, second = tiny(seed + 1)
-    slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.float32), "v1")
-    slots.release(1)
     # A share so small that pacing, not the copies, sets the time (~1 s for a tiny model on a
     # card of a few TB/s): unpaced, these calls take milliseconds.
     share = random.uniform(3e-7, 5e-7)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000,
-                        device_share=share, piece_bytes=4096)  # fmt: skip
+    slots, writer, _, second = writer_for(random.randrange(2**20), device="cuda",
+                                          device_share=share, piece_bytes=4096)  # fmt: skip
     names = random.sample(sorted(second), len(second) // 2)
     srcs = [second[n].cuda() for n in names]
     started = time.perf_counter()
