@@ -119,10 +119,14 @@ class StandbyStager:
         push.check()
         index = await self._reserve_standby(version, progress)
         # On a GPU the push's device copies and checks share the memory serving reads: they
-        # take the staging share of the device's time, as a file's copy takes of the link.
+        # take the staging share of the device's bandwidth, as a file's copy takes of the link.
         share = self.settings.share if self.settings.to_gpu else 1.0
-        writer = self.port.slot_writer(
-            index, chunk_bytes=self.settings.chunk_bytes, device_share=share
+        chunk = self.settings.chunk_bytes
+        # Off the event loop: the writer maps every tensor of both slots (~300 views each, and
+        # the quantized-layout check), 4-10 ms of the interpreter for SmolLM2 that would hold
+        # every stream's next token.
+        writer = await run_off_engine(
+            lambda: self.port.slot_writer(index, chunk_bytes=chunk, device_share=share)
         )
         try:
             with trace.stage("receive"):

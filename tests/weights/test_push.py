@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 
 import pytest
 import torch
@@ -254,7 +255,9 @@ def test_the_prefix_cache_never_serves_kv_of_the_version_before_a_push(served, v
 
 
 def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(served, versions):
-    """Bounded memory: the daemon holds the piece it is copying and the next one, no more."""
+    """Bounded memory: the daemon holds the piece it is copying and the next one, no more. And
+    the slot writer is made off the event loop (mapping both slots' tensors would hold every
+    stream's next token)."""
     tensors = version_tensors(versions["v2"])
     port = served.manager.stager.port
     writers = []
@@ -262,19 +265,21 @@ def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(se
 
     def recording_writer(index, *, chunk_bytes, device_share=1.0):
         writer = open_writer(index, chunk_bytes=chunk_bytes, device_share=device_share)
-        writers.append(writer)
+        writers.append((writer, threading.current_thread()))
         return writer
 
     port.slot_writer = recording_writer
     plan_source = streamed(tensors)
     read = [0]
     last = [0]  # bytes of the piece read last
+    loop_threads = set()
 
     async def watched():
         async for piece in pieces(tensors.items(), random.randrange(64, 2048)):
+            loop_threads.add(threading.current_thread())
             # By the time the next piece is asked for, every byte read before the last piece
             # is in the slot (that one may still be copying).
-            copied = sum(writers[0].written(n) * 4 for n in tensors) if writers else 0
+            copied = sum(writers[0][0].written(n) * 4 for n in tensors) if writers else 0
             assert read[0] - last[0] <= copied <= read[0]
             read[0] += len(piece.data)
             last[0] = len(piece.data)
@@ -283,3 +288,6 @@ def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(se
     source = StreamedPush(plan_source.plan, watched())
     served.push(source, PushHeader(version="bounded"))
     assert read[0] == sum(t.numel() * 4 for t in tensors.values())
+    [(_, made_on)] = writers
+    assert len(loop_threads) == 1
+    assert made_on not in loop_threads
