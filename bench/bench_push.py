@@ -15,8 +15,10 @@
    cannot run here are skipped), `--gap` seconds apart, each reporting: the time from the call to
    the commit (the client's clock) and the daemon's stages (receive, validate, canary, commit), the
    serving pause at the commit, inter-token latency P99 while receiving (the call to staged) and
-   while committing against steady, and the bytes per second received against the device copy
-   bandwidth measured first (bench.floors).
+   while committing against steady, the bytes per second received against the device copy
+   bandwidth measured first (bench.floors), and from the daemon's /metrics the slowest engine
+   step and the event loop's latest wake-up from the call to the commit (which of the two a
+   long inter-token gap came from).
 4. Throughput: output tokens/s over `--period` seconds with no push, then over as long with a
    full push every `--push-every` seconds (over IPC where it runs, else the first transport),
    for each policy of `--throughput-policies`, and their ratios.
@@ -49,7 +51,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_swap import stats
-from bench.daemon import BenchDaemon
+from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
 from bench.load import LoadSpec, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
@@ -214,10 +216,29 @@ class Trainer:
         return result, started, now()
 
 
-def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamLoad) -> dict:
-    steady_start = now()
+def slowest(daemon: BenchDaemon, before: str) -> dict[str, float]:
+    """Since the /metrics text `before`: how many engine steps ran, and the upper bounds of the
+    histogram buckets holding the slowest step and the event loop's latest wake-up (ms). An
+    inter-token gap longer than every step came from the loop that streams the tokens."""
+    after = daemon.metrics_text()
+    out: dict[str, float] = {}
+    for key, name in (("step", "sitsd_step_duration_seconds"),
+                      ("loop_lag", "sitsd_event_loop_lag_seconds")):  # fmt: skip
+        rows = parse_histograms(after, name).get("", [])
+        since = parse_histograms(before, name).get("", [])
+        if key == "step" and rows:
+            out["steps"] = rows[-1][1] - (since[-1][1] if since else 0.0)
+        bound = bucket_quantile(rows, 1.0, since) if rows else None
+        out[f"{key}_max_ms"] = bound * 1e3 if bound is not None else 0.0
+    return out
+
+
+def measure_transports(
+    args: argparse.Namespace, daemon: BenchDaemon, trainer: Trainer, load: StreamLoad
+) -> dict:
+    steady_start, metrics = now(), daemon.metrics_text()
     time.sleep(args.steady)
-    steady = stats(itls(load, steady_start, now()))
+    steady = stats(itls(load, steady_start, now())) | slowest(daemon, metrics)
     out: dict = {"steady": steady, "pushes": {}}
     runs = [(t, None) for t in available(args.transports, args.device) if t != "grpc"]
     if "grpc" in args.transports:  # one push per chunk size (--grpc-chunk-mib)
@@ -225,7 +246,9 @@ def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamL
     for transport, mib in runs:
         time.sleep(args.gap)
         chunk = mib * 2**20 if mib else DEFAULT_CHUNK_BYTES
+        metrics = daemon.metrics_text()
         result, called, committed = trainer.push(transport, args.policy, chunk)
+        window = slowest(daemon, metrics)  # from the call to the commit
         if mib is not None and len(args.grpc_chunk_mib) > 1:
             transport = f"grpc-{mib}MiB"
         # Staged (received, validated, canaried) at the daemon's total less its commit stage.
@@ -246,6 +269,7 @@ def measure_transports(args: argparse.Namespace, trainer: Trainer, load: StreamL
             "p99_ratio_commit": committing["p99_ms"] / steady["p99_ms"],
             "bytes": result.num_bytes,
             "bytes_per_s": result.num_bytes / receive_s if receive_s else float("nan"),
+            "call_to_commit": window,
         }
         print(f"{transport}: {json.dumps(out['pushes'][transport])}", flush=True)
     return out
@@ -306,7 +330,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         load = StreamLoad(load_spec(daemon.address, vocab, args.clients, args.seed))
         load.start()
         time.sleep(args.warmup)
-        result |= measure_transports(args, trainer, load)
+        result |= measure_transports(args, daemon, trainer, load)
         if args.period > 0:
             result["throughput"] = measure_throughput(args, trainer, load)
         streams = load.stop(600)
@@ -321,6 +345,9 @@ def table(r: dict) -> str:
     rows = [("measure", "value", "target")]
     steady = r["steady"]
     rows.append(("ITL steady P50 / P99", f"{steady['p50_ms']:.1f} / {steady['p99_ms']:.1f} ms", ""))
+    rows.append(("steady: slowest step / loop lag",
+                 f"<= {steady['step_max_ms']:g} / <= {steady['loop_lag_max_ms']:g} ms "
+                 f"({steady.get('steps', 0):.0f} steps)", ""))  # fmt: skip
     bandwidth = r.get("copy_bandwidth_gb_s")
     for name, p in r["pushes"].items():
         stages = " / ".join(f"{p['stages_s'][s] * 1e3:.0f}" for s in p["stages_s"])
@@ -336,6 +363,10 @@ def table(r: dict) -> str:
             (f"{name}: ITL P99 while committing / steady", f"{p['p99_ratio_commit']:.2f}x", ""),
             (f"{name}: received", f"{p['bytes_per_s'] / 1e9:.2f} GB/s{share}",
              ">= 1 GB/s" if name.startswith("grpc") else ""),
+            (f"{name}: slowest step / loop lag, call to commit",
+             f"<= {p['call_to_commit']['step_max_ms']:g} / <= "
+             f"{p['call_to_commit']['loop_lag_max_ms']:g} ms "
+             f"({p['call_to_commit'].get('steps', 0):.0f} steps)", ""),
         ]  # fmt: skip
     for chunk_mib, rate in r.get("loopback_grpc_b_s", {}).items():
         rows.append((f"peer: bare gRPC over loopback, {chunk_mib} MiB chunks",
