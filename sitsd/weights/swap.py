@@ -50,6 +50,7 @@ from sitsd.weights.errors import (
     VersionRejectedError,
 )
 from sitsd.weights.manifest import IncompleteVersion, ManifestError, read_manifest
+from sitsd.weights.offthread import run_off_engine
 from sitsd.weights.progress import (
     NoTrace,
     ProgressSink,
@@ -254,7 +255,9 @@ class SwapManager:
             raise SwapRefusedError("a push is received into the standby weight slot; this "
                                    "daemon has one slot (--weight-slots)")  # fmt: skip
         async with self._exclusive(f"push of {version}", wait=False):
-            if quantized := self.port.quantized_tensors():
+            # Off the event loop: it walks every tensor of both slots (milliseconds of the
+            # interpreter, during which no stream's token would go out).
+            if quantized := await run_off_engine(self.port.quantized_tensors):
                 raise SwapRefusedError(
                     f"a push writes 16-bit weights; this daemon holds {len(quantized)} tensors "
                     f"quantized (e.g. {quantized[0]}): serve 16-bit weights to push"

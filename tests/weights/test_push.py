@@ -256,8 +256,8 @@ def test_the_prefix_cache_never_serves_kv_of_the_version_before_a_push(served, v
 
 def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(served, versions):
     """Bounded memory: the daemon holds the piece it is copying and the next one, no more. And
-    the slot writer is made off the event loop (mapping both slots' tensors would hold every
-    stream's next token)."""
+    the slot writer is made, and the slots' layouts checked, off the event loop (walking both
+    slots' tensors there would hold every stream's next token)."""
     tensors = version_tensors(versions["v2"])
     port = served.manager.stager.port
     writers = []
@@ -269,6 +269,14 @@ def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(se
         return writer
 
     port.slot_writer = recording_writer
+    checked_on = []  # the threads the quantized-layout check ran on
+    check_layouts = port.quantized_tensors
+
+    def recording_check():
+        checked_on.append(threading.current_thread())
+        return check_layouts()
+
+    port.quantized_tensors = recording_check
     plan_source = streamed(tensors)
     read = [0]
     last = [0]  # bytes of the piece read last
@@ -291,3 +299,5 @@ def test_a_streamed_push_reads_a_piece_only_once_the_one_two_before_is_copied(se
     [(_, made_on)] = writers
     assert len(loop_threads) == 1
     assert made_on not in loop_threads
+    assert checked_on
+    assert not set(checked_on) & loop_threads
