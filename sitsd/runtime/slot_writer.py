@@ -16,8 +16,9 @@ casting to the slot's dtype on the way; nothing is buffered beyond one chunk. Th
 On a GPU the copies and checks read and write the same memory the serving steps read, so
 they go in pieces of at most `DEVICE_PIECE_BYTES` and, with `device_share` below 1, at most
 that share of the card's memory bandwidth, on a bytes clock (`_DevicePace`): a step overlaps a
-few pieces at most (16 GB copied in one call slowed the step beside it 2-4x). On a CPU pacing
-is the caller's (its progress callbacks).
+few pieces at most (16 GB copied in one call take ~8 ms of an H200's whole bandwidth, about a
+second step's worth, in whichever step they land). On a CPU pacing is the caller's (its
+progress callbacks).
 
 One thread at a time (calls may move between threads: the stream orders them); the slot must
 have been released by the engine, so nothing reads it meanwhile, and the base slot is only
