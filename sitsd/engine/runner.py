@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from sitsd.model.arch import LlamaArch
     from sitsd.model.llama import LlamaWeights
     from sitsd.quant.source import QuantSource
+    from sitsd.runtime.weight_slots import PinnedUpload
 
 
 class PendingStepLike(Protocol):
@@ -57,6 +58,10 @@ class WeightSlotsLike(Protocol):
     @property
     def copy_seconds(self) -> float:
         """Device seconds of the staging copies' host-to-device transfers so far."""
+        ...
+
+    def pinned_uploads(self) -> PinnedUpload | None:
+        """The pinned buffers a swap's uploads go through (None on a CPU)."""
         ...
 
     def index_of(self, version: str) -> int | None: ...

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from sitsd.model.arch import LlamaArch
     from sitsd.quant.source import QuantSource
     from sitsd.runtime.slot_writer import SlotWriter
+    from sitsd.runtime.weight_slots import PinnedUpload
 
 T = TypeVar("T")
 
@@ -136,6 +137,11 @@ class SwapPort:
         clock staging paces a copy to a GPU on. Read it on the copying thread."""
         return self._slots.copy_seconds
 
+    def pinned_uploads(self) -> PinnedUpload | None:
+        """The pinned buffers a swap's uploads go through (made at start-up; None on a CPU):
+        one swap at a time uses them, on its own thread."""
+        return self._slots.pinned_uploads()
+
     def slot_writer(self, index: int, *, chunk_bytes: int, device_share: float = 1.0) -> SlotWriter:
         """A writer into reserved slot `index` for a pushed version; what the push leaves out
         it copies from the active slot; on a GPU its device work takes at most `device_share`
@@ -146,7 +152,8 @@ class SwapPort:
         slots = self._slots
         active = slots.weights(slots.active)
         return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes,
-                          device_share=device_share)  # fmt: skip
+                          device_share=device_share,
+                          uploads=slots.pinned_uploads())  # fmt: skip
 
     def quantized_tensors(self) -> list[str]:
         """Tensors a weight slot holds in a quantized layout (a push writes 16-bit ones only)."""

@@ -72,6 +72,7 @@ class SlotWriter:
         chunk_bytes: int,
         device_share: float = 1.0,
         piece_bytes: int = DEVICE_PIECE_BYTES,
+        uploads: PinnedUpload | None = None,
     ) -> None:
         """Args:
         arch: the architecture both slots hold.
@@ -81,6 +82,8 @@ class SlotWriter:
         device_share: on a GPU, the most of the card's memory bandwidth the device-side copies
             and checks may use (1: unpaced).
         piece_bytes: the most one piece of device-side work moves.
+        uploads: pinned buffers made before serving to upload through (CUDA; the writer makes
+            its own at the first upload without them, a stall of serving while it does).
 
         Raises:
             SlotWriteError: either slot holds quantized layouts.
@@ -97,7 +100,7 @@ class SlotWriter:
         self.dtype = slot.embed_tokens.dtype
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self._uploads: PinnedUpload | None = None  # made on the first host-to-device copy
+        self._uploads = uploads  # else made on the first host-to-device copy
         self._piece_bytes = piece_bytes
         self._pace = _DevicePace(self.device, device_share) if on_cuda else None
 

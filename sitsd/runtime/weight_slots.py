@@ -11,8 +11,10 @@ Threads: the engine thread reads `versions` and `active` and flips; a slot is wr
 the engine has released it (`release`, its version becomes None, so no request can run on it),
 by the stager's thread (or by the engine thread itself with one slot). On CUDA the copies run on
 a side stream that is synchronized before the slot is handed back, so every later step sees the
-whole version, from pinned buffers this thread fills (`PinnedUpload`, allocated at the first
-copy and kept: allocating pinned memory takes driver locks the engine's launches wait on). The
+whole version, from pinned buffers this thread fills (`PinnedUpload`, allocated here, before
+serving, and lent to the version checks and to pushes too, `pinned_uploads`: allocating pinned
+memory takes driver locks the engine's launches wait on, an ~80 ms step on an H200 where each
+of them made its own at a swap's or a push's start). The
 device time of those transfers is measured (`copy_seconds`): the link is what a copy shares
 with serving, and staging paces itself on it. Which version goes where, and when, is
 `sitsd.weights.swap`'s business.
@@ -145,9 +147,17 @@ class WeightSlots:
         self._restructured: set[int] = set()  # slots whose tensors moved since their graphs
         # (precision, bytes) of each slot's version, taken when it is filled (status reads it)
         self._described: list[tuple[str, int]] = [(first.precision, first.nbytes)] * num_slots
-        # CUDA staging copies: their stream and pinned buffers, made at the first copy.
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._upload: PinnedUpload | None = None
+        # CUDA staging copies: their stream and pinned buffers, made now (see the docstring),
+        # as large as the largest piece any user moves.
+        on_gpu = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
+        self._upload = PinnedUpload(self.device, DEFAULT_CHUNK_BYTES) if on_gpu else None
+
+    def pinned_uploads(self) -> PinnedUpload | None:
+        """The staging copies' pinned buffers, lent to whatever else uploads for a swap (the
+        version checks, a push's writer): one swap at a time, so one user at a time. None on a
+        CPU."""
+        return self._upload
 
     @property
     def copy_seconds(self) -> float:
@@ -277,7 +287,7 @@ class WeightSlots:
         total = sum(dst.numel() * dst.element_size() for dst, _ in plan)
         total += sum(weight_nbytes(getattr(f.owner(weights), f.field)) for f in rebuilt)
         done = 0
-        stream, uploads = self._copy_path(chunk_bytes)
+        stream, uploads = self._copy_stream, self._upload
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for dst, name in plan:
                 src = tensors[name]
@@ -299,16 +309,6 @@ class WeightSlots:
             uploads.wait()
             stream.synchronize()  # every later step (any stream) sees the whole version
         return total
-
-    def _copy_path(self, chunk_bytes: int) -> tuple[torch.cuda.Stream | None, PinnedUpload | None]:
-        """CUDA: the copies' side stream and pinned buffers (made once); CPU: neither."""
-        if self.device.type != "cuda":
-            return None, None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        if self._upload is None:
-            self._upload = PinnedUpload(self.device, chunk_bytes)
-        return self._copy_stream, self._upload
 
     def _copies_in_place(
         self,

@@ -122,8 +122,10 @@ def validate(
     *,
     chunk_bytes: int,
     on_progress: Progress | None = None,
+    uploads: PinnedUpload | None = None,
 ) -> None:
     """Check a loaded version against the serving model (see the module docstring).
+    `uploads`: pinned buffers made before serving (CUDA; see `check_finite`).
 
     Raises:
         VersionRejected: with the first problem found.
@@ -152,6 +154,7 @@ def validate(
         serving,
         chunk_bytes=chunk_bytes,
         on_progress=on_progress,
+        uploads=uploads,
     )
     if ckpt.quant is not None:
         check_quantized(serving.arch, ckpt.tensors, ckpt.quant, serving.device)
@@ -185,8 +188,11 @@ def check_finite(
     *,
     chunk_bytes: int,
     on_progress: Progress | None = None,
+    uploads: PinnedUpload | None = None,
 ) -> None:
     """Every value finite once cast to the serving dtype (a float32 1e38 is inf in float16).
+    On CUDA host tensors go up through `uploads`, pinned buffers made before serving (made
+    here without them: allocating pinned memory takes driver locks that stall the engine).
 
     Raises:
         VersionRejected: naming the first tensor holding NaN or Inf.
@@ -195,7 +201,8 @@ def check_finite(
     done = 0
     on_cuda = serving.device.type == "cuda"
     side = torch.cuda.stream(torch.cuda.Stream(serving.device)) if on_cuda else None
-    uploads = PinnedUpload(serving.device, chunk_bytes) if on_cuda else None
+    if on_cuda and uploads is None:
+        uploads = PinnedUpload(serving.device, chunk_bytes)
     with torch.inference_mode(), side or contextlib.nullcontext():
         for name in names:
             src = tensors[name]

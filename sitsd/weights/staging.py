@@ -98,10 +98,13 @@ class StandbyStager:
             on_bytes = ByteProgress(
                 loop, progress, "validate", record.version, pace=self._host_pacer()
             )
-            chunk = self.settings.chunk_bytes
-            await run_off_engine(
-                lambda: validate(loaded, self.serving, chunk_bytes=chunk, on_progress=on_bytes)
-            )
+            chunk, uploads = self.settings.chunk_bytes, self.port.pinned_uploads()
+
+            def check() -> None:
+                validate(loaded, self.serving, chunk_bytes=chunk, on_progress=on_bytes,
+                         uploads=uploads)  # fmt: skip
+
+            await run_off_engine(check)
         if self.port.num_slots == 2:
             await self._copy_to_standby(loaded, record.version, progress, trace)
         return loaded

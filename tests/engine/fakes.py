@@ -80,6 +80,9 @@ class FakeSlots:
         self.copies.append((name, index, list(self.versions), sorted(tensors), chunk_bytes))
         return 0
 
+    def pinned_uploads(self) -> None:
+        return None  # no GPU: nothing uploads
+
     def precision(self, index: int) -> str:
         return "fp32"
 

@@ -11,6 +11,7 @@ import torch
 
 from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
+from sitsd.model.llama import weight_copy_plan
 from tests.runtime.test_prompt_logprobs import serve, transformers_logprobs
 from tests.runtime.test_weight_slots import greedy, tiny
 
@@ -98,6 +99,38 @@ def test_staging_copies_measure_their_transfer_time_and_keep_their_pinned_buffer
     assert slots.copy_into(standby, first, chunk_bytes=4096) == nbytes
     assert slots.copy_seconds > first_copy
     assert [b.data_ptr() for b in slots._upload._buffers] == pinned, "no new pinned memory"
+
+
+def test_version_checks_and_pushes_upload_through_the_pinned_buffers_made_at_start_up():
+    """Allocating pinned memory stalls the engine's launches: the slots make their buffers
+    before serving, and a version's check and a push's writer go through them too."""
+    from sitsd.runtime.slot_writer import SlotWriter
+    from sitsd.weights.checks import ServingModel, check_finite
+
+    arch, first = tiny(random.randrange(1000))
+    _, second = tiny(random.randrange(1000, 2000))
+    runner, _ = gpu_runner(first, arch, eager=True, version="v1")
+    slots = runner.slots
+    uploads = slots.pinned_uploads()
+    assert uploads is not None, "made with the slots, before any copy"
+    pinned = [b.data_ptr() for b in uploads._buffers]
+    serving = ServingModel(arch, {}, (), torch.float32, torch.device("cuda"))
+    check_finite(second, sorted(second), serving, chunk_bytes=4096, uploads=uploads)
+    checked = uploads.busy_s
+    assert checked > 0.0, "the check's uploads went through the slots' buffers"
+    standby = slots.standby
+    slots.release(standby)
+    writer = SlotWriter(arch, slots.weights(standby), slots.weights(slots.active),
+                        chunk_bytes=4096, uploads=uploads)  # fmt: skip
+    for name, tensor in second.items():  # host tensors: uploaded in many chunks
+        writer.write(name, tensor)
+    writer.sync()
+    uploads.wait()
+    assert uploads.busy_s > checked, "so did the writer's"
+    assert [b.data_ptr() for b in uploads._buffers] == pinned, "no new pinned memory"
+    got = {name: view for view, name in weight_copy_plan(arch, slots.weights(standby))}
+    for name, tensor in second.items():
+        torch.testing.assert_close(got[name], tensor.cuda(), rtol=0, atol=0, msg=name)
 
 
 def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax():

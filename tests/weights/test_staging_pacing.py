@@ -58,6 +58,9 @@ class LinkPort:
         assert threading.current_thread().name == "sitsd-stager", "read on the copying thread"
         return self.link_s
 
+    def pinned_uploads(self) -> None:
+        return None  # no GPU
+
     def copy_into(self, index, tensors, *, chunk_bytes, on_progress=None, source=None) -> int:
         self.sleeps.stage = "copy"
         for i in range(self.num_chunks):
