@@ -36,6 +36,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -265,7 +266,11 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
                 clients: int) -> list[dict]:  # fmt: skip
     """One daemon, one swap per policy under `clients` streams."""
     v1, v2 = versions
-    daemon = BenchDaemon(work / f"state-{clients}", daemon_flags(args, work, v1, clients),
+    # A fresh daemon each run: a state directory kept from a run before in the same work
+    # directory remembers its version ids, and this run's deploys of the same ids are refused.
+    state = work / f"state-{clients}"
+    shutil.rmtree(state, ignore_errors=True)
+    daemon = BenchDaemon(state, daemon_flags(args, work, v1, clients),
                          log_path=work / f"daemon-{clients}.log")  # fmt: skip
     results = []
     try:
