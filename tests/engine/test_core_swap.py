@@ -86,16 +86,23 @@ def add(core, req_id, prompt, max_tokens):
     core.submit(AddRequest(req_id, list(prompt), params, None, None, time.monotonic()))
 
 
+def migrate_while_streaming(core, runner, prompts, max_tokens, min_tokens) -> Events:
+    """Stream `prompts` (`max_tokens` each); once every one has more than `min_tokens` tokens,
+    load V1 into the standby slot and commit it with `migrate`; the commit's events."""
+    for r, p in prompts.items():
+        add(core, r, p, max_tokens)
+    assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > min_tokens for r in prompts))
+    runner.slots.load(V1)
+    events = Events()
+    core.submit(SwapCommand(V1, "migrate", events))
+    return events
+
+
 def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_tokens(overlaps):
     core, runner, sink = make_core(overlaps, slow_s=0.002)
     try:
         prompts = {f"r{i}": bytes(range(10 + i, 30 + i)) for i in range(3)}
-        for r, p in prompts.items():
-            add(core, r, p, 40)
-        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 22 for r in prompts))
-        runner.slots.load(V1)
-        events = Events()
-        core.submit(SwapCommand(V1, "migrate", events))
+        events = migrate_while_streaming(core, runner, prompts, 40, 22)
         done = events.until_done()
         assert done[0].kind == "migrating"
         assert done[-1].kind == "committed"
@@ -135,12 +142,7 @@ def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip():
         rng = random.Random()
         prompts = {f"r{i}": bytes(rng.randrange(1, 250) for _ in range(rng.randrange(20, 40)))
                    for i in range(4)}  # fmt: skip
-        for r, p in prompts.items():
-            add(core, r, p, 150)
-        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 60 for r in prompts))
-        runner.slots.load(V1)
-        events = Events()
-        core.submit(SwapCommand(V1, "migrate", events))
+        events = migrate_while_streaming(core, runner, prompts, 150, 60)
         done = events.until_done()
         assert done[-1].kind == "committed"
         assert done[-1].num_migrating == 4
@@ -169,12 +171,7 @@ def test_a_step_failing_mid_migration_ahead_fails_its_requests_and_leaks_no_bloc
     core, runner, sink = make_core("ahead", slow_s=0.001, fixed_tokens=4, num_blocks=256)
     try:
         prompts = {f"r{i}": bytes(random.randrange(1, 250) for _ in range(30)) for i in range(3)}
-        for r, p in prompts.items():
-            add(core, r, p, 200)
-        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > 50 for r in prompts))
-        runner.slots.load(V1)
-        events = Events()
-        core.submit(SwapCommand(V1, "migrate", events))
+        events = migrate_while_streaming(core, runner, prompts, 200, 50)
         assert wait_for(lambda: core.scheduler.swaps.migration is not None)
         runner.fail_next = True
         deltas = sink.until_finished(set(prompts))
