@@ -82,8 +82,8 @@ class SlotWriter:
         device_share: on a GPU, the most of the card's memory bandwidth the device-side copies
             and checks may use (1: unpaced).
         piece_bytes: the most one piece of device-side work moves.
-        uploads: pinned buffers made before serving to upload through (CUDA; the writer makes
-            its own at the first upload without them, a stall of serving while it does).
+        uploads: pinned buffers made before serving to upload through (CUDA; without them
+            the writer makes its own at its first upload, taking driver locks serving waits on).
 
         Raises:
             SlotWriteError: either slot holds quantized layouts.

@@ -13,8 +13,8 @@ by the stager's thread (or by the engine thread itself with one slot). On CUDA t
 a side stream that is synchronized before the slot is handed back, so every later step sees the
 whole version, from pinned buffers this thread fills (`PinnedUpload`, allocated here, before
 serving, and lent to the version checks and to pushes too, `pinned_uploads`: allocating pinned
-memory takes driver locks the engine's launches wait on, an ~80 ms step on an H200 where each
-of them made its own at a swap's or a push's start). The
+memory takes driver locks the engine's launches wait on; on an H200 the first swap's validation
+and the first gRPC push, which each made their own, each began with an 80-90 ms step). The
 device time of those transfers is measured (`copy_seconds`): the link is what a copy shares
 with serving, and staging paces itself on it. Which version goes where, and when, is
 `sitsd.weights.swap`'s business.
@@ -148,7 +148,8 @@ class WeightSlots:
         # (precision, bytes) of each slot's version, taken when it is filled (status reads it)
         self._described: list[tuple[str, int]] = [(first.precision, first.nbytes)] * num_slots
         # CUDA staging copies: their stream and pinned buffers, made now (see the docstring),
-        # as large as the largest piece any user moves.
+        # as large as the default chunk, the largest piece any user moves by default (a larger
+        # `chunk_bytes` grows them once, at its first upload).
         on_gpu = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self._upload = PinnedUpload(self.device, DEFAULT_CHUNK_BYTES) if on_gpu else None
