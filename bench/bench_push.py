@@ -338,7 +338,18 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         result["failed_requests"] = sum(s.failed for s in streams)
     finally:
         daemon.stop()
+        notes = daemon_notes(daemon.log_text())
+        print("\n".join(["the daemon's own account (slow steps, loop stalls, IPC parts):", *notes]))
     return result
+
+
+NOTES = ("ipc push", "engine step", "event loop", "garbage collection", "weight push")
+
+
+def daemon_notes(log_text: str, most: int = 80) -> list[str]:
+    """The daemon's log lines that place a slow inter-token gap: its slow-step and loop-stall
+    warnings, and each push's parts with their times (the last `most`)."""
+    return [line for line in log_text.splitlines() if any(n in line for n in NOTES)][-most:]
 
 
 def table(r: dict) -> str:

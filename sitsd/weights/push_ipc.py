@@ -16,6 +16,9 @@ without a GPU). Serving goes on meanwhile; the copies share the GPU with it.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +30,8 @@ from sitsd.weights.checks import VersionRejected
 from sitsd.weights.offthread import run_off_engine
 from sitsd.weights.progress import ProgressSink, SwapProgress
 from sitsd.weights.push_plan import PushPlan, TensorSpec
+
+log = logging.getLogger("sitsd.swap")
 
 RELEASED = "released"  # the progress stage after which the trainer's tensors are free
 
@@ -91,15 +96,16 @@ class IpcPush:
     async def receive(
         self, writer: SlotWriter, version: str, progress: ProgressSink, cpu_share: float
     ) -> int:
-        await run_off_engine(lambda: self._copy(writer), name="sitsd-push-ipc")
+        await run_off_engine(lambda: self._copy(writer, version), name="sitsd-push-ipc")
         progress(
             SwapProgress(RELEASED, version, message="copied: the trainer may free its tensors")
         )
         return self._plan.nbytes
 
-    def _copy(self, writer: SlotWriter) -> None:
+    def _copy(self, writer: SlotWriter, version: str) -> None:
         """Open each shared storage once, copy every tensor out of it in one call, wait for the
-        copies, then let go of the storages and the producer's counts (stager thread).
+        copies, then let go of the storages and the producer's counts (stager thread); a log
+        line gives each part's time (a slow serving step in the window is then placed).
 
         A call into torch lets go of the interpreter, and this thread then waits for the
         engine's to hand it back: opening and copying tensor by tensor (291 of an 8B model, a
@@ -110,12 +116,14 @@ class IpcPush:
         opened: dict[StorageKey, torch.UntypedStorage] = {}
         held: set[Counter] = set()  # the producer's counts the openings hold
         views: list[torch.Tensor] = []
+        marks = [time.monotonic()]  # start, opened, copied, let go
         try:
             with torch.cuda.device(writer.device), writer.side_stream():
                 for handle in first_of_each_storage(self._handles):
                     # Opened on the side stream: the producer's event is waited for there.
                     opened[storage_key(handle)] = _open(handle, writer.device)
                     held.add(counter_of(handle))
+                marks.append(time.monotonic())
                 views = storage_views(self._plan, self._handles, opened)
                 try:
                     writer.write_all(self._plan.names, views)
@@ -123,9 +131,17 @@ class IpcPush:
                     raise VersionRejected(str(exc)) from None
         finally:
             writer.sync()  # the copies have read the trainer's memory (even a push cut short)
+            marks.append(time.monotonic())
             views.clear()
             opened.clear()  # the last references: the openings' counts drop
             _release(counters_to_release(self._handles, held), writer.device)
+            marks.append(time.monotonic())
+        open_ms, copy_ms, close_ms = (1e3 * (b - a) for a, b in itertools.pairwise(marks))
+        log.info(
+            "ipc push %s: %d shared storages opened in %.1f ms, %d tensors copied in %.1f ms, "
+            "let go in %.1f ms", version, len(held), open_ms, len(self._handles), copy_ms,
+            close_ms, extra={"weights_version": version},
+        )  # fmt: skip
 
 
 StorageKey = tuple[bytes, int]  # (storage_handle, storage_offset_bytes): one shared storage
