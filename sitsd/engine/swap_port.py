@@ -150,18 +150,14 @@ class SwapPort:
         from sitsd.runtime.slot_writer import SlotWriter  # torch, only once a push arrives
 
         slots = self._slots
-        active = slots.weights(slots.active)
-        return SlotWriter(slots.arch, slots.weights(index), active, chunk_bytes=chunk_bytes,
+        return SlotWriter(slots.views(index), slots.views(slots.active), chunk_bytes=chunk_bytes,
                           device_share=device_share,
                           uploads=slots.pinned_uploads())  # fmt: skip
 
     def quantized_tensors(self) -> list[str]:
         """Tensors a weight slot holds in a quantized layout (a push writes 16-bit ones only)."""
-        from sitsd.runtime.slot_writer import quantized_tensors
-
         slots = self._slots
-        held = (quantized_tensors(slots.arch, slots.weights(i)) for i in range(slots.num_slots))
-        return [name for names in held for name in names]
+        return [name for i in range(slots.num_slots) for name in slots.views(i).quantized]
 
     async def commit(
         self, version: str, policy: str, in_place: InPlaceCopy | None = None

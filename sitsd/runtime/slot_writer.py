@@ -25,7 +25,7 @@ have been released by the engine, so nothing reads it meanwhile, and the base sl
 read. Which tensors a push may name, and what to do when one is wrong, is the weights
 subsystem's business; the slot flips only through the swap controller.
 
-A push writes dense tensors in place: a slot holding quantized layouts (`quantized_tensors`:
+A push writes dense tensors in place: a slot holding quantized layouts (`SlotViews.quantized`:
 `--quantize`, or a quantized checkpoint served as is) is refused, since its fields would have
 to be rebuilt in new tensors (`WeightSlots.copy_into` does that for checkpoints).
 """
@@ -39,9 +39,7 @@ from contextlib import nullcontext
 
 import torch
 
-from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import LlamaWeights, expected_shapes, weight_copy_plan
-from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
+from sitsd.runtime.weight_slots import PinnedUpload, SlotViews, row_chunks
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 # The most one piece of a push's device work moves (a GPU): ~0.25 ms of an H200's bandwidth, so
@@ -54,20 +52,13 @@ class SlotWriteError(ValueError):
     """A piece that does not fit its tensor (unknown name, wrong size, past its end)."""
 
 
-def quantized_tensors(arch: LlamaArch, weights: LlamaWeights) -> list[str]:
-    """The Hugging Face names of the tensors `weights` holds in a quantized layout."""
-    dense = {name for _, name in weight_copy_plan(arch, weights)}
-    return [name for name in expected_shapes(arch) if name not in dense]
-
-
 class SlotWriter:
     """Fills one released weight slot; see the module docstring."""
 
     def __init__(
         self,
-        arch: LlamaArch,
-        slot: LlamaWeights,
-        base: LlamaWeights,
+        slot: SlotViews,
+        base: SlotViews,
         *,
         chunk_bytes: int,
         device_share: float = 1.0,
@@ -75,9 +66,8 @@ class SlotWriter:
         uploads: PinnedUpload | None = None,
     ) -> None:
         """Args:
-        arch: the architecture both slots hold.
-        slot: the released slot's tensors (written).
-        base: the serving slot's tensors (read: what a partial push keeps).
+        slot: the released slot's tensors by name (written; `WeightSlots.views` keeps them).
+        base: the serving slot's tensors by name (read: what a partial push keeps).
         chunk_bytes: the most a host-to-device upload moves at once.
         device_share: on a GPU, the most of the card's memory bandwidth the device-side copies
             and checks may use (1: unpaced).
@@ -89,15 +79,15 @@ class SlotWriter:
             SlotWriteError: either slot holds quantized layouts.
         """
         for held in (slot, base):
-            if quantized := quantized_tensors(arch, held):
-                raise SlotWriteError(f"{quantized[0]} is held quantized: a push writes 16-bit "
-                                     "weights in place")  # fmt: skip
-        self._dst = {name: view for view, name in weight_copy_plan(arch, slot)}
-        self._base = {name: view for view, name in weight_copy_plan(arch, base)}
+            if held.quantized:
+                raise SlotWriteError(f"{held.quantized[0]} is held quantized: a push writes "
+                                     "16-bit weights in place")  # fmt: skip
+        self._dst = slot.dense
+        self._base = base.dense
         self._written: dict[str, int] = {}  # name -> elements written so far
         self._chunk_bytes = chunk_bytes
-        self.device = slot.embed_tokens.device
-        self.dtype = slot.embed_tokens.dtype
+        self.device = slot.device
+        self.dtype = slot.dtype
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._uploads = uploads  # else made on the first host-to-device copy
@@ -286,11 +276,12 @@ class SlotWriter:
     def _copy_in_pieces(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """`dsts[i].copy_(srcs[i])` for all i, a `_foreach_copy_` per piece of at most
         `piece_bytes` (a tensor split by rows where larger), each paced on a GPU."""
-        rows = [
-            (dst[part], src[part])
-            for dst, src in zip(dsts, srcs, strict=True)
-            for part in row_chunks(dst, self._piece_bytes)
-        ]
+        rows = []  # a tensor that fits a piece goes whole: a slice is a call into torch
+        for dst, src in zip(dsts, srcs, strict=True):
+            if _bytes_of(dst) <= self._piece_bytes:
+                rows.append((dst, src))
+            else:
+                rows += [(dst[part], src[part]) for part in row_chunks(dst, self._piece_bytes)]
         to, of = [dst for dst, _ in rows], [src for _, src in rows]
         sizes = [_bytes_of(dst) + _bytes_of(src) for dst, src in rows]  # read + written
         if self._pace is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,7 @@ from sitsd.model.weights import (
     build_field,
     dense16_dtype,
     dense_copy_dtype,
+    expected_shapes,
     field_tensor_names,
     slot_fields,
 )
@@ -114,6 +116,24 @@ def row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[slice[int, in
         yield slice(start, min(rows, start + step))
 
 
+@dataclass(frozen=True)
+class SlotViews:
+    """One slot's tensors as a push addresses them, by Hugging Face name (`slot_views`)."""
+
+    dense: dict[str, torch.Tensor]  # name -> the view of the slot's tensor it fills, copy order
+    quantized: tuple[str, ...]  # names the slot holds in a quantized layout (not in `dense`)
+    device: torch.device
+    dtype: torch.dtype  # the embedding's (the dense 16/32-bit tensors')
+
+
+def slot_views(arch: LlamaArch, weights: LlamaWeights) -> SlotViews:
+    """`weights` as a push addresses it: ~300 views and names, a few milliseconds of the
+    interpreter for an 8B model (`WeightSlots.views` keeps them per slot)."""
+    dense = {name: view for view, name in weight_copy_plan(arch, weights)}
+    quantized = tuple(name for name in expected_shapes(arch) if name not in dense)
+    return SlotViews(dense, quantized, weights.embed_tokens.device, weights.embed_tokens.dtype)
+
+
 class WeightSlots:
     """One or two weight slots of one model, and which one is active."""
 
@@ -145,6 +165,10 @@ class WeightSlots:
         self.dtype = first.norm.dtype  # the activations' (a 16-bit embedding may differ)
         self.fmt = fmt or ServingFormat(self.device, self.dtype)
         self._restructured: set[int] = set()  # slots whose tensors moved since their graphs
+        # Each slot's views by name (`views`), made at its first use and again once its
+        # tensors moved: a push's threads would otherwise walk both slots at every push,
+        # holding the interpreter the engine's step waits for between its torch calls.
+        self._views: dict[int, SlotViews] = {}
         # (precision, bytes) of each slot's version, taken when it is filled (status reads it)
         self._described: list[tuple[str, int]] = [(first.precision, first.nbytes)] * num_slots
         # CUDA staging copies: their stream and pinned buffers, made now (see the docstring),
@@ -208,6 +232,13 @@ class WeightSlots:
 
     def weights(self, index: int) -> LlamaWeights:
         return self._slots[index]
+
+    def views(self, index: int) -> SlotViews:
+        """Slot `index`'s tensors by Hugging Face name (made once per structure of the slot)."""
+        views = self._views.get(index)
+        if views is None:
+            views = self._views[index] = slot_views(self.arch, self._slots[index])
+        return views
 
     def index_of(self, version: str) -> int | None:
         """The slot holding `version`, or None."""
@@ -346,4 +377,5 @@ class WeightSlots:
         else:
             setattr(owner, f.field, new)
             self._restructured.add(index)
+            self._views.pop(index, None)  # they view the tensors let go
         return weight_nbytes(new)

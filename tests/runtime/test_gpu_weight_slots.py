@@ -120,7 +120,7 @@ def test_version_checks_and_pushes_upload_through_the_pinned_buffers_made_at_sta
     assert checked > 0.0, "the check's uploads went through the slots' buffers"
     standby = slots.standby
     slots.release(standby)
-    writer = SlotWriter(arch, slots.weights(standby), slots.weights(slots.active),
+    writer = SlotWriter(slots.views(standby), slots.views(slots.active),
                         chunk_bytes=4096, uploads=uploads)  # fmt: skip
     for name, tensor in second.items():  # host tensors: uploaded in many chunks
         writer.write(name, tensor)

@@ -13,8 +13,8 @@ import torch
 
 from sitsd.model.llama import ServingFormat, build_weights, weight_copy_plan
 from sitsd.quant.precision import PrecisionMap
-from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, pieces, quantized_tensors
-from sitsd.runtime.weight_slots import WeightSlots
+from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter, pieces
+from sitsd.runtime.weight_slots import WeightSlots, slot_views
 from tests.runtime.test_weight_slots import tiny
 
 
@@ -27,7 +27,7 @@ def writer_for(
     _, second = tiny(seed + 1, tie_word_embeddings=tied)
     slots = WeightSlots(arch, build_weights(arch, first, device, torch.float32), "v1")
     slots.release(1)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=chunk_bytes,
+    writer = SlotWriter(slots.views(1), slots.views(0), chunk_bytes=chunk_bytes,
                         **options)  # fmt: skip
     return slots, writer, first, second
 
@@ -113,7 +113,7 @@ def test_a_nonfinite_value_is_found_in_the_tensor_it_landed_in():
     # A float32 value too large for float16 is finite where it was sent, not where it serves.
     slots16 = WeightSlots(slots.arch, build_weights(slots.arch, second, "cpu", torch.float16), "a")
     slots16.release(1)
-    w16 = SlotWriter(slots.arch, slots16.weights(1), slots16.weights(0), chunk_bytes=64)
+    w16 = SlotWriter(slots16.views(1), slots16.views(0), chunk_bytes=64)
     big = second["model.norm.weight"].clone()
     big[0] = 1e6
     w16.write("model.norm.weight", big)
@@ -141,11 +141,11 @@ def test_a_slot_holding_quantized_layers_is_refused_naming_the_first():
     quantized = build_weights(arch, tensors, "cpu", torch.float32, fmt=fmt)
     dense = build_weights(arch, tensors, "cpu", torch.float32)
     name = f"model.layers.{layer}.mlp.down_proj.weight"
-    assert quantized_tensors(arch, quantized) == [name]
-    assert quantized_tensors(arch, dense) == []
+    assert slot_views(arch, quantized).quantized == (name,)
+    assert slot_views(arch, dense).quantized == ()
     for slot, base in ((quantized, dense), (dense, quantized)):
         with pytest.raises(SlotWriteError, match=rf"{re.escape(name)} is held quantized"):
-            SlotWriter(arch, slot, base, chunk_bytes=1000)
+            SlotWriter(slot_views(arch, slot), slot_views(arch, base), chunk_bytes=1000)
 
 
 def test_pieces_are_consecutive_runs_covering_every_item_once_within_the_bound():
@@ -209,7 +209,7 @@ def test_on_the_gpu_host_pieces_and_device_tensors_land_exactly_on_the_side_stre
     _, second = tiny(seed + 1)
     slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.float32), "v1")
     slots.release(1)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=512)
+    writer = SlotWriter(slots.views(1), slots.views(0), chunk_bytes=512)
     names = sorted(second)
     from_host, from_device = names[::3], names[1::3]
     for name in from_host:  # pinned uploads of pageable pieces, cast on the device
@@ -249,7 +249,7 @@ def test_the_fused_check_on_a_gpu_finds_the_nonfinite_tensor_and_not_a_finite_ov
     arch, first = tiny(random.randrange(2**20))
     slots = WeightSlots(arch, build_weights(arch, first, "cuda", torch.bfloat16), "v1")
     slots.release(1)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=64)
+    writer = SlotWriter(slots.views(1), slots.views(0), chunk_bytes=64)
     names = sorted(first)
     bad, huge = random.sample(names, 2)
     for name in names:

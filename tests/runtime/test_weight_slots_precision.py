@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sitsd.model.llama import ServingFormat, build_weights
-from sitsd.runtime.weight_slots import WeightSlots
+from sitsd.runtime.weight_slots import WeightSlots, slot_views
 from sitsd.weights import load_checkpoint
 from tests.model.quant_checkpoints import write_quantized_llama
 from tests.weights.tiny_models import write_tiny_llama
@@ -89,3 +89,28 @@ def test_two_int4_versions_copy_in_place_and_keep_their_tensor_addresses(tmp_pat
     assert not restructured
     assert [t.data_ptr() for _, t in slots.weights(index).named_tensors()] == addresses
     assert_slot_is(slots, index, b)
+
+
+def test_a_slots_views_are_kept_while_its_tensors_stay_and_made_again_once_they_moved(tmp_path):
+    write_tiny_llama(tmp_path / "dense", seed=7)
+    dense = load_checkpoint(tmp_path / "dense")
+    write_quantized_llama(tmp_path / "int4", "awq", seed=7)
+    int4 = load_checkpoint(tmp_path / "int4")
+    slots = WeightSlots(dense.arch, built(dense), "dense", fmt=CPU)
+    index = slots.standby
+    assert index is not None
+    kept = slots.views(index)
+    assert slots.views(index) is kept, "made once, not at every push"
+    assert kept.quantized == ()
+    _, restructured = stage(slots, int4, "int4")
+    assert restructured
+    moved = slots.views(index)
+    assert moved is not kept, "its linears are new tensors: the old views would write nowhere"
+    fresh = slot_views(slots.arch, slots.weights(index))
+    assert moved.quantized == fresh.quantized
+    assert {n: (v.data_ptr(), v.shape) for n, v in moved.dense.items()} == {
+        n: (v.data_ptr(), v.shape) for n, v in fresh.dense.items()
+    }
+    assert moved.quantized and all(".mlp." in n or ".self_attn." in n for n in moved.quantized)
+    # The other slot's tensors never moved: its views are the ones made first.
+    assert slots.views(slots.active) is slots.views(slots.active)

@@ -106,7 +106,7 @@ def test_pushed_views_land_in_the_slot_exactly_in_one_write():
     _, second = tiny(seed + 1)
     slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
     slots.release(1)
-    writer = SlotWriter(arch, slots.weights(1), slots.weights(0), chunk_bytes=1000)
+    writer = SlotWriter(slots.views(1), slots.views(0), chunk_bytes=1000)
     rng = random.Random(seed)
     pushed = [(n, t.to(rng.choice([torch.float32, torch.bfloat16]))) for n, t in second.items()]
     sent = flat_copy(pushed)
