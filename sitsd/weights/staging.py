@@ -125,9 +125,8 @@ class StandbyStager:
         # take the staging share of the device's bandwidth, as a file's copy takes of the link.
         share = self.settings.share if self.settings.to_gpu else 1.0
         chunk = self.settings.chunk_bytes
-        # Off the event loop: the writer maps every tensor of both slots (~300 views each, and
-        # the quantized-layout check), 4-10 ms of the interpreter for SmolLM2 that would hold
-        # every stream's next token.
+        # Off the event loop: the first push after start-up (or after a slot's tensors moved)
+        # makes the slots' views by name (~300 each, milliseconds of the interpreter).
         writer = await run_off_engine(
             lambda: self.port.slot_writer(index, chunk_bytes=chunk, device_share=share)
         )

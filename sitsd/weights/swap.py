@@ -255,8 +255,9 @@ class SwapManager:
             raise SwapRefusedError("a push is received into the standby weight slot; this "
                                    "daemon has one slot (--weight-slots)")  # fmt: skip
         async with self._exclusive(f"push of {version}", wait=False):
-            # Off the event loop: it walks every tensor of both slots (milliseconds of the
-            # interpreter, during which no stream's token would go out).
+            # Off the event loop: the first push makes the slots' views by name (milliseconds
+            # of the interpreter, during which no stream's token would go out); later ones
+            # find them made.
             if quantized := await run_off_engine(self.port.quantized_tensors):
                 raise SwapRefusedError(
                     f"a push writes 16-bit weights; this daemon holds {len(quantized)} tensors "
