@@ -46,18 +46,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from bench.bench_swap import stats
 from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
-from bench.load import LoadSpec, StreamLoad, arrival_gaps, arrivals
+from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
 from sitsd.client import PushResult, WeightGroup, WeightsClient
@@ -338,6 +340,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         mib: loopback_grpc_rate(mib * 2**20) for mib in args.grpc_chunk_mib
     }  # before the daemon and the load take the host's cores
     v1 = write_v1(work, args.device)
+    wall_minus_perf = time.time() - now()  # the daemon's log has wall-clock times
     daemon = BenchDaemon(work / "state", daemon_flags(args, v1), log_path=work / "daemon.log")
     try:
         daemon.wait_until_serving()
@@ -357,10 +360,59 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         daemon.stop()
         notes = daemon_notes(daemon.log_text())
         print("\n".join(["the daemon's own account (slow steps, loop stalls, IPC parts):", *notes]))
+    timelines = ipc_timelines(daemon.log_text(), streams, wall_minus_perf)
+    print("\n".join(["IPC pushes, ms from the daemon's start of each:", *timelines]))
     return result
 
 
 NOTES = ("ipc push", "engine step", "event loop", "garbage collection", "weight push")
+_IPC_PARTS = re.compile(r"ipc push (\S+): \d+ shared storages opened in ([\d.]+) ms, \d+ "
+                        r"tensors copied in ([\d.]+) ms, let go in ([\d.]+) ms")  # fmt: skip
+_PUSH_DONE = re.compile(r"weight push (\S+) over ipc: committed in ([\d.]+) s \(receive "
+                        r"([\d.]+) s, validate ([\d.]+) s")  # fmt: skip
+
+
+def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) -> list[str]:
+    """Each committed IPC push as the daemon's log places its parts (ms from the daemon's start
+    of it: open, copy, let go, validated, committed) beside the longest inter-token gaps the
+    clients saw around it (at the arrival of the gap's second token; one per millisecond):
+    which part a long gap lines up with."""
+    done: dict[str, tuple[float, float, float]] = {}  # version -> (time, total, validate)
+    parts: dict[str, tuple[float, float, float, float]] = {}  # (time, open, copy, let go)
+    for line in log_text.splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        event, stamp = entry.get("event", ""), entry.get("timestamp", "")
+        if not stamp:
+            continue
+        at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        if m := _IPC_PARTS.match(event):
+            opened, copied, let_go = (float(g) / 1e3 for g in m.groups()[1:])
+            parts[m.group(1)] = (at, opened, copied, let_go)
+        elif m := _PUSH_DONE.match(event):
+            done[m.group(1)] = (at, float(m.group(2)), float(m.group(4)))
+    out = []
+    for version, (at, opened, copied, let_go) in parts.items():
+        if version not in done:
+            continue
+        end, total, validate = done[version]
+        start = end - total
+        open_at = at - let_go - copied - opened
+        marks = {"open": open_at, "copied": open_at + opened + copied, "let go": at,
+                 "validated": at + validate, "committed": end}  # fmt: skip
+        gaps: dict[int, float] = {}
+        lo, hi = start - wall_minus_perf - 0.05, end - wall_minus_perf + 0.05
+        for gap, arrival in arrival_gaps(streams, lo, hi):
+            key = round((arrival + wall_minus_perf - start) * 1e3)
+            gaps[key] = max(gaps.get(key, 0.0), gap)
+        longest = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+        out.append(
+            f"{version}: " + ", ".join(f"{k} +{(t - start) * 1e3:.0f}" for k, t in marks.items())
+            + " ms; longest gaps: "
+            + ", ".join(f"{g * 1e3:.1f} ms at {k:+d}" for k, g in sorted(longest))
+        )  # fmt: skip
+    return out
 
 
 def daemon_notes(log_text: str, most: int = 80) -> list[str]:
