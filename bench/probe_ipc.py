@@ -8,24 +8,23 @@ rows, a little Python, a host sync: its periods are the inter-token gaps), on an
 sleeper (how late it wakes: how long something held the interpreter), and on the main thread
 the push's parts one after another, each timestamped:
 
-    open      map the trainer's allocation: torch's rebuild (`torch`, what the daemon calls) or
-              cudaIpcOpenMemHandle through ctypes (`ctypes`: the interpreter let go meanwhile)
+    open      map the trainer's allocation (torch's rebuild, what the daemon calls)
     copy      copy it into a slot-sized buffer in 512 MiB pieces at a quarter of the card's
               memory bandwidth (the slot writer's pacing)
-    close     let go of the mapping (torch: drop the storage; ctypes: cudaIpcCloseMemHandle)
-    release   give the producer's count back
+    close     let go of the mapping and the producer's count (drop the storage)
 
 For each part: how long it took, the longest serving period that overlapped it, and the
-sleeper's latest wake-up meanwhile; against the loop's median period with no push. A part whose
+sleeper's latest wake-up meanwhile; against the loop's median period with no push. The first
+part, `reduce`, is the trainer's: a host sync and torch's reduction of its buffer (an
+interprocess event recorded on its stream), in its own process. A part whose
 overlapping period is long while the sleeper woke on time held the driver, not the interpreter.
 
-    python3 -m bench.probe_ipc --gib 16 --rounds 3 --variants torch,ctypes
+    python3 -m bench.probe_ipc --gib 16 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import multiprocessing as mp
 import statistics
@@ -49,6 +48,7 @@ def trainer(conn: Connection, nbytes: int) -> None:
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     torch.cuda.synchronize()
     while conn.recv() == "reduce":
+        torch.cuda.current_stream().synchronize()  # as `sitsd.client` does before reducing
         _, args = reduce_tensor(flat)
         conn.send(args[1:])  # the rebuild's arguments past the tensor type
     conn.close()
@@ -105,51 +105,19 @@ def sleeper(stop: threading.Event, timeline: Timeline) -> None:
 # ------------------------------------------------------------------------------ the pusher
 
 
-class _Memory:
-    """A device pointer as `__cuda_array_interface__` (torch.as_tensor views it)."""
-
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
-        }  # fmt: skip
-
-
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded (the same primary context)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if "libcudart.so" in path:
-                return ctypes.CDLL(path)
-    raise RuntimeError("torch has not loaded libcudart")
-
-
-class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-def push_once(variant: str, args: tuple, dst: torch.Tensor, marks: list[tuple[str, float]]) -> None:
+def push_once(args: tuple, dst: torch.Tensor, marks: list[tuple[str, float]]) -> None:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     (_size, _stride, _offset, storage_cls, _dtype, device, handle, storage_bytes,
      offset_bytes, _grad, ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
     bandwidth = _bandwidth()
-    marks.append(("open", time.perf_counter()))
-    if variant == "torch":
-        whole = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size([storage_bytes]), (1,), 0, storage_cls, torch.uint8,
-            device, handle, storage_bytes, offset_bytes, False, ref_handle, ref_offset,
-            event_handle, event_sync,
-        )  # fmt: skip
-        src = whole.view(torch.bfloat16)
-    else:
-        raw = handle[2:] if len(handle) == 66 else handle  # torch's version and type bytes
-        pointer = ctypes.c_void_p()
-        rc = _cudart().cudaIpcOpenMemHandle(ctypes.byref(pointer), _Handle(raw), ctypes.c_uint(1))
-        if rc != 0:
-            raise RuntimeError(f"cudaIpcOpenMemHandle: error {rc}")
-        whole = torch.as_tensor(_Memory(pointer.value + offset_bytes, storage_bytes), device="cuda")
-        src = whole.view(torch.bfloat16)
+    marks.append(("open", time.perf_counter()))  # the trainer has answered
+    whole = rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([storage_bytes]), (1,), 0, storage_cls, torch.uint8,
+        device, handle, storage_bytes, offset_bytes, False, ref_handle, ref_offset,
+        event_handle, event_sync,
+    )  # fmt: skip
+    src = whole.view(torch.bfloat16)
     marks.append(("copy", time.perf_counter()))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -162,18 +130,22 @@ def push_once(variant: str, args: tuple, dst: torch.Tensor, marks: list[tuple[st
             due = start + (i + step) * 2 * 2 / (0.25 * bandwidth)
             time.sleep(max(0.0, due - time.perf_counter()))
     marks.append(("close", time.perf_counter()))
-    del src, flat_src
-    if variant == "torch":
-        del whole
-    else:
-        del whole
-        rc = _cudart().cudaIpcCloseMemHandle(pointer)
-        if rc != 0:
-            raise RuntimeError(f"cudaIpcCloseMemHandle: error {rc}")
-    marks.append(("release", time.perf_counter()))
-    if variant != "torch":
-        torch.UntypedStorage._release_ipc_counter(ref_handle, ref_offset, device=device)
+    del src, flat_src, whole  # the opening's count drops: the mapping closes
     marks.append(("end", time.perf_counter()))
+
+
+def first_kernels(dst: torch.Tensor, marks: list[tuple[str, float]]) -> None:
+    """The first launches of the kernels a push uses, in this process (CUDA loads a kernel's
+    module at its first launch)."""
+    stream = torch.cuda.Stream()
+    small = dst[: 2**20]
+    with torch.cuda.stream(stream):
+        torch._foreach_copy_([small[: 2**19]], [small[2**19 :]])
+        stream.synchronize()
+        marks.append(("first _foreach_norm", time.perf_counter()))
+        norms = torch._foreach_norm([small], 1, dtype=torch.float32)
+        torch.isfinite(torch.stack(norms)).tolist()
+        marks.append(("end", time.perf_counter()))
 
 
 def _bandwidth() -> float:
@@ -184,12 +156,12 @@ def _bandwidth() -> float:
 # ------------------------------------------------------------------------------- the report
 
 
-def report(variant: str, marks: list[tuple[str, float]], timeline: Timeline, median: float) -> None:
+def report(marks: list[tuple[str, float]], timeline: Timeline, median: float) -> None:
     for (part, begin), (_, end) in itertools.pairwise(marks):
         periods = [e - s for s, e in list(timeline.periods) if e > begin and s < end]
         lags = [lag for woke, lag in list(timeline.lags) if begin <= woke <= end + 0.002]
         print(
-            f"{variant:7s} {part:8s} {1e3 * (end - begin):8.2f} ms   longest period "
+            f"{part:8s} {1e3 * (end - begin):8.2f} ms   longest period "
             f"{1e3 * max(periods, default=0):6.2f} ms ({max(periods, default=0) / median:4.2f}x)"
             f"   sleeper late by {1e3 * max(lags, default=0):6.2f} ms",
             flush=True,
@@ -200,7 +172,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="torch,ctypes")
     args = parser.parse_args()
     nbytes = int(args.gib * 2**30) // PIECE * PIECE
 
@@ -222,15 +193,17 @@ def main() -> None:
     print(f"steady: {len(steady)} periods, median {1e3 * median:.2f} ms, max "
           f"{1e3 * max(steady):.2f} ms; sleeper late by at most "
           f"{1e3 * max(lag for _, lag in timeline.lags):.2f} ms", flush=True)  # fmt: skip
-    for variant in args.variants.split(","):
-        for _ in range(args.rounds):
-            ours.send("reduce")
-            handle_args = ours.recv()
-            time.sleep(0.3)
-            marks: list[tuple[str, float]] = []
-            push_once(variant, handle_args, dst, marks)
-            time.sleep(0.3)
-            report(variant, marks, timeline, median)
+    marks = [("first _foreach_copy_", time.perf_counter())]
+    first_kernels(dst, marks)
+    report(marks, timeline, median)
+    for _ in range(args.rounds):
+        time.sleep(0.3)
+        marks: list[tuple[str, float]] = [("reduce", time.perf_counter())]
+        ours.send("reduce")  # the trainer's part: a sync, a reduction (an IPC event)
+        handle_args = ours.recv()
+        push_once(handle_args, dst, marks)
+        time.sleep(0.3)
+        report(marks, timeline, median)
     ours.send("stop")
     stop.set()
     for thread in threads:
