@@ -138,9 +138,12 @@ def warm_copy_kernels(stream: torch.cuda.Stream, dtype: torch.dtype) -> None:
     """Launch once, on a few elements, each kernel a version's copies and checks launch into
     slots of `dtype` (copies from 32- and 16-bit sources, the fused sums and finiteness checks).
 
-    CUDA loads a kernel's module at its first launch; measured on an H200, the first live push
-    after start-up, whose copy and check kernels this process had never launched, held two
-    serving steps at 25-28 ms (5.5x their median) where later pushes held none.
+    CUDA loads a kernel's module at its first launch. On an H200 the first launches of the
+    push's copy and sum kernels took the launching thread 18 and 61 ms (`bench.probe_ipc`), and
+    the first live push after start-up, whose kernels the daemon had never launched, held two
+    serving steps at 25-28 ms (5.5x their median) in its copy and its check, where later pushes
+    held none there (`bench.bench_push`'s timeline); made here, before serving, they cost no
+    step.
     """
     with torch.inference_mode(), torch.cuda.stream(stream):
         dst = torch.zeros(64, dtype=dtype, device=stream.device)
