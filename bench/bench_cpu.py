@@ -1,14 +1,21 @@
-"""CPU benchmark: sitsd vs Hugging Face transformers on the embedded SmolLM2-135M-Instruct.
+"""CPU benchmark: sitsd from the embedded SmolLM2-135M-Instruct's own 4-bit weights, sitsd
+on the same weights dequantized to float32, and Hugging Face transformers on those float32
+weights.
 
-Measured in one run, on this machine, same weights (the GGUF, dequantized to float32), same
-prompts (chat template applied), greedy, every request generating exactly NEW_TOKENS tokens:
+Measured in one run, on this machine, same prompts (chat template applied), greedy, every
+request generating exactly NEW_TOKENS tokens:
 
 1. batch 1: decode tokens/s (after the first token) and end-to-end tokens/s;
 2. 16 concurrent requests: aggregate output tokens/s over the wall time;
+3. the bytes of the served weights (the weight slot's, as `sitsctl versions` shows them).
 
-beside transformers' `generate` (batch 1, and the 16 requests one after another, and the 16
-as one left-padded batch). sitsd runs its real engine (scheduler, paged KV cache, sampler,
-detokenizer, the asyncio bridge), in process, without gRPC. Medians of REPEATS runs.
+sitsd runs twice: as it serves the GGUF by default (its Q4_1 linears as INT4 g32, the
+embedding and lm_head in bfloat16; `make run`) and with `--dequantize` (every weight float32:
+the CPU path before quantized serving). Beside them, transformers' `generate` on the float32
+weights (batch 1, the 16 requests one after another, and the 16 as one left-padded batch).
+sitsd runs its real engine (scheduler, paged KV cache, sampler, detokenizer, the asyncio
+bridge), in process, without gRPC. Medians of REPEATS runs. Targets (the 4-bit path against
+float32): at least 1.5x faster at batch 1, at least 3x less weight memory.
 
     make bench-cpu        # or: .venv/bin/python -m bench.bench_cpu [--new-tokens 128]
 """
@@ -24,7 +31,7 @@ import torch
 
 from bench.timing import now
 from sitsd.builder import launch_engine
-from sitsd.config import CacheConfig, SitsdConfig
+from sitsd.config import CacheConfig, ModelConfig, SitsdConfig
 from sitsd.types import SamplingParams
 from sitsd.weights import load_checkpoint, resolve_model_path
 
@@ -58,9 +65,16 @@ def prompts_ids(tokenizer) -> list[list[int]]:
     ]
 
 
-async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    cfg = SitsdConfig(cache=CacheConfig(kv_cache_memory=512 * 2**20))
+async def sitsd_runs(
+    prompts: list[list[int]], new_tokens: int, repeats: int, dequantize: bool
+) -> dict:
+    cfg = SitsdConfig(
+        model=ModelConfig(dequantize=dequantize), cache=CacheConfig(kv_cache_memory=512 * 2**20)
+    )
     engine = await launch_engine(cfg)
+    status = engine.status()
+    weights = {"bytes": status.slot_weight_bytes[status.active_slot],
+               "precision": status.slot_precisions[status.active_slot]}  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(ids: list[int]) -> tuple[float, float, float]:
@@ -68,6 +82,7 @@ async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) ->
         first = None
         async for _ in engine.add_request(ids, params):
             first = first or now()
+        assert first is not None, "every request generates new_tokens tokens"
         return t0, first, now()
 
     await one(prompts[0])  # warm-up
@@ -85,6 +100,7 @@ async def sitsd_runs(prompts: list[list[int]], new_tokens: int, repeats: int) ->
         "decode": statistics.median(decode),
         "e2e": statistics.median(e2e),
         "concurrent": statistics.median(agg),
+        **weights,
     }
 
 
@@ -144,27 +160,29 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         flush=True,
     )
-    s = asyncio.run(sitsd_runs(prompts, args.new_tokens, args.repeats))
+    q = asyncio.run(sitsd_runs(prompts, args.new_tokens, args.repeats, dequantize=False))
+    f = asyncio.run(sitsd_runs(prompts, args.new_tokens, args.repeats, dequantize=True))
     h = hf_runs(path, prompts, args.new_tokens, args.repeats)
+    print(f"sitsd 4-bit: {q['precision']}, {q['bytes'] / 2**20:.1f} MiB of weights")
+    print(f"sitsd float32: {f['precision']}, {f['bytes'] / 2**20:.1f} MiB of weights")
     rows = [
-        ("batch 1, decode tok/s", s["decode"], h["decode"], "transformers generate, batch 1"),
-        ("batch 1, end-to-end tok/s", s["e2e"], h["e2e"], "transformers generate, batch 1"),
-        (
-            "16 concurrent, aggregate tok/s",
-            s["concurrent"],
-            h["sequential"],
-            "transformers generate, the 16 one by one",
-        ),
-        (
-            "16 concurrent, aggregate tok/s",
-            s["concurrent"],
-            h["batched"],
-            "transformers generate, one padded batch of 16",
-        ),
-    ]
-    print(f"\n{'measure':<32}{'sitsd':>9}{'peer':>9}{'ratio':>8}  peer")
-    for name, ours, peer, what in rows:
-        print(f"{name:<32}{ours:>9.1f}{peer:>9.1f}{ours / peer:>7.2f}x  {what}")
+        ("batch 1, decode tok/s", q["decode"], f["decode"], h["decode"], "batch 1"),
+        ("batch 1, end-to-end tok/s", q["e2e"], f["e2e"], h["e2e"], "batch 1"),
+        ("16 concurrent, aggregate tok/s", q["concurrent"], f["concurrent"], h["sequential"],
+         "the 16 one by one"),
+        ("16 concurrent, aggregate tok/s", q["concurrent"], f["concurrent"], h["batched"],
+         "one padded batch of 16"),
+    ]  # fmt: skip
+    print(f"\n{'measure':<32}{'4-bit':>8}{'float32':>9}{'4-bit/f32':>11}{'transformers':>14}"
+          f"{'4-bit/hf':>10}  transformers ran")  # fmt: skip
+    for name, four, f32, peer, what in rows:
+        print(f"{name:<32}{four:>8.1f}{f32:>9.1f}{four / f32:>10.2f}x{peer:>14.1f}"
+              f"{four / peer:>9.2f}x  {what}")  # fmt: skip
+    memory = f["bytes"] / q["bytes"]
+    print(f"{'weights, MiB':<32}{q['bytes'] / 2**20:>8.1f}{f['bytes'] / 2**20:>9.1f}"
+          f"{1 / memory:>10.2f}x  ({memory:.2f}x less)")  # fmt: skip
+    print(f"\ntargets: 4-bit batch 1 decode >= 1.5x float32 ({q['decode'] / f['decode']:.2f}x), "
+          f"weights >= 3x less ({memory:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
