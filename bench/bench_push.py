@@ -28,7 +28,10 @@
    done with them), before the daemon starts: what one Python gRPC stream moves on this host,
    against which the daemon's receive rate is read.
 6. The daemon's own account, printed before the table: its slow-step and loop-stall warnings
-   and each IPC push's parts (open, copy, let go) with their times, from its log.
+   and each IPC push's parts (open, copy, let go) with their times, from its log; and per IPC
+   push a timeline: its parts, the clients' longest gaps and the daemon's warnings around it
+   (the daemon runs with `--slow-step-ms 8 --slow-step-factor 1.5 --loop-lag-warn-ms 4
+   --stall-warn-every-s 0.02`, so that short stalls are logged too).
 
 Targets (GPU): IPC call to commit < 0.25 s with a pause < 1 ms and ITL P99 within 1.5x of
 steady; gRPC >= 1 GB/s over loopback; throughput with a push every 10 s >= 0.95 of none. With
@@ -323,6 +326,10 @@ def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
              "--weight-slots", "2", "--swap-policy", args.policy]  # fmt: skip
     if args.staging_share:
         flags += ["--staging-share", str(args.staging_share)]
+    # Stall warnings down to short ones, so the timeline can place every step and loop wake-up
+    # that stretched a gap (a line each, at most 50 a second of each kind).
+    flags += ["--slow-step-ms", "8", "--slow-step-factor", "1.5", "--loop-lag-warn-ms", "4",
+              "--stall-warn-every-s", "0.02"]  # fmt: skip
     if args.device == "cuda":
         return [*flags, "--gpu-memory-utilization", "0.6"]
     return [*flags, "--kv-cache-memory", "256MiB"]
@@ -379,6 +386,7 @@ def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) 
     which part a long gap lines up with."""
     done: dict[str, tuple[float, float, float]] = {}  # version -> (time, total, validate)
     parts: dict[str, tuple[float, float, float, float]] = {}  # (time, open, copy, let go)
+    stalls: list[tuple[float, str]] = []  # (when it ended, what): slow steps, loop stalls
     for line in log_text.splitlines():
         if not line.startswith("{"):
             continue
@@ -392,6 +400,12 @@ def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) 
             parts[m.group(1)] = (at, opened, copied, let_go)
         elif m := _PUSH_DONE.match(event):
             done[m.group(1)] = (at, float(m.group(2)), float(m.group(4)))
+        elif "step_ms" in entry:
+            tokens, swap = entry.get("num_tokens", 0), entry.get("swap_work_tokens", 0)
+            stalls.append((at, f"step {entry['step_ms']:.1f} ms ({tokens} tokens, {swap} of a "
+                               "swap's)"))  # fmt: skip
+        elif "lag_ms" in entry:
+            stalls.append((at, f"loop late {entry['lag_ms']:.1f} ms"))
     out = []
     for version, (at, opened, copied, let_go) in parts.items():
         if version not in done:
@@ -412,10 +426,14 @@ def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) 
             + " ms; longest gaps: "
             + ", ".join(f"{g * 1e3:.1f} ms at {k:+d}" for k, g in sorted(longest))
         )  # fmt: skip
+        near = [(t, what) for t, what in stalls if start - 0.05 <= t <= end + 0.05]
+        if near:
+            out.append("    the daemon's warnings (at the end of each): " + ", ".join(
+                f"{what} at {(t - start) * 1e3:+.0f}" for t, what in near))  # fmt: skip
     return out
 
 
-def daemon_notes(log_text: str, most: int = 80) -> list[str]:
+def daemon_notes(log_text: str, most: int = 40) -> list[str]:
     """The daemon's log lines that place a slow inter-token gap: its slow-step and loop-stall
     warnings, and each push's parts with their times (the last `most`)."""
     return [line for line in log_text.splitlines() if any(n in line for n in NOTES)][-most:]

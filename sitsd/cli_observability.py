@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Mapping
 
 from sitsd.config import ObservabilityConfig
-from sitsd.flag_types import fraction_or_zero, int_at_least, key_values
+from sitsd.flag_types import fraction_or_zero, int_at_least, key_values, positive_float
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -71,6 +71,37 @@ def add_observability_flags(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="no engine.step span per step (default: one per step, linked to its requests)",
     )
+    group.add_argument(
+        "--slow-step-ms",
+        type=positive_float,
+        default=d.slow_step_ms,
+        metavar="MS",
+        help="log a warning for an engine step this long and --slow-step-factor times the "
+        "recent median, with what it carried (default: %(default)s)",
+    )
+    group.add_argument(
+        "--slow-step-factor",
+        type=positive_float,
+        default=d.slow_step_factor,
+        metavar="X",
+        help="see --slow-step-ms (default: %(default)s)",
+    )
+    group.add_argument(
+        "--loop-lag-warn-ms",
+        type=positive_float,
+        default=d.loop_lag_warn_ms,
+        metavar="MS",
+        help="log a warning when the event loop wakes this late: every stream waited "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--stall-warn-every-s",
+        type=positive_float,
+        default=d.stall_warn_every_s,
+        metavar="SECONDS",
+        help="at most one slow-step and one loop-stall warning per this long (default: "
+        "%(default)s)",
+    )
 
 
 def observability_config(
@@ -107,4 +138,8 @@ def observability_config(
         step_spans=not args.no_step_spans,
         log_format=log_format,
         log_level=args.log_level,
+        slow_step_ms=args.slow_step_ms,
+        slow_step_factor=args.slow_step_factor,
+        loop_lag_warn_ms=args.loop_lag_warn_ms,
+        stall_warn_every_s=args.stall_warn_every_s,
     )

@@ -212,6 +212,13 @@ class ObservabilityConfig:
     step_spans: bool = True  # one `engine.step` span per step, linked to its requests
     log_format: str = "json"  # json (one object per line) or console, both on stdout
     log_level: str = "info"  # debug, info, warning, error
+    # Stall warnings, each a log line saying when and what: an engine step at least
+    # `slow_step_factor` times the recent median and `slow_step_ms` long; an event-loop wake-up
+    # `loop_lag_warn_ms` late or more; at most one of each kind per `stall_warn_every_s`.
+    slow_step_ms: float = 20.0
+    slow_step_factor: float = 3.0
+    loop_lag_warn_ms: float = 250.0
+    stall_warn_every_s: float = 1.0
 
 
 WATCH_COMMIT_MODES = ("auto", "stage-only")  # what the watcher does with a new valid version

@@ -201,7 +201,12 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
     if servers is None:
         return _EXIT_FAILED
     server, http = servers
-    loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe)
+    ocfg = config.observability
+    warn_s = ocfg.loop_lag_warn_ms / 1e3
+    # Woken at least as often as the lag it warns of (a stall shorter than the sleep could fall
+    # between two wake-ups).
+    loop_lag = LoopLagMonitor(obs.metrics.event_loop_lag.observe, interval_s=min(0.05, warn_s),
+                              warn_s=warn_s, warn_every_s=ocfg.stall_warn_every_s)  # fmt: skip
     loop_lag.start()
     gc_pauses = GcPauseMonitor()  # a collection stops the engine's thread too: logged
     gc_pauses.start()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from sitsd.model.arch import LlamaArch
     from sitsd.model.llama import LlamaWeights
     from sitsd.quant.source import QuantSource
-    from sitsd.runtime.weight_slots import PinnedUpload
+    from sitsd.runtime.weight_slots import PinnedUpload, SlotViews
 
 
 class PendingStepLike(Protocol):
@@ -67,6 +67,10 @@ class WeightSlotsLike(Protocol):
     def index_of(self, version: str) -> int | None: ...
 
     def weights(self, index: int) -> LlamaWeights: ...
+
+    def views(self, index: int) -> SlotViews:
+        """Slot `index`'s tensors by Hugging Face name (kept while its tensors stay)."""
+        ...
 
     def activate(self, version: str) -> None: ...
 

@@ -2,7 +2,7 @@
 so a callback that blocks it (a slow disk, a long computation) holds up every stream at once
 while the engine keeps computing; no step span shows it. `LoopLagMonitor` sleeps `interval_s`
 at a time on that loop, records how late it woke (`sitsd_event_loop_lag_seconds`) and logs a
-warning when one wake-up was `warn_s` late or more (at most one warning a second).
+warning when one wake-up was `warn_s` late or more (at most one per `warn_every_s`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-_WARN_EVERY_S = 1.0  # the most warnings a stalled loop writes: one a second
-
 
 class LoopLagMonitor:
     """Measures the running loop's lag from a task of its own."""
@@ -25,15 +23,18 @@ class LoopLagMonitor:
         on_lag: Callable[[float], None] | None = None,
         interval_s: float = 0.05,
         warn_s: float = 0.25,
+        warn_every_s: float = 1.0,
     ) -> None:
         """Args:
         on_lag: called with each wake-up's lag in seconds (the metric).
         interval_s: how long each sleep is.
         warn_s: the lag that makes a warning.
+        warn_every_s: at most one warning per this long.
         """
         self.on_lag = on_lag
         self.interval_s = interval_s
         self.warn_s = warn_s
+        self.warn_every_s = warn_every_s
         self.max_lag_s = 0.0  # the longest lag seen
         self._task: asyncio.Task[None] | None = None
 
@@ -59,7 +60,7 @@ class LoopLagMonitor:
             self.max_lag_s = max(self.max_lag_s, lag)
             if self.on_lag is not None:
                 self.on_lag(lag)
-            if lag >= self.warn_s and now - last_warning >= _WARN_EVERY_S:
+            if lag >= self.warn_s and now - last_warning >= self.warn_every_s:
                 last_warning = now
                 log.warning(
                     "event loop stalled for %.0f ms: every stream waited (a blocking call on "

@@ -1,10 +1,10 @@
 """Slow engine steps: a step far longer than the engine's recent ones holds up every stream at
 once. `SlowStepLog` keeps the recent periods between busy steps (the inter-token latency with
 asynchronous scheduling), and logs a warning for a step whose period is `factor` times their
-median and at least `min_s`, at most one a second, with what the step carried (tokens, prompt
-chunks, versions, a swap's work, migrated or preempted requests), so a stall a benchmark sees
-can be told apart: a step that did more, or one that did the usual and took longer (the host:
-a garbage collection, `sitsd.observability.gc_pauses`; or the device).
+median and at least `min_s` (at most one per `warn_every_s`), with what the step carried
+(tokens, prompt chunks, versions, a swap's work, migrated or preempted requests), so a stall a
+benchmark sees can be told apart: a step that did more, or one that did the usual and took
+longer (the host: a garbage collection, `sitsd.observability.gc_pauses`; or the device).
 
 When the telemetry observer calls it is `sitsd.observability.telemetry`'s business.
 """
@@ -22,19 +22,20 @@ log = logging.getLogger(__name__)
 _WINDOW = 128  # busy periods the median is taken over
 _REFRESH_EVERY = 32  # steps between two medians (cheap enough for every step)
 _IDLE_GAP_S = 0.005  # a step that started this long after the last one ended: after idling
-_WARN_EVERY_S = 1.0
 
 
 class SlowStepLog:
     """Logs engine steps much slower than the recent ones (engine thread)."""
 
-    def __init__(self, factor: float = 3.0, min_s: float = 0.02) -> None:
+    def __init__(self, factor: float = 3.0, min_s: float = 0.02, warn_every_s: float = 1.0) -> None:
         """Args:
         factor: a step this many times the recent median period is slow...
         min_s: ...and this long at least.
+        warn_every_s: at most one warning per this long (every slow step is counted).
         """
         self.factor = factor
         self.min_s = min_s
+        self.warn_every_s = warn_every_s
         self.num_slow = 0
         self._periods: deque[float] = deque(maxlen=_WINDOW)
         self._median: float | None = None  # of `_periods`, every `_REFRESH_EVERY` of them
@@ -50,7 +51,7 @@ class SlowStepLog:
         median = self._median
         if median is not None and period >= max(self.factor * median, self.min_s):
             self.num_slow += 1
-            if step.end - self._last_warning >= _WARN_EVERY_S:
+            if step.end - self._last_warning >= self.warn_every_s:
                 self._last_warning = step.end
                 self._warn(step, period, median)
         self._periods.append(period)

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from sitsd.config import ObservabilityConfig
 from sitsd.observability.logs import build_logger_provider, setup_logging
 from sitsd.observability.metrics import Metrics, MetricsServer
+from sitsd.observability.slow_steps import SlowStepLog
 from sitsd.observability.swap import SwapTrace
 from sitsd.observability.telemetry import EngineTelemetry
 from sitsd.observability.tracing import build_resource, build_tracer_provider, tracer_of
@@ -54,7 +55,11 @@ class Observability:
             logger_provider = build_logger_provider(
                 resource, config.otlp_endpoint, config.otlp_insecure, dict(config.otlp_headers)
             )
-        telemetry = EngineTelemetry(metrics, tracer, step_spans=config.step_spans)
+        slow_steps = SlowStepLog(config.slow_step_factor, config.slow_step_ms / 1e3,
+                                 config.stall_warn_every_s)  # fmt: skip
+        telemetry = EngineTelemetry(
+            metrics, tracer, step_spans=config.step_spans, slow_steps=slow_steps
+        )
         return cls(config, metrics, provider, tracer, logger_provider, telemetry)
 
     def setup_logging(self) -> None:

@@ -110,12 +110,18 @@ class EngineTelemetry:
     """Implements `sitsd.engine.observer.EngineObserver` with metrics, spans and logs."""
 
     def __init__(
-        self, metrics: Metrics, tracer: trace.Tracer | None = None, *, step_spans: bool = True
+        self,
+        metrics: Metrics,
+        tracer: trace.Tracer | None = None,
+        *,
+        step_spans: bool = True,
+        slow_steps: SlowStepLog | None = None,
     ) -> None:
         """Args:
         metrics: where to record; its `model` label is bound when the engine starts.
         tracer: makes the engine spans; None or a no-op tracer = metrics and logs only.
         step_spans: make one `engine.step` span per step (linked to its requests).
+        slow_steps: which steps are logged as slow (default: `SlowStepLog`'s defaults).
         """
         self.metrics = metrics
         self.tracer = tracer or trace.NoOpTracer()
@@ -126,7 +132,7 @@ class EngineTelemetry:
         self._last_step = 0  # index of the last step observed
         self._last_tiers: tuple[tuple[str, int, float | None, float | None], ...] = ()
         self.model = metrics.model
-        self.slow_steps = SlowStepLog()  # a step far past the recent ones: a log line
+        self.slow_steps = slow_steps or SlowStepLog()  # a step far past the recent ones: logged
 
     # ----------------------------------------------------------------------- engine hooks
 

@@ -24,6 +24,8 @@ def test_every_observability_flag_reaches_its_field():
         "--metrics-port", "0", "--metrics-host", "0.0.0.0", "--otlp-endpoint",
         "https://collector:4317", "--service-name", "sitsd-eu", "--log-format", "console",
         "--log-level", "debug", "--trace-sample-ratio", "0.25", "--no-step-spans",
+        "--slow-step-ms", "8", "--slow-step-factor", "1.5", "--loop-lag-warn-ms", "4",
+        "--stall-warn-every-s", "0.05",
     )  # fmt: skip
     assert cfg == ObservabilityConfig(
         metrics_host="0.0.0.0",
@@ -35,6 +37,10 @@ def test_every_observability_flag_reaches_its_field():
         step_spans=False,
         log_format="console",
         log_level="debug",
+        slow_step_ms=8.0,
+        slow_step_factor=1.5,
+        loop_lag_warn_ms=4.0,
+        stall_warn_every_s=0.05,
     )
     assert not obs_of("--no-metrics").metrics_enabled
 

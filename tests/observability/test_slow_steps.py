@@ -51,3 +51,24 @@ def test_steady_steps_and_a_step_after_idling_are_not_logged(caplog):
         busy_steps(slow, [random.uniform(0.009, 0.011) for _ in range(50)], t + 2.01)
     assert not caplog.records
     assert slow.num_slow == 0
+
+
+def test_warnings_come_at_most_one_per_interval_and_every_slow_step_is_counted(caplog):
+    every = random.choice([0.05, 0.2])
+    slow = SlowStepLog(factor=1.5, min_s=0.008, warn_every_s=every)
+    t = busy_steps(slow, [0.005] * 100)
+    ends = []
+    with caplog.at_level(logging.WARNING, logger="sitsd.observability.slow_steps"):
+        for i in range(40):  # a 12 ms step every 25 ms of 5 ms steps
+            t = busy_steps(slow, [0.005] * 3, t)
+            slow.observe(step(1000 + i, t, t + 0.012))
+            t += 0.012
+            ends.append(t)
+    assert slow.num_slow == 40
+    logged = [r.step_index - 1000 for r in caplog.records]
+    assert logged[0] == 0
+    # One warning per interval: each logged step is the first slow one `every` after the last.
+    for a, b in zip(logged, logged[1:], strict=False):
+        assert ends[b] - ends[a] >= every
+        assert ends[b - 1] - ends[a] < every
+    assert len(logged) >= int((ends[-1] - ends[0]) / every)
