@@ -377,6 +377,13 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "link; 1 = as fast as it can (default: 0.1 on a CPU device, 0.25 on a GPU)",
     )
     group.add_argument(
+        "--ipc-keep-mapped",
+        action="store_true",
+        help="keep a trainer's CUDA memory mapped from one IPC push to the next, so that a "
+        "trainer pushing from the same buffers is mapped once; its buffers stay allocated "
+        "until a push from other buffers or the daemon stops (default: let go after each push)",
+    )
+    group.add_argument(
         "--keep-pushed-versions",
         type=int_at_least(1),
         default=w.keep_pushed_versions,
@@ -527,6 +534,7 @@ def config_from_args(
             canary_max_kl=args.canary_max_kl,
             staging_share=args.staging_share or 0.0,
             keep_pushed_versions=args.keep_pushed_versions,
+            ipc_keep_mapped=args.ipc_keep_mapped,
         ),
         swap=SwapConfig(
             policy=args.swap_policy,

@@ -252,6 +252,10 @@ class WeightsConfig:
     # Versions pushed by trainers that are remembered (`sitsctl versions`), the newest; older
     # ones are forgotten (never the active one, the rollback target or one in a slot).
     keep_pushed_versions: int = 8
+    # Keep a trainer's CUDA memory mapped from one IPC push to the next: a trainer that pushes
+    # from the same buffers is mapped once (its buffers then stay allocated, in torch's limbo
+    # once freed, until a push from other buffers or the daemon stops).
+    ipc_keep_mapped: bool = False
 
 
 @dataclass(frozen=True)

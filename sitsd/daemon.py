@@ -223,6 +223,8 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
         if watcher is not None:
             await watcher.stop()
         await _shutdown(server, engine, config.server.shutdown_grace_s, http)
+        if pushes is not None:
+            pushes.close()  # a trainer's memory kept mapped is the trainer's again
         return 0
     finally:
         gc_pauses.stop()

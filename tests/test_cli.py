@@ -293,3 +293,11 @@ def test_gil_switch_interval_reaches_the_server_config():
     seconds = round(random.uniform(0.0001, 0.01), 5)
     assert config_of("--gil-switch-interval", str(seconds)).server.gil_switch_interval_s == seconds
     assert config_of().server.gil_switch_interval_s == ServerConfig().gil_switch_interval_s
+
+
+def test_ipc_keep_mapped_reaches_the_weights_config_and_the_pushes_it_makes():
+    from sitsd.weights.push import PushSettings
+
+    assert config_of("--ipc-keep-mapped").weights.ipc_keep_mapped
+    assert not config_of().weights.ipc_keep_mapped
+    assert not PushSettings().ipc_keep_mapped

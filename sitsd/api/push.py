@@ -26,7 +26,7 @@ from sitsd.weights.errors import SwapRefusedError
 from sitsd.weights.progress import SwapProgress
 from sitsd.weights.push import PushHeader, UpdateReport, WeightPushes
 from sitsd.weights.push_dist import GroupPush, GroupSpec, Placement
-from sitsd.weights.push_ipc import IpcHandle, IpcPush, check_same_gpu
+from sitsd.weights.push_ipc import IpcHandle, check_same_gpu
 from sitsd.weights.push_plan import PushPlan, PushSource, TensorSpec
 from sitsd.weights.push_stream import StreamedPush, TensorPiece
 
@@ -65,7 +65,7 @@ class PushRpcs:
         pushes = self._pushes()
         check_same_gpu(pushes.device, request.device_uuid)
         header, plan = header_of(request.header)
-        source = IpcPush(plan, [ipc_handle(t) for t in request.tensors])
+        source = pushes.ipc_push(plan, [ipc_handle(t) for t in request.tensors])
         async for event in self._events(pushes, header, source, "ipc", context.peer()):
             yield event
 

@@ -40,8 +40,8 @@ from sitsd.weights.errors import (
 )
 from sitsd.weights.progress import NoTrace, ProgressSink, SwapTraceLike
 from sitsd.weights.push_dist import GroupMember, GroupSpec
-from sitsd.weights.push_ipc import device_uuid
-from sitsd.weights.push_plan import PushSource
+from sitsd.weights.push_ipc import IpcHandle, IpcMappings, IpcPush, device_uuid
+from sitsd.weights.push_plan import PushPlan, PushSource
 from sitsd.weights.swap import PUSHED, SwapManager
 
 log = logging.getLogger("sitsd.swap")
@@ -55,6 +55,7 @@ class PushSettings:
     """Limits of live pushes (from `WeightsConfig`)."""
 
     keep_pushed: int = 8  # pushed versions remembered (the newest; more are forgotten)
+    ipc_keep_mapped: bool = False  # a trainer's IPC storages stay mapped until the next push
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,18 @@ class WeightPushes:
         self._telemetry = telemetry
         self.last: UpdateReport | None = None  # the last push, whatever became of it
         self.group: GroupMember | None = None  # the weight group joined last
+        # A trainer's storages the last IPC push mapped, kept for the next (`ipc_keep_mapped`).
+        self.ipc_mappings = IpcMappings()
+
+    def ipc_push(self, plan: PushPlan, handles: list[IpcHandle]) -> IpcPush:
+        """An IPC push's source: its storages mapped anew, or through the mappings kept from
+        the last push (`PushSettings.ipc_keep_mapped`)."""
+        kept = self.ipc_mappings if self._settings.ipc_keep_mapped else None
+        return IpcPush(plan, handles, kept)
+
+    def close(self) -> None:
+        """Let go of every mapping kept of a trainer's memory (the daemon stops)."""
+        self.ipc_mappings.clear()
 
     @property
     def device(self) -> torch.device:

@@ -12,6 +12,10 @@ the copies and only then lets go of the storages and the producer's counts, then
 "released": from then on the trainer may free or change its tensors. Which handles share a
 storage, their views and the counts to release are plain functions of the handles (testable
 without a GPU). Serving goes on meanwhile; the copies share the GPU with it.
+
+With `IpcMappings` (`--ipc-keep-mapped`) the storages stay mapped after the push, and the
+next push from the same buffers copies from them without mapping anything; the trainer's
+memory then stays allocated until a push from other buffers, or the daemon stopping, lets go.
 """
 
 from __future__ import annotations
@@ -74,12 +78,50 @@ def check_same_gpu(device: torch.device, trainer_uuid: str) -> None:
         )
 
 
+class IpcMappings:
+    """A trainer's shared storages one IPC push mapped, kept for the next one.
+
+    Mapping a trainer's allocation and letting go of it are driver calls the engine's launches
+    wait behind (on an H200 the let-go took 6-7 ms while serving, and a 13-17 ms gap in the
+    streams often followed it); a trainer that pushes from the same buffers every step needs
+    them mapped once. Each kept storage holds the count of the push that mapped it, so the
+    trainer's allocator keeps that memory (in torch's limbo once the trainer frees it) until a
+    push from other buffers, or `clear`, lets go. One push at a time uses it (the swap
+    manager's lock).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[StorageKey, torch.UntypedStorage] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, key: StorageKey) -> torch.UntypedStorage | None:
+        return self._kept.get(key)
+
+    def keep(self, storages: Mapping[StorageKey, torch.UntypedStorage]) -> int:
+        """Keep exactly `storages` (the last push's); the kept ones it did not use are let go.
+        Returns how many were let go."""
+        dropped = [key for key in self._kept if key not in storages]
+        self._kept = dict(storages)
+        return len(dropped)
+
+    def clear(self) -> None:
+        self._kept = {}
+
+
 class IpcPush:
     """A `PushSource` opening a trainer's CUDA IPC handles (see the module docstring)."""
 
-    def __init__(self, plan: PushPlan, handles: list[IpcHandle]) -> None:
+    def __init__(
+        self, plan: PushPlan, handles: list[IpcHandle], kept: IpcMappings | None = None
+    ) -> None:
+        """`kept`: storages mapped by the last push, reused where this one's handles name them,
+        and this push's storages kept in their place (None: each push maps and lets go of its
+        own)."""
         self._plan = plan
         self._handles = handles
+        self.mappings = kept  # the mappings it reuses and refills, or None
 
     @property
     def plan(self) -> PushPlan:
@@ -117,12 +159,21 @@ class IpcPush:
         held: set[Counter] = set()  # the producer's counts the openings hold
         views: list[torch.Tensor] = []
         marks = [time.monotonic()]  # start, opened, copied, let go
+        kept = self.mappings if self.mappings is not None else IpcMappings()
         try:
             with torch.cuda.device(writer.device), writer.side_stream():
+                # Opened (or waited for) on the side stream: the producer's event is waited
+                # for there.
                 for handle in first_of_each_storage(self._handles):
-                    # Opened on the side stream: the producer's event is waited for there.
-                    opened[storage_key(handle)] = _open(handle, writer.device)
-                    held.add(counter_of(handle))
+                    key = storage_key(handle)
+                    mapped = kept.get(key)
+                    if mapped is None:
+                        opened[key] = _open(handle, writer.device)
+                        held.add(counter_of(handle))
+                    else:  # its count is released below, with the views' own
+                        _wait_for_producer(handle, writer.device)
+                        opened[key] = mapped
+                num_reused = len(opened) - len(held)
                 marks.append(time.monotonic())
                 views = storage_views(self._plan, self._handles, opened)
                 try:
@@ -133,14 +184,17 @@ class IpcPush:
             writer.sync()  # the copies have read the trainer's memory (even a push cut short)
             marks.append(time.monotonic())
             views.clear()
-            opened.clear()  # the last references: the openings' counts drop
+            if self.mappings is not None:
+                self.mappings.keep(opened)  # those it held before and this push did not name go
+            opened.clear()  # the last references (unless kept): the openings' counts drop
             _release(counters_to_release(self._handles, held), writer.device)
             marks.append(time.monotonic())
         open_ms, copy_ms, close_ms = (1e3 * (b - a) for a, b in itertools.pairwise(marks))
         log.info(
-            "ipc push %s: %d shared storages opened in %.1f ms, %d tensors copied in %.1f ms, "
-            "let go in %.1f ms", version, len(held), open_ms, len(self._handles), copy_ms,
-            close_ms, extra={"weights_version": version},
+            "ipc push %s: %d shared storages opened in %.1f ms (%d kept mapped from the last "
+            "push), %d tensors copied in %.1f ms, let go in %.1f ms", version, len(held),
+            open_ms, num_reused, len(self._handles), copy_ms, close_ms,
+            extra={"weights_version": version},
         )  # fmt: skip
 
 
@@ -256,6 +310,16 @@ def _open(handle: IpcHandle, device: torch.device) -> torch.UntypedStorage:
     except RuntimeError as exc:
         raise VersionRejected(f"{handle.name}: its IPC handle cannot be opened: {exc}") from None
     return whole.untyped_storage()
+
+
+def _wait_for_producer(handle: IpcHandle, device: torch.device) -> None:
+    """Order the current stream after the producer's event for this push (a storage mapped
+    already: torch's rebuild waits for it only when it maps one)."""
+    if handle.event_sync_required and handle.event_handle:
+        try:
+            torch.cuda.Event.from_ipc_handle(device, handle.event_handle).wait()
+        except RuntimeError as exc:
+            raise VersionRejected(f"{handle.name}: its IPC event cannot be opened: {exc}") from None
 
 
 def _release(counters: list[Counter], device: torch.device) -> None:

@@ -186,5 +186,6 @@ def create_weight_pushes(
     """The daemon's `WeightPushes`: trainers' pushes through `manager`'s staging path."""
     from sitsd.weights.push import PushSettings, WeightPushes
 
-    settings = PushSettings(keep_pushed=config.weights.keep_pushed_versions)
+    settings = PushSettings(keep_pushed=config.weights.keep_pushed_versions,
+                            ipc_keep_mapped=config.weights.ipc_keep_mapped)  # fmt: skip
     return WeightPushes(manager, settings, telemetry)

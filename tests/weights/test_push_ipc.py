@@ -18,6 +18,7 @@ from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.weights.checks import VersionRejected
 from sitsd.weights.push_ipc import (
     IpcHandle,
+    IpcMappings,
     IpcPush,
     counter_of,
     counters_to_release,
@@ -133,3 +134,32 @@ def test_a_view_past_its_storage_or_a_storage_of_two_sizes_is_rejected_by_name()
     with pytest.raises(VersionRejected, match=f"{last.name}: its IPC storage is"):
         IpcPush(plan_of(flat), [*handles[:-1], grown]).check()
     assert storage_key(grown) == storage_key(handles[0])
+
+
+def test_kept_mappings_are_exactly_the_last_pushs_and_the_others_are_let_go():
+    rng = random.Random()
+    keys = [(bytes([i]) * 66, rng.randrange(0, 2**20)) for i in range(6)]
+    storages = {key: torch.UntypedStorage(8) for key in keys}
+    kept = IpcMappings()
+    first = dict(rng.sample(sorted(storages.items()), 3))
+    assert kept.keep(first) == 0
+    assert len(kept) == 3
+    assert all(kept.get(key) is storage for key, storage in first.items())
+    second = dict(rng.sample(sorted(storages.items()), 3))
+    assert kept.keep(second) == len(set(first) - set(second))
+    assert {key for key in keys if kept.get(key) is not None} == set(second)
+    kept.clear()
+    assert len(kept) == 0
+    assert all(kept.get(key) is None for key in keys)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_push_reuses_the_kept_mappings_only_when_the_daemon_keeps_them(keep):
+    from sitsd.weights.push import PushSettings, WeightPushes
+
+    pushes = WeightPushes(None, PushSettings(ipc_keep_mapped=keep))  # type: ignore[arg-type]
+    flat = flat_copy(random_tensors(random.Random(), 3))
+    handles, _ = handles_of(flat, count_per_storage=True)
+    source = pushes.ipc_push(plan_of(flat), handles)
+    assert (source.mappings is pushes.ipc_mappings) is keep
+    assert source.mappings is None or len(source.mappings) == 0
