@@ -326,6 +326,8 @@ def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
              "--weight-slots", "2", "--swap-policy", args.policy]  # fmt: skip
     if args.staging_share:
         flags += ["--staging-share", str(args.staging_share)]
+    if args.ipc_keep_mapped:
+        flags.append("--ipc-keep-mapped")
     # Stall warnings down to short ones, so the timeline can place every step and loop wake-up
     # that stretched a gap (a line each, at most 50 a second of each kind).
     flags += ["--slow-step-ms", "8", "--slow-step-factor", "1.5", "--loop-lag-warn-ms", "4",
@@ -373,8 +375,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 
 NOTES = ("ipc push", "engine step", "event loop", "garbage collection", "weight push")
-_IPC_PARTS = re.compile(r"ipc push (\S+): \d+ shared storages opened in ([\d.]+) ms, \d+ "
-                        r"tensors copied in ([\d.]+) ms, let go in ([\d.]+) ms")  # fmt: skip
+_IPC_PARTS = re.compile(r"ipc push (\S+): \d+ shared storages opened in ([\d.]+) ms \(\d+ "
+                        r"kept mapped from the last push\), \d+ tensors copied in ([\d.]+) ms, "
+                        r"let go in ([\d.]+) ms")  # fmt: skip
 _PUSH_DONE = re.compile(r"weight push (\S+) over ipc: committed in ([\d.]+) s \(receive "
                         r"([\d.]+) s, validate ([\d.]+) s")  # fmt: skip
 
@@ -508,6 +511,9 @@ def main() -> int:
                         "tenth of a core, which paces a gRPC push's copies)")  # fmt: skip
     parser.add_argument("--ipc-flatten", action="store_true",
                         help="IPC pushes send views of one flat copy of the tensors")  # fmt: skip
+    parser.add_argument("--ipc-keep-mapped", action="store_true",
+                        help="the daemon's --ipc-keep-mapped: the trainer's buffers are mapped "
+                        "at the first IPC push only")  # fmt: skip
     parser.add_argument("--grpc-chunk-mib", default=str(DEFAULT_CHUNK_BYTES // 2**20),
                         help="comma-separated chunk sizes of gRPC pushes in MiB, one push "
                         "each (default: the client's)")  # fmt: skip
@@ -532,6 +538,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     flat = ", IPC from one flat buffer" if args.ipc_flatten else ""
+    flat += ", kept mapped" if args.ipc_keep_mapped else ""
     print(f"\nlive pushes under load ({args.device}, {args.clients} streams, {args.policy}{flat})")
     print(table(result))
     return 0

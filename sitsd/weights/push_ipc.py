@@ -38,6 +38,9 @@ from sitsd.weights.push_plan import PushPlan, TensorSpec
 log = logging.getLogger("sitsd.swap")
 
 RELEASED = "released"  # the progress stage after which the trainer's tensors are free
+# Each push's parts and their times, logged (`bench.bench_push` reads them back).
+PARTS_LINE = ("ipc push %s: %d shared storages opened in %.1f ms (%d kept mapped from the last "
+              "push), %d tensors copied in %.1f ms, let go in %.1f ms")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -190,12 +193,8 @@ class IpcPush:
             _release(counters_to_release(self._handles, held), writer.device)
             marks.append(time.monotonic())
         open_ms, copy_ms, close_ms = (1e3 * (b - a) for a, b in itertools.pairwise(marks))
-        log.info(
-            "ipc push %s: %d shared storages opened in %.1f ms (%d kept mapped from the last "
-            "push), %d tensors copied in %.1f ms, let go in %.1f ms", version, len(held),
-            open_ms, num_reused, len(self._handles), copy_ms, close_ms,
-            extra={"weights_version": version},
-        )  # fmt: skip
+        log.info(PARTS_LINE, version, len(held), open_ms, num_reused, len(self._handles),
+                 copy_ms, close_ms, extra={"weights_version": version})  # fmt: skip
 
 
 StorageKey = tuple[bytes, int]  # (storage_handle, storage_offset_bytes): one shared storage

@@ -1,0 +1,53 @@
+"""bench_push's timeline reads the daemon's own log lines back: an IPC push's parts (the line
+`sitsd.weights.push_ipc` writes), its end, and the stall warnings around it, placed on the
+clients' clock beside the longest inter-token gaps."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime
+
+from bench.bench_push import ipc_timelines
+from bench.load import Stream
+from sitsd.weights.push_ipc import PARTS_LINE
+
+
+def line(event: str, at: float, **fields: object) -> str:
+    stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+    return json.dumps({"event": event, "timestamp": stamp, **fields})
+
+
+def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start():
+    rng = random.Random()
+    start = 1.8e9 + rng.randrange(10**6)  # the daemon's start of the push, wall clock
+    perf = rng.uniform(100, 1000)  # the same instant on the clients' clock
+    # Every part ends a quarter past a whole millisecond: no rounding lands on a half.
+    opened, copied, let_go = 2.0, float(rng.randrange(40, 80)), float(rng.randrange(2, 8))  # ms
+    open_at = rng.randrange(5, 20) + 0.25
+    parts_end = (open_at + opened + copied + let_go) / 1e3
+    total = parts_end + 0.05
+    log = "\n".join([
+        "not a json line",
+        line("engine step 7 took 12.0 ms", start + 0.004, step_ms=12.04, num_tokens=32,
+             swap_work_tokens=0),
+        line(PARTS_LINE % ("push-2-ipc", 1, opened, 0, 291, copied, let_go), start + parts_end),
+        line(f"weight push push-2-ipc over ipc: committed in {total:.3f} s (receive "
+             f"{parts_end:.3f} s, validate 0.040 s, commit 0.008 s)", start + total),
+        line("event loop stalled for 6 ms", start + 5.0, lag_ms=6.2),  # another push's time
+    ])  # fmt: skip
+    times = [perf - 0.05 + 0.005 * i for i in range(60)]
+    gap_at = rng.randrange(15, 40)
+    times[gap_at:] = [t + 0.010 for t in times[gap_at:]]  # one 15 ms gap
+    (parts, warnings) = ipc_timelines(log, [Stream(started=perf - 1, times=times)], start - perf)
+    assert parts.startswith("push-2-ipc: open +")
+    assert f"open +{open_at:.0f}, " in parts
+    assert f"copied +{open_at + opened + copied:.0f}, " in parts
+    assert f"let go +{parts_end * 1e3:.0f}, " in parts
+    assert f"committed +{total * 1e3:.0f} ms" in parts
+    offset = round((times[gap_at] - perf) * 1e3)
+    assert f"15.0 ms at {offset:+d}" in parts
+    assert warnings == (
+        "    the daemon's warnings (at the end of each): step 12.0 ms (32 tokens, 0 of a "
+        "swap's) at +4"
+    )
