@@ -163,3 +163,65 @@ def test_a_push_reuses_the_kept_mappings_only_when_the_daemon_keeps_them(keep):
     source = pushes.ipc_push(plan_of(flat), handles)
     assert (source.mappings is pushes.ipc_mappings) is keep
     assert source.mappings is None or len(source.mappings) == 0
+
+
+class _Driver:
+    """What `IpcPush._copy` asks of CUDA, on the CPU: an opening is the storage itself (its
+    count held), a release and a wait for the producer are recorded."""
+
+    def __init__(self, storages: dict[tuple[bytes, int], torch.UntypedStorage]) -> None:
+        self.storages = storages
+        self.opened: list[bytes] = []
+        self.released: list[tuple[bytes, int]] = []
+        self.waited: list[str] = []
+
+    def open(self, handle: IpcHandle, device: torch.device) -> torch.UntypedStorage:
+        self.opened.append(handle.storage_handle)
+        return self.storages[storage_key(handle)]
+
+    def release(self, counters: list[tuple[bytes, int]], device: torch.device) -> None:
+        self.released += counters
+
+    def wait(self, handle: IpcHandle, device: torch.device) -> None:
+        self.waited.append(handle.name)
+
+
+def test_pushes_from_kept_mappings_map_each_buffer_once_and_land_exactly(monkeypatch):
+    """Three pushes through kept mappings: the first from a flat buffer maps it; the second,
+    from the same buffer, maps nothing, waits for the producer and gives its count back; the
+    third, from another buffer, maps that one, and the first buffer's mapping is let go."""
+    import contextlib
+
+    import sitsd.weights.push_ipc as push_ipc
+
+    seed = random.randrange(2**20)
+    arch, first = tiny(seed)
+    slots = WeightSlots(arch, build_weights(arch, first, "cpu", torch.float32), "v1")
+    names = sorted(first)
+    kept = IpcMappings()
+    buffers = [flat_copy([(n, tiny(seed + k)[1][n]) for n in names]) for k in (1, 2)]
+    storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+    for flat in buffers:
+        storages |= handles_of(flat, count_per_storage=True)[1]
+    driver = _Driver(storages)
+    monkeypatch.setattr(push_ipc, "_open", driver.open)
+    monkeypatch.setattr(push_ipc, "_release", driver.release)
+    monkeypatch.setattr(push_ipc, "_wait_for_producer", driver.wait)
+    monkeypatch.setattr(push_ipc.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for n, flat in enumerate([buffers[0], buffers[0], buffers[1]]):
+        handles, _ = handles_of(flat, count_per_storage=True)
+        handles = [replace(h, event_sync_required=True, event_handle=b"e") for h in handles]
+        slots.release(1)
+        writer = SlotWriter(slots.views(1), slots.views(0), chunk_bytes=1000)
+        before = (len(driver.opened), len(driver.released), len(driver.waited))
+        IpcPush(plan_of(flat), handles, kept)._copy(writer, f"v{n}")
+        opened, released, waited = (len(driver.opened) - before[0],
+                                    len(driver.released) - before[1],
+                                    len(driver.waited) - before[2])  # fmt: skip
+        assert (opened, released, waited) == [(1, 0, 0), (0, 1, 1), (1, 0, 0)][n]
+        assert len(kept) == 1
+        assert kept.get(storage_key(handles[0])) is not None, "this push's buffer stays mapped"
+        got = named(slots, 1)
+        for name, tensor in flat:
+            torch.testing.assert_close(got[name], tensor.float(), rtol=0, atol=0, msg=name)
+    assert kept.get(storage_key(handles_of(buffers[0], count_per_storage=True)[0][0])) is None
