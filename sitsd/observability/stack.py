@@ -55,8 +55,9 @@ class Observability:
             logger_provider = build_logger_provider(
                 resource, config.otlp_endpoint, config.otlp_insecure, dict(config.otlp_headers)
             )
-        slow_steps = SlowStepLog(config.slow_step_factor, config.slow_step_ms / 1e3,
-                                 config.stall_warn_every_s)  # fmt: skip
+        slow_steps = SlowStepLog(factor=config.slow_step_factor,
+                                 min_s=config.slow_step_ms / 1e3,
+                                 warn_every_s=config.stall_warn_every_s)  # fmt: skip
         telemetry = EngineTelemetry(
             metrics, tracer, step_spans=config.step_spans, slow_steps=slow_steps
         )
