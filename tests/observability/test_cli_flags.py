@@ -81,3 +81,13 @@ def test_log_format_defaults_to_console_on_a_terminal_and_json_otherwise():
 def test_out_of_range_values_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flags])
+
+
+def test_the_stall_warning_flags_reach_the_engine_telemetry_s_slow_step_log():
+    from sitsd.observability.stack import Observability
+
+    cfg = obs_of("--slow-step-ms", "8", "--slow-step-factor", "1.5", "--stall-warn-every-s", "0.05")
+    slow = Observability.create(cfg).telemetry.slow_steps
+    assert (slow.min_s, slow.factor, slow.warn_every_s) == (0.008, 1.5, 0.05)
+    default = Observability.create(ObservabilityConfig()).telemetry.slow_steps
+    assert (default.min_s, default.factor, default.warn_every_s) == (0.02, 3.0, 1.0)
