@@ -12,12 +12,17 @@ A suite started in the background by a non-interactive shell (`make test &`, a C
 inherits SIGINT ignored, and so would every process it starts: the tests that press Ctrl-C on
 a `sitsctl` or a daemon would then wait for an exit that never comes. `pytest_configure`
 catches SIGINT again in that case, so the processes the tests start get the default action.
+
+`bench_package` makes `bench` importable as `python -m bench.NAME` from the repository root
+finds it, for the tests of the benchmarks' own code.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +47,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if "gpu" not in item.keywords]
+
+
+@pytest.fixture(scope="session")
+def bench_package() -> None:
+    """`bench` as `python -m` from the repository root finds it. Under pytest the root is on
+    the import path only where PYTHONPATH puts it, so the package is loaded from its folder
+    (its modules then import each other as `bench.x` through it)."""
+    if importlib.util.find_spec("bench") is not None:
+        return
+    folder = Path(__file__).resolve().parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location(
+        "bench", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = package
+    spec.loader.exec_module(package)
 
 
 @pytest.fixture(scope="session")

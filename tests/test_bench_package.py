@@ -34,21 +34,7 @@ def has_main(name: str) -> bool:
 BENCHMARKS = [name for name in MODULES if has_main(name)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def bench_package() -> None:
-    """`bench` as `python -m` from the repository root finds it. Under pytest the root is on
-    the import path only where PYTHONPATH puts it, so the package is loaded from its folder
-    (its modules then import each other as `bench.x` through it)."""
-    if importlib.util.find_spec("bench") is not None:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "bench", BENCH / "__init__.py", submodule_search_locations=[str(BENCH)]
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = package
-    spec.loader.exec_module(package)
+pytestmark = pytest.mark.usefixtures("bench_package")  # `bench` importable (conftest)
 
 
 def test_bench_holds_the_benchmarks_and_their_shared_modules() -> None:

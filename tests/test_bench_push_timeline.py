@@ -8,9 +8,11 @@ import json
 import random
 from datetime import UTC, datetime
 
-from bench.bench_push import ipc_timelines
-from bench.load import Stream
+import pytest
+
 from sitsd.weights.push_ipc import PARTS_LINE
+
+pytestmark = pytest.mark.usefixtures("bench_package")  # `bench` importable (tests/conftest.py)
 
 
 def line(event: str, at: float, **fields: object) -> str:
@@ -19,6 +21,9 @@ def line(event: str, at: float, **fields: object) -> str:
 
 
 def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start():
+    from bench.bench_push import ipc_timelines
+    from bench.load import Stream
+
     rng = random.Random()
     start = 1.8e9 + rng.randrange(10**6)  # the daemon's start of the push, wall clock
     perf = rng.uniform(100, 1000)  # the same instant on the clients' clock
