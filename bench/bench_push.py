@@ -19,7 +19,9 @@
    bandwidth measured first (bench.floors), and from the daemon's /metrics the slowest engine
    step and the event loop's latest wake-up from before the gap to the commit (which of the
    two a long inter-token gap came from; scraped before the gap, since making the /metrics
-   text holds the daemon's interpreter, which its engine step waits for).
+   text holds the daemon's interpreter, which its engine step waits for). The control: the
+   steady seconds cut into windows as long as the push's receive window, their ITL P99 against
+   steady (median and worst): a short window's P99 is about its slowest step, push or not.
 4. Throughput: output tokens/s over `--period` seconds with no push, then over as long with a
    full push every `--push-every` seconds (over IPC where it runs, else the first transport),
    for each policy of `--throughput-policies`, and their ratios; and the ITL P99 while
@@ -243,12 +245,26 @@ def slowest(daemon: BenchDaemon, before: str) -> dict[str, float]:
     return out
 
 
+def window_p99s(streams: list[Stream], start: float, end: float, length: float) -> list[float]:
+    """ITL P99 (ms) of each window of `length` seconds in [start, end), back to back: what a
+    window as short as a push's shows with no push (its P99 is about its slowest step)."""
+    out = []
+    while start + length <= end and length > 0:
+        gaps = [gap for gap, _ in arrival_gaps(streams, start, start + length)]
+        if len(gaps) >= 2:
+            out.append(stats(gaps)["p99_ms"])
+        start += length
+    return out
+
+
 def measure_transports(
     args: argparse.Namespace, daemon: BenchDaemon, trainer: Trainer, load: StreamLoad
 ) -> dict:
     steady_start, metrics = now(), daemon.metrics_text()
     time.sleep(args.steady)
-    steady = stats(itls(load, steady_start, now())) | slowest(daemon, metrics)
+    steady_end = now()
+    steady = stats(itls(load, steady_start, steady_end)) | slowest(daemon, metrics)
+    steady_streams = load.streams(since=steady_start)
     out: dict = {"steady": steady, "pushes": {}}
     runs = [(t, None) for t in available(args.transports, args.device) if t != "grpc"]
     if "grpc" in args.transports:  # one push per chunk size (--grpc-chunk-mib)
@@ -283,6 +299,10 @@ def measure_transports(
             "bytes": result.num_bytes,
             "bytes_per_s": result.num_bytes / receive_s if receive_s else float("nan"),
             "call_to_commit": window,
+            # The control: steady cut into windows as long as this one's receive window.
+            "steady_windows_p99_ms": window_p99s(
+                steady_streams, steady_start, steady_end, staged - called
+            ),
         }
         print(f"{transport}: {json.dumps(out['pushes'][transport])}", flush=True)
     return out
@@ -442,6 +462,13 @@ def daemon_notes(log_text: str, most: int = 40) -> list[str]:
     return [line for line in log_text.splitlines() if any(n in line for n in NOTES)][-most:]
 
 
+def _window_ratios(p99s: list[float], steady_p99: float) -> str:
+    if not p99s:
+        return "no window"
+    ratios = [p99 / steady_p99 for p99 in p99s]
+    return f"{statistics.median(ratios):.2f}x / {max(ratios):.2f}x ({len(ratios)} windows)"
+
+
 def table(r: dict) -> str:
     rows = [("measure", "value", "target")]
     steady = r["steady"]
@@ -466,6 +493,8 @@ def table(r: dict) -> str:
             (f"{name}: ITL P99 while committing / steady", f"{p['p99_ratio_commit']:.2f}x", ""),
             (f"{name}: received", f"{p['bytes_per_s'] / 1e9:.2f} GB/s{share}",
              ">= 1 GB/s" if name.startswith("grpc") else ""),
+            (f"{name}: steady cut into windows as long, ITL P99 / steady: median / worst",
+             _window_ratios(p.get("steady_windows_p99_ms", []), steady["p99_ms"]), ""),
             (f"{name}: slowest step / loop lag, gap to commit",
              f"<= {p['call_to_commit']['step_max_ms']:g} / <= "
              f"{p['call_to_commit']['loop_lag_max_ms']:g} ms "

@@ -56,3 +56,17 @@ def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start()
         "    the daemon's warnings (at the end of each): step 12.0 ms (32 tokens, 0 of a "
         "swap's) at +4"
     )
+
+
+def test_steady_cut_into_windows_gives_each_window_s_own_p99():
+    from bench.bench_push import window_p99s
+    from bench.load import Stream
+
+    # Two streams, a token every 5 ms; one 25 ms gap in the third 100 ms window.
+    times = [round(0.005 * i, 6) for i in range(200)]
+    slow = [t if t < 0.24 else t + 0.02 for t in times]
+    p99s = window_p99s([Stream(0, times), Stream(0, slow)], 0.0, 1.0, 0.1)
+    assert len(p99s) == 10
+    assert abs(p99s[2] - 25.0) < 1e-6
+    assert all(abs(p - 5.0) < 1e-6 for i, p in enumerate(p99s) if i != 2)
+    assert window_p99s([Stream(0, times)], 0.0, 1.0, 0.0) == []
