@@ -102,12 +102,9 @@ class IpcMappings:
     def get(self, key: StorageKey) -> torch.UntypedStorage | None:
         return self._kept.get(key)
 
-    def keep(self, storages: Mapping[StorageKey, torch.UntypedStorage]) -> int:
-        """Keep exactly `storages` (the last push's); the kept ones it did not use are let go.
-        Returns how many were let go."""
-        dropped = [key for key in self._kept if key not in storages]
+    def keep(self, storages: Mapping[StorageKey, torch.UntypedStorage]) -> None:
+        """Keep exactly `storages` (the last push's); the kept ones it did not use are let go."""
         self._kept = dict(storages)
-        return len(dropped)
 
     def clear(self) -> None:
         self._kept = {}
@@ -162,14 +159,13 @@ class IpcPush:
         held: set[Counter] = set()  # the producer's counts the openings hold
         views: list[torch.Tensor] = []
         marks = [time.monotonic()]  # start, opened, copied, let go
-        kept = self.mappings if self.mappings is not None else IpcMappings()
         try:
             with torch.cuda.device(writer.device), writer.side_stream():
                 # Opened (or waited for) on the side stream: the producer's event is waited
                 # for there.
                 for handle in first_of_each_storage(self._handles):
                     key = storage_key(handle)
-                    mapped = kept.get(key)
+                    mapped = self.mappings.get(key) if self.mappings is not None else None
                     if mapped is None:
                         opened[key] = _open(handle, writer.device)
                         held.add(counter_of(handle))
