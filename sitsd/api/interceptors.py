@@ -39,6 +39,7 @@ from sitsd.engine.errors import (
 from sitsd.observability.log_limit import RateLimitedLog
 from sitsd.types import AbortCause, FinishReason, RequestDelta
 from sitsd.weights.errors import (
+    GroupJoinError,
     InvalidVersionIdError,
     SwapFailedError,
     SwapRefusedError,
@@ -61,6 +62,7 @@ _EXCEPTION_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (VersionConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (SwapRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # rejected versions too
     (SwapFailedError, grpc.StatusCode.ABORTED),
+    (GroupJoinError, grpc.StatusCode.FAILED_PRECONDITION),  # the trainer is not there (yet)
 )
 
 

@@ -34,3 +34,8 @@ class VersionRejectedError(SwapRefusedError):
 
 class SwapFailedError(VersionError):
     """The engine could not commit (gRPC ABORTED); serving goes on with the old version."""
+
+
+class GroupJoinError(VersionError):
+    """The trainer's weight group could not be joined: its store did not answer, or a rank
+    never came within the timeout (gRPC FAILED_PRECONDITION; the message says where and why)."""

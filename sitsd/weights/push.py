@@ -153,7 +153,7 @@ class WeightPushes:
         """Become a rank of a trainer's weight group (replacing any group joined before).
 
         Raises:
-            InvalidRequestError: a field that cannot work. RuntimeError: the rendezvous failed.
+            InvalidRequestError: a field that cannot work. GroupJoinError: the rendezvous failed.
         """
         member = await GroupMember.join(spec, self.device)
         self.group = member

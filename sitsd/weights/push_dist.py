@@ -23,6 +23,7 @@ from sitsd.engine.errors import InvalidRequestError
 from sitsd.runtime.process_group import BACKENDS, WeightGroup, broadcast, stateless_group
 from sitsd.runtime.slot_writer import SlotWriteError, SlotWriter
 from sitsd.weights.checks import VersionRejected
+from sitsd.weights.errors import GroupJoinError, SwapFailedError
 from sitsd.weights.offthread import run_off_engine
 from sitsd.weights.progress import ByteProgress, Pacer, ProgressSink, SwapProgress
 from sitsd.weights.push_plan import PushPlan, TensorSpec
@@ -30,6 +31,9 @@ from sitsd.weights.push_plan import PushPlan, TensorSpec
 READY = "ready"  # the progress stage after which the trainer broadcasts
 MAX_BUCKET_BYTES = 4 * 2**30  # the largest broadcast a push may announce
 _ALIGN = 16  # tensors start in a bucket at multiples of this many bytes at least
+MAX_WORLD_SIZE = 2**16  # ranks in a weight group (torch's store counts them in a C int)
+MAX_GROUP_TIMEOUT_S = 24 * 3600.0  # the longest rendezvous or broadcast wait a join may ask for
+MAX_ADDRESS_CHARS = 253  # the longest DNS name
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,28 @@ class GroupMember:
             raise InvalidRequestError("backend", f"must be one of {', '.join(BACKENDS)}")
         if spec.backend == "nccl" and device.type != "cuda":
             raise InvalidRequestError("backend", "NCCL needs a daemon on a GPU: use gloo")
-        if not spec.master_address or not 0 < spec.master_port < 65536:
-            raise InvalidRequestError("master_address", "the trainer's store address and port")
+        address = spec.master_address
+        if not address or len(address) > MAX_ADDRESS_CHARS or not address.isprintable():
+            raise InvalidRequestError(
+                "master_address",
+                f"the trainer's store host: 1-{MAX_ADDRESS_CHARS} printable characters",
+            )
+        if not 0 < spec.master_port < 65536:
+            raise InvalidRequestError(
+                "master_port", f"must be in [1, 65535]; got {spec.master_port}"
+            )
+        if not 1 < spec.world_size <= MAX_WORLD_SIZE:
+            raise InvalidRequestError(
+                "world_size", f"must be in [2, {MAX_WORLD_SIZE}]; got {spec.world_size}"
+            )
         if not 0 < spec.rank < spec.world_size:
             raise InvalidRequestError(
                 "rank", f"must be in [1, world_size) (rank 0 is the trainer); got {spec.rank}"
             )
-        if spec.timeout_s <= 0:
-            raise InvalidRequestError("timeout_s", "must be > 0")
+        if not 0 < spec.timeout_s <= MAX_GROUP_TIMEOUT_S:  # NaN fails too
+            raise InvalidRequestError(
+                "timeout_s", f"must be in (0, {MAX_GROUP_TIMEOUT_S:.0f}]; got {spec.timeout_s}"
+            )
 
     @classmethod
     async def join(cls, spec: GroupSpec, device: torch.device) -> GroupMember:
@@ -76,7 +94,7 @@ class GroupMember:
 
         Raises:
             InvalidRequestError: a field that cannot work.
-            RuntimeError: the rendezvous failed or timed out.
+            GroupJoinError: the rendezvous failed or timed out.
         """
         cls.check(spec, device)
 
@@ -87,7 +105,14 @@ class GroupMember:
                 group_name=spec.name, timeout=datetime.timedelta(seconds=spec.timeout_s),
             )  # fmt: skip
 
-        group = await run_off_engine(rendezvous, name="sitsd-weight-group")
+        try:
+            group = await run_off_engine(rendezvous, name="sitsd-weight-group")
+        except (RuntimeError, TimeoutError, OSError, ValueError) as exc:  # torch's store errors
+            where = f"{spec.master_address}:{spec.master_port}"
+            raise GroupJoinError(
+                f"could not join weight group {spec.name!r} at {where} as rank {spec.rank} of "
+                f"{spec.world_size} ({spec.backend}): {type(exc).__name__}: {exc}"
+            ) from exc
         return cls(spec, group, device)
 
 
@@ -139,8 +164,15 @@ class GroupPush:
         """Each bucket's (tensor, byte offset) pairs, checked against the buckets' sizes.
 
         Raises:
-            VersionRejected: a placement outside its bucket, misaligned, or too large a bucket.
+            VersionRejected: a placement outside its bucket, misaligned, too large a bucket,
+                or a source rank that is not another rank of the group.
         """
+        group = self._member.group
+        if not 0 <= self._src_rank < group.size() or self._src_rank == group.rank():
+            raise VersionRejected(
+                f"src_rank {self._src_rank} is not another rank of the weight group (ranks 0 "
+                f"to {group.size() - 1}; this daemon is rank {group.rank()})"
+            )
         if len(self._placements) != len(self._plan.tensors):
             raise VersionRejected("the bucket layout does not place every tensor of the table")
         if any(not 0 < size <= MAX_BUCKET_BYTES for size in self._bucket_bytes):
@@ -179,7 +211,7 @@ class GroupPush:
                 try:
                     broadcast(member.group, bucket, self._src_rank)
                 except RuntimeError as exc:  # the trainer went away, or the group timed out
-                    raise RuntimeError(f"the weight group's broadcast failed: {exc}") from None
+                    raise SwapFailedError(f"the weight group's broadcast failed: {exc}") from None
                 for spec, offset in tensors:
                     raw = bucket[offset : offset + spec.nbytes]
                     try:

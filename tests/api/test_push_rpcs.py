@@ -4,6 +4,7 @@ server in front of a real in-process engine (the tiny Llama)."""
 from __future__ import annotations
 
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -295,3 +296,85 @@ def test_a_bucket_layout_that_does_not_fit_is_rejected_before_the_standby_slot_i
         assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert reason in error.value.details()
         assert served.manager.versions().slots == {"kept": "active", v1: "standby"}
+
+
+def test_a_join_that_cannot_work_gets_a_client_error_naming_why_and_serving_goes_on(served, client):
+    """Fields out of range are INVALID_ARGUMENT naming the field (a fuzzed world size of 2**32-1
+    or a timeout of 3e38 once reached torch as INTERNAL); a store nobody answers on is
+    FAILED_PRECONDITION naming where; the daemon serves a request afterwards."""
+    base = dict(master_address="127.0.0.1", master_port=29500, world_size=2, rank=1,
+                backend="gloo", timeout_s=1.0)  # fmt: skip
+    for change, field in (
+        ({"world_size": 2**32 - 1}, "world_size"),
+        ({"world_size": 1, "rank": 0}, "world_size"),
+        ({"rank": 2}, "rank"),
+        ({"timeout_s": 3.0e38}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+        ({"master_port": 70000}, "master_port"),
+        ({"master_address": "x" * 300}, "master_address"),
+        ({"master_address": "host\x00name"}, "master_address"),
+        ({"backend": "mpi"}, "backend"),
+    ):
+        request = admin_pb2.JoinWeightGroupRequest(**{**base, **change})
+        with pytest.raises(grpc.RpcError) as error:
+            client.stub.JoinWeightGroup(request, metadata=client.metadata, timeout=60)
+        assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT, change
+        assert error.value.details().startswith(f"{field}:"), error.value.details()
+    with socket.socket() as closed:  # bound, never listening: every connect is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        request = admin_pb2.JoinWeightGroupRequest(**{**base, "master_port": port})
+        with pytest.raises(grpc.RpcError) as error:
+            client.stub.JoinWeightGroup(request, metadata=client.metadata, timeout=120)
+    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert f"at 127.0.0.1:{port} as rank 1 of 2" in error.value.details()
+    assert client.status().weight_push.weight_group == ""
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(served.address))
+    request = inference_pb2.GenerateRequest(
+        text="hi", sampling=inference_pb2.SamplingParams(max_tokens=3), ignore_eos=True
+    )
+    replies = list(stub.Generate(request, timeout=60))
+    assert replies[-1].usage.completion_tokens == 3
+
+
+def test_a_group_push_from_no_rank_or_a_trainer_that_never_broadcasts_ends_with_a_client_error(
+    served, client, versions
+):
+    """A source rank outside the group is FAILED_PRECONDITION before the slot is touched (a
+    uint32 of 2**32-1 once reached torch as INTERNAL); a broadcast that never comes ends the
+    push ABORTED when the group's timeout passes (a last guard, not a wait); a group joined
+    again then carries a push that commits."""
+    active = served.manager.registry.active
+    WeightGroup.create([client], backend="gloo", name="silent", timeout_s=2)
+    spec = admin_pb2.TensorSpec(name=NORM, dtype="float32", shape=[64])
+    header = admin_pb2.PushHeader(partial=True, tensors=[spec])
+    for src_rank in (1, 2, 2**32 - 1):  # the daemon itself, past the group, past a C int
+        header.version = f"from-{src_rank}"
+        request = admin_pb2.UpdateWeightsFromGroupRequest(
+            header=header, bucket_bytes=[256], src_rank=src_rank,
+            placements=[admin_pb2.TensorPlacement(bucket=0, offset=0)],
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as error:
+            list(client.stub.UpdateWeightsFromGroup(request, metadata=client.metadata))
+        assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert f"src_rank {src_rank} is not another rank of the weight group" in (
+            error.value.details()
+        )
+    header.version = "never-sent"
+    request = admin_pb2.UpdateWeightsFromGroupRequest(
+        header=header, bucket_bytes=[256],
+        placements=[admin_pb2.TensorPlacement(bucket=0, offset=0)],
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.stub.UpdateWeightsFromGroup(request, metadata=client.metadata, timeout=120))
+    assert error.value.code() is grpc.StatusCode.ABORTED
+    assert "the weight group's broadcast failed" in error.value.details()
+    assert served.manager.registry.active == active
+    assert "never-sent" not in served.manager.versions().slots
+    assert served.pushes.last.outcome == "failed"
+    group = WeightGroup.create([client], backend="gloo", name="again", timeout_s=60)
+    norm = {NORM: torch.randn(64)}
+    [result] = group.push(norm, version="after-silence", partial=True)
+    assert result.outcome == "committed"
+    assert_slot_holds(served, "after-silence", norm)
