@@ -257,7 +257,7 @@ FOUND_DEFECTS = {
 
 
 @pytest.mark.parametrize(
-    "raw,seed",
+    ("raw", "seed"),
     [(False, None), (True, None), *FOUND_DEFECTS.values()],
     ids=["decoded", "raw-bytes", *FOUND_DEFECTS],
 )
