@@ -16,7 +16,9 @@
 4. Report, from the clients' token arrival times, for every phase of every swap: the
    inter-token latency P50 / P99 / max and their ratios to that swap's steady P99; the swap's
    wall time (deploy to the end of its effect) and serving pause; the largest gaps with the
-   phase they fell in (where to look when a phase stalls). The worst ratios come last, against
+   phase they fell in (where to look when a phase stalls), and the daemon's own account of
+   them (it runs with slow-step, loop-stall and collection warnings at 1.5x the recent median
+   step: what each slow step carried, placed in its phase). The worst ratios come last, against
    the targets (GPU: P99 at most 1.3x steady, max at most 3x steady P99; CPU: 1.5x and 4x).
 
 Phases, in order: steady, verify, validate, stage (the copy into the standby slot), canary,
@@ -40,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -147,6 +150,12 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
     if args.canary:
         (work / "canary.txt").write_text("\n".join(CANARY) + "\n")
         flags += ["--canary-file", str(work / "canary.txt"), "--canary-max-kl", "5"]
+    # The daemon's account of a slow inter-token gap: steps 1.5x their recent median (and
+    # past a floor a little under a steady step), event-loop stalls and garbage collections,
+    # each logged with what it carried (`daemon_account` places them in the swap's phases).
+    floor_ms = "50" if args.device == "cpu" else "8"
+    flags += ["--slow-step-ms", floor_ms, "--slow-step-factor", "1.5", "--loop-lag-warn-ms",
+              floor_ms, "--stall-warn-every-s", "0.02"]  # fmt: skip
     if args.device == "cpu":  # float32 KV for every stream
         a = SMOLLM2
         per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
@@ -262,6 +271,46 @@ def summarize(args: argparse.Namespace, streams: list[Stream], marks: dict, poli
     }
 
 
+def daemon_account(
+    log_text: str,
+    marks: dict,
+    phases: list[tuple[str, float, float]],
+    wall_minus_perf: float,
+    most: int = 12,
+) -> list[str]:
+    """The daemon's warnings during one swap (slow steps with what they carried, event-loop
+    stalls, garbage collections), the `most` longest, each placed in its phase (at the end of
+    the stall it reports; seconds into the phase): which part of the swap a long gap was."""
+    found: list[tuple[float, float, str]] = []  # (ms, perf time, what)
+    for line in log_text.splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        stamp = entry.get("timestamp", "")
+        if not stamp or not any(k in entry for k in ("step_ms", "lag_ms", "gc_ms")):
+            continue
+        at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() - wall_minus_perf
+        if not phases[0][1] <= at < marks["end"]:
+            continue
+        if "step_ms" in entry:
+            work = entry["swap_work_tokens"]
+            what = (f"step {entry['step_ms']:.0f} ms ({entry['num_tokens']} tokens, "
+                    f"{entry['num_requests']} requests, {entry['serving_versions']} versions, "
+                    f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}, "
+                    f"{entry['num_migrated']} migrated)")  # fmt: skip
+            ms = entry["step_ms"]
+        elif "lag_ms" in entry:
+            what, ms = f"event loop late {entry['lag_ms']:.0f} ms", entry["lag_ms"]
+        else:
+            what, ms = f"gc gen {entry['gc_generation']} {entry['gc_ms']:.0f} ms", entry["gc_ms"]
+        found.append((ms, at, what))
+    out = []
+    for _, at, what in sorted(found, reverse=True)[:most]:
+        name, start, _ = next((p for p in phases if p[1] <= at < p[2]), ("after", at, at))
+        out.append(f"    {name} +{at - start:.1f} s: {what}")
+    return out
+
+
 def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path],
                 clients: int) -> list[dict]:  # fmt: skip
     """One daemon, one swap per policy under `clients` streams."""
@@ -273,6 +322,7 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
     daemon = BenchDaemon(state, daemon_flags(args, work, v1, clients),
                          log_path=work / f"daemon-{clients}.log")  # fmt: skip
     results = []
+    wall_minus_perf = time.time() - now()  # the daemon's log has wall-clock times
     try:
         daemon.wait_until_serving()
         slot_mib = float(SLOT_COST.search(daemon.log_text()).group(1))
@@ -293,8 +343,13 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
         for policy, marks in swaps:
             result = summarize(args, streams, marks, policy, clients)
             result["second_slot_mib"] = slot_mib
+            account = daemon_account(daemon.log_text(), marks, phases_of(args, marks, policy),
+                                     wall_minus_perf)  # fmt: skip
+            result["daemon_account"] = account
             results.append(result)
             print(table(result, args.device), flush=True)
+            print("\n".join(["the daemon's slowest steps, loop stalls and collections:",
+                             *account]), flush=True)  # fmt: skip
     finally:
         daemon.stop()
     return results
