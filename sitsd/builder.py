@@ -217,8 +217,13 @@ def build_engine(
     if scfg.async_scheduling is None:
         scfg = replace(scfg, async_scheduling=runner.overlaps_host_work)
     swap = config.swap
-    pacing = PacingSettings(swap.step_share, swap.migration_tokens_per_step,
-                            swap.migration_deadline_s, drain_hold_s=swap.drain_hold_s)  # fmt: skip
+    pacing = PacingSettings(
+        share=swap.step_share,
+        fixed_tokens=swap.migration_tokens_per_step,
+        migration_deadline_steps=swap.migration_deadline_steps,
+        migration_deadline_s=swap.migration_deadline_s,
+        drain_hold_s=swap.drain_hold_s,
+    )
     scheduler = Scheduler(scfg, kv_cache, info.max_model_len, tiers=config.tiers, pacing=pacing)
     core = EngineCore(
         scheduler, runner, checkpoint.tokenizer, name,

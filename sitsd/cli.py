@@ -349,12 +349,21 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         "one measured from --swap-step-share (default: measured)",
     )
     group.add_argument(
+        "--migration-deadline-steps",
+        type=int_at_least(1),
+        default=sw.migration_deadline_steps,
+        metavar="N",
+        help="a migration ends within this many steady engine steps of its commit, the "
+        "device's own pace: 10 s at 5 ms a step, minutes on a CPU (its recompute grows past "
+        "--swap-step-share near the end if it must) (default: %(default)s)",
+    )
+    group.add_argument(
         "--migration-deadline",
         type=positive_float,
-        default=sw.migration_deadline_s,
+        default=sw.migration_deadline_s or None,
         metavar="SECONDS",
-        help="a migration ends within this many seconds of its commit (its recompute grows "
-        "past --swap-step-share near the end if it must) (default: %(default)s)",
+        help="the migration's deadline in seconds instead, whatever the device (default: "
+        "--migration-deadline-steps)",
     )
     group.add_argument(
         "--drain-hold",
@@ -540,7 +549,8 @@ def config_from_args(
             policy=args.swap_policy,
             step_share=args.swap_step_share,
             migration_tokens_per_step=args.migration_tokens_per_step or 0,
-            migration_deadline_s=args.migration_deadline,
+            migration_deadline_steps=args.migration_deadline_steps,
+            migration_deadline_s=args.migration_deadline or 0.0,
             drain_hold_s=args.drain_hold,
         ),
     )

@@ -269,9 +269,12 @@ class SwapConfig:
     # A fixed allowance of swap work per engine step instead (KV tokens; less the step's
     # other prefill); 0: measured, from `step_share`.
     migration_tokens_per_step: int = 0
-    # A migration ends within this many seconds of its commit: near the end its recompute
-    # grows past `step_share` if it must.
-    migration_deadline_s: float = 10.0
+    # A migration ends within this many steady engine steps of its commit (the device's own
+    # pace: 10 s at an H200's 5 ms, minutes on a CPU, where catching up sooner would double
+    # every step); near the end its recompute grows past `step_share` if it must.
+    migration_deadline_steps: int = 2000
+    # The deadline in seconds instead, whatever the device (0: `migration_deadline_steps`).
+    migration_deadline_s: float = 0.0
     # A drain holds new requests back for up to this many seconds while requests still run on
     # the old version (a step serving both reads both versions' weights); 0: no hold.
     drain_hold_s: float = 2.0

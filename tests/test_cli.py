@@ -200,6 +200,8 @@ def test_kv_cache_memory_takes_sizes(text, size):
         ("--shutdown-grace", "-1", "must be >= 0"),
         ("--shutdown-grace", "nan", "must be >= 0"),
         ("--drain-hold", "-0.5", "must be >= 0"),
+        ("--migration-deadline-steps", "0", "must be >= 1"),
+        ("--migration-deadline", "0", "must be > 0"),
         ("--gil-switch-interval", "0", "must be > 0"),
         ("--dtype", "float64", "invalid choice"),
         ("--log-level", "verbose", "invalid choice"),
@@ -287,6 +289,15 @@ def test_drain_hold_reaches_the_swap_config():
     hold = round(random.uniform(0.1, 9.0), 2)
     assert config_of("--drain-hold", str(hold)).swap.drain_hold_s == hold
     assert config_of().swap.drain_hold_s == SwapConfig().drain_hold_s
+
+
+def test_the_migration_deadline_is_in_steady_steps_unless_given_in_seconds():
+    default = config_of().swap
+    assert (default.migration_deadline_steps, default.migration_deadline_s) == (2000, 0.0)
+    steps = random.randrange(1, 10_000)
+    swap = config_of("--migration-deadline-steps", str(steps)).swap
+    assert (swap.migration_deadline_steps, swap.migration_deadline_s) == (steps, 0.0)
+    assert config_of("--migration-deadline", "7.5").swap.migration_deadline_s == 7.5
 
 
 def test_gil_switch_interval_reaches_the_server_config():

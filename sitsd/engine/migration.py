@@ -6,8 +6,9 @@ blocks of its own and the new weights version. The scheduler runs shadows as pre
 the new slot, under the per-step allowance of a swap's work (`sitsd.engine.pacing`), next to
 the decodes that go on on the old slot; a shadow never samples. The migration ends in bounded
 time: `tokens_to_finish` says how many tokens a step must give shadows for every one that
-will still be needed then to have caught up by a deadline, which the scheduler's allowance
-never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
+will still be needed then to have caught up by a deadline (`deadline_s`, set once the steady
+step time is measured: a number of steady steps, so the device's pace, unless configured in
+seconds), which the scheduler's allowance never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
 migration takes longer than its deadline rather than stall the streams). A shadow's target in
 a step is every known token when its original computes its last token in the same step or
 has a token pending (asynchronous scheduling: the step ahead is sampling it), else all but the
@@ -66,6 +67,9 @@ class Migration:
         self.shadows: dict[str, Shadow] = {}  # by the original's req_id
         self.num_restarted = 0  # requests whose shadow found no blocks (recomputed instead)
         self.flip_s = 0.0  # how long the flip took (set by the scheduler)
+        # Seconds from `started` it must end within; None until the steady step time that
+        # sets it is measured (set by the scheduler's `SwapPolicies`).
+        self.deadline_s: float | None = None
 
     @staticmethod
     def shadow_id(req_id: str) -> str:
@@ -119,18 +123,18 @@ class Migration:
             for s in self.shadows.values()
         )
 
-    def tokens_to_finish(self, now: float, deadline_s: float, step_s: float | None) -> int:
+    def tokens_to_finish(self, now: float, step_s: float | None) -> int:
         """Tokens shadows need in each step from now on for the migration to end within
-        `deadline_s` of its start, steps being `step_s` apart (0: not measured yet).
+        `deadline_s` of its start, steps being `step_s` apart (None or 0: not measured yet).
 
         A shadow whose original ends before then (it has fewer tokens left to generate than
         there are steps) needs none: its shadow is dropped when it ends. Every other one
         catches up with its deficit over the steps left (a quarter of them kept for steps
         without swap work) and with the token its original adds in each.
         """
-        if step_s is None or step_s <= 0:
+        if step_s is None or step_s <= 0 or self.deadline_s is None:
             return 0
-        steps_left = max(1.0, 0.75 * (self.started + deadline_s - now) / step_s)
+        steps_left = max(1.0, 0.75 * (self.started + self.deadline_s - now) / step_s)
         needed = 0.0
         for entry in self.shadows.values():
             original = entry.original

@@ -65,8 +65,11 @@ class PacingSettings:
     share: float = 0.2
     fixed_tokens: int = 0  # > 0: this many tokens a step instead of the measured allowance
     # A migration's recompute grows past the share when it must to end within this many
-    # seconds of the commit (`sitsd.engine.migration.Migration.tokens_to_finish`).
-    migration_deadline_s: float = 10.0
+    # steady steps of the commit (`sitsd.engine.migration.Migration.tokens_to_finish`): the
+    # device's own pace, so one default holds on a GPU and on a CPU...
+    migration_deadline_steps: int = 2000
+    # ...or within this many seconds instead, where set (> 0).
+    migration_deadline_s: float = 0.0
     # A step the swap's work makes longer than the share allows (a spaced piece) comes at
     # most once in this many steps: under 1% of them, out of every inter-token P99.
     spaced_every: int = 128

@@ -115,7 +115,8 @@ class Scheduler:
         self.policy = make_policy(config, self.tiers_config, self.tracker, controller)
         pacing = pacing or PacingSettings()
         self.pacer = StepPacer(pacing)
-        self.swaps = SwapPolicies(self, pacing.migration_deadline_s, pacing.drain_hold_s)
+        self.swaps = SwapPolicies(self, pacing.migration_deadline_steps,
+                                  pacing.migration_deadline_s, pacing.drain_hold_s)  # fmt: skip
         self.probes = Probes(self)
         self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}

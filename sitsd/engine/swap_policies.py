@@ -47,15 +47,22 @@ class SwapPolicies:
     """Switches the requests in flight to a new weights version; see the module docstring."""
 
     def __init__(
-        self, batch: Batch, migration_deadline_s: float, drain_hold_s: float = 0.0
+        self,
+        batch: Batch,
+        migration_deadline_steps: int,
+        migration_deadline_s: float = 0.0,
+        drain_hold_s: float = 0.0,
     ) -> None:
         """Args:
         batch: the scheduler whose requests this part switches.
-        migration_deadline_s: a migration ends within this many seconds of its commit.
+        migration_deadline_steps: a migration ends within this many steady steps of its
+            commit (counted at the steady step time first measured while it runs)...
+        migration_deadline_s: ...or within this many seconds, where > 0.
         drain_hold_s: after a drain commit, requests on the new version wait up to this long
             for the old version's requests to finish.
         """
         self._batch = batch
+        self.migration_deadline_steps = migration_deadline_steps
         self.migration_deadline_s = migration_deadline_s
         self.drain_hold_s = drain_hold_s
         self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
@@ -199,12 +206,16 @@ class SwapPolicies:
         """Last phase: shadow chunks within `allowance` tokens, or what the deadline needs
         (`Migration.tokens_to_finish`, steps `step_s` apart; None: no floor) when more, up
         to `most`; a shadow without blocks: its request is recomputed. Returns the shadows'
-        tokens."""
+        tokens. The deadline in seconds is fixed at the first step time measured."""
         migration = self.migration
         if migration is None:
             return 0
         batch = self._batch
-        needed = migration.tokens_to_finish(batch.now(), self.migration_deadline_s, step_s)
+        if migration.deadline_s is None and step_s is not None:
+            migration.deadline_s = self.migration_deadline_s or (
+                self.migration_deadline_steps * step_s
+            )
+        needed = migration.tokens_to_finish(batch.now(), step_s)
         allowance = max(allowance, min(needed, most))
         starved, used = migration.schedule(out, min(allowance, batch.budget(out)), batch.kv_cache)
         for request in starved:

@@ -37,12 +37,13 @@ class SimEngine:
     """
 
     def __init__(self, share=0.2, base_s=0.1, token_s=0.002, weights_s=0.0, deadline_s=60.0,
-                 fixed_tokens=0):  # fmt: skip
+                 fixed_tokens=0, deadline_steps=2000):  # fmt: skip
         self.now = 0.0
         self.base_s, self.token_s, self.weights_s = base_s, token_s, weights_s
         self.kv = KVCacheManager(4096, BLOCK)
         cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, policy="fcfs")
         pacing = PacingSettings(share=share, fixed_tokens=fixed_tokens,
+                                migration_deadline_steps=deadline_steps,
                                 migration_deadline_s=deadline_s)  # fmt: skip
         self.sched = Scheduler(cfg, self.kv, 8192, clock=lambda: self.now, pacing=pacing)
         self.runner = FakeRunner(BLOCK)
@@ -191,6 +192,29 @@ def test_a_migration_too_slow_for_its_share_still_ends_by_its_deadline():
         assert sim.now - started < 60.0, "the migration did not end by its deadline"
     assert sim.now - started <= 30.0 * 1.1
     assert sim.sched.swaps.last_migration.num_restarted == 0
+
+
+@pytest.mark.parametrize("step_s", [0.005, 1.0], ids=["gpu-like", "cpu-like"])
+def test_by_default_a_migration_ends_within_its_deadline_in_steady_steps_on_any_device(step_s):
+    # The same engine at a GPU's pace and at a CPU's 200x slower one: a 1% share is too slow
+    # for 16 long requests, so the deadline decides when the migration ends; counted in steady
+    # steps, it is the same number of steps on both (a deadline in seconds would be 200x
+    # more steps on the GPU, or push the CPU's steps past the share 200x sooner).
+    sim = SimEngine(share=0.01, base_s=step_s, token_s=step_s / 50, deadline_s=0.0,
+                    deadline_steps=300)  # fmt: skip
+    steady = sim.steady(num_requests=16, max_tokens=100_000)
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    started, first = sim.now, len(sim.steps)
+    sim.sched.swaps.switch(V1, "migrate")
+    while sim.sched.swaps.migration is not None:
+        sim.step()
+        assert len(sim.steps) - first < 3000, "the migration never ended"
+    migration = sim.sched.swaps.last_migration
+    assert migration.deadline_s == pytest.approx(300 * steady, rel=0.05)
+    assert sim.now - started <= migration.deadline_s * 1.1
+    assert 150 <= len(sim.steps) - first <= 330, "the deadline, not the share, ended it"
+    assert migration.num_restarted == 0
 
 
 def test_a_migration_behind_its_deadline_never_more_than_doubles_a_step():
