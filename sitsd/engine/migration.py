@@ -8,8 +8,9 @@ the decodes that go on on the old slot; a shadow never samples. The migration en
 time: `tokens_to_finish` says how many tokens a step must give shadows for every one that
 will still be needed then to have caught up by a deadline (`deadline_s`, set once the steady
 step time is measured: a number of steady steps, so the device's pace, unless configured in
-seconds), which the scheduler's allowance never goes below as long as a step at most doubles (`StepPacer.most_tokens`; past that, the
-migration takes longer than its deadline rather than stall the streams). A shadow's target in
+seconds), which the scheduler's allowance never goes below as long as a step at most doubles
+(`StepPacer.most_tokens`; past that, the migration takes longer than its deadline rather than
+stall the streams). A shadow's target in
 a step is every known token when its original computes its last token in the same step or
 has a token pending (asynchronous scheduling: the step ahead is sampling it), else all but the
 last one: a flipped request always has a token left to compute, and so samples at once.
