@@ -120,7 +120,33 @@ def test_a_pacer_sleeps_in_proportion_to_the_work_its_clock_counts(monkeypatch):
     for _ in range(4):
         pacer()
     assert slept == pytest.approx([0.8, 1.2, 0.0])
-    unpaced = Pacer(1.0, clock=time.thread_time)
+    unpaced = Pacer(1.0)
     unpaced()
     unpaced()
     assert len(slept) == 3
+
+
+def test_on_the_cpu_clock_the_first_piece_counts_from_the_threads_start(monkeypatch):
+    """The work a thread did before its first call (checks before the first chunk, the first
+    chunk) is paced as well: it used to run unpaced, back to back with the second piece."""
+    slept: list[float] = []
+    monkeypatch.setattr("sitsd.weights.progress.time.sleep", slept.append)
+    share = 0.25
+    pacer = Pacer(share)
+    seen: list[tuple[float, float]] = []
+
+    def worker() -> None:
+        deadline = time.thread_time() + 0.02
+        while time.thread_time() < deadline:  # CPU work, not a wait
+            pass
+        before = time.thread_time()
+        pacer()
+        seen.append((before, time.thread_time()))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    [(before, after)] = seen
+    factor = (1 - share) / share
+    assert len(slept) == 1
+    assert before * factor <= slept[0] <= after * factor
