@@ -5,7 +5,9 @@ checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles
 `validate(loaded, serving)` checks, before any weight slot is touched, that the version can
 replace the serving one: the same architecture (every `LlamaArch` field but `extra`, floats as
 the kernels read them: `as_used`), the same
-tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer),
+tokenizer (vocabulary and end-of-generation ids: requests in flight keep their detokenizer;
+a version whose tokenizer files are the serving one's takes the serving tokenizer at load,
+with nothing to parse or compare),
 every dense tensor's name, shape and floating dtype, and finite values in the serving dtype
 (read in chunks, so memory stays bounded; on CUDA on a side stream), and every module the
 checkpoint stores quantized converted on the serving device with its format's checks (shapes
@@ -36,6 +38,7 @@ from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 from sitsd.types import TokenizerLike
 from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
+from sitsd.weights.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -53,6 +56,9 @@ class ServingModel:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    # The serving tokenizer itself, for versions whose tokenizer files are the same (None:
+    # not one built from files this way).
+    tokenizer: Tokenizer | None = None
 
 
 @dataclass
@@ -77,6 +83,7 @@ def serving_model_of(
         tuple(sorted(tokenizer.eos_token_ids)),
         dtype,
         device,
+        tokenizer if isinstance(tokenizer, Tokenizer) else None,
     )
 
 
@@ -86,6 +93,7 @@ def load_version(
     root: Path | None = None,
     on_progress: Progress | None = None,
     hash_workers: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> LoadedVersion:
     """Verify a version directory against its manifest and open its checkpoint.
 
@@ -94,6 +102,8 @@ def load_version(
         root: the watched directory, for versions found there: every file must resolve in it.
         on_progress: called with (bytes hashed, bytes total).
         hash_workers: files hashed at once.
+        tokenizer: the serving one, taken when the version's tokenizer files are its own
+            (`load_checkpoint`).
 
     Raises:
         VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
@@ -110,7 +120,7 @@ def load_version(
     except ManifestError as exc:
         raise VersionRejected(str(exc)) from None
     try:
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, tokenizer=tokenizer)
     except CheckpointError as exc:
         raise VersionRejected(str(exc)) from None
     return LoadedVersion(checkpoint, manifest)
@@ -136,9 +146,10 @@ def validate(
             f"architecture differs from the serving one: {_arch_diff(ckpt.arch, serving.arch)}"
         )
     tokenizer = ckpt.tokenizer
-    if dict(tokenizer.backend.get_vocab()) != serving.vocab:
+    same = tokenizer is serving.tokenizer  # built from the same files: nothing to compare
+    if not same and dict(tokenizer.backend.get_vocab()) != serving.vocab:
         raise VersionRejected("the tokenizer's vocabulary differs from the serving one")
-    if tuple(sorted(tokenizer.eos_token_ids)) != serving.eos_token_ids:
+    if not same and tuple(sorted(tokenizer.eos_token_ids)) != serving.eos_token_ids:
         raise VersionRejected(
             f"end-of-generation ids differ: {sorted(tokenizer.eos_token_ids)} vs "
             f"{list(serving.eos_token_ids)}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sitsd.weights.checkpoint import (
     PICKLE_SUFFIXES,
@@ -23,9 +24,16 @@ from sitsd.weights.checkpoint import (
 )
 from sitsd.weights.embedded import embedded_model_path
 
+if TYPE_CHECKING:
+    from sitsd.weights.tokenizer import Tokenizer
+
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, load_tensors: bool = True, keep_quantized: bool = True
+    path: str | os.PathLike[str],
+    *,
+    load_tensors: bool = True,
+    keep_quantized: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> Checkpoint:
     """Load a checkpoint from a HF model directory, a `.gguf` file, or a directory with one.
 
@@ -36,6 +44,8 @@ def load_checkpoint(
         keep_quantized: GGUF: keep the linear weights of the types sitsd serves quantized as
             raw bytes (`Checkpoint.quant` says which); False dequantizes them to float32.
             Hugging Face quantized modules are always kept as they are.
+        tokenizer: Hugging Face: a tokenizer built before, taken instead of parsing the
+            directory's tokenizer files when they are the ones it was built from.
 
     Returns:
         The checkpoint.
@@ -50,7 +60,7 @@ def load_checkpoint(
     path = Path(path)
     kind, source = checkpoint_source(path)
     if kind == "hf":
-        return hf.load_hf_dir(path, load_tensors=load_tensors)
+        return hf.load_hf_dir(path, load_tensors=load_tensors, tokenizer=tokenizer)
     ckpt = gguf_file.load_gguf(source, load_tensors=load_tensors, keep_quantized=keep_quantized)
     if source != path:  # a directory holding one .gguf file is named by the directory
         ckpt.name, ckpt.path = path.name, path

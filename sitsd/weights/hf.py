@@ -13,6 +13,7 @@ copying tensors to a device is the model's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,39 @@ from sitsd.weights.tokenizer import Tokenizer, end_of_generation_ids
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some exporters save next to the parameters; the model recomputes them.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# The files a directory's tokenizer is built from (config.json: the vocabulary size and EOS
+# ids), in the order `_load_tokenizer` lists them.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json", "chat_template.jinja")  # fmt: skip
 
 
-def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
+def tokenizer_digest(path: Path) -> str:
+    """SHA-256 over the names and bytes of the files a directory's tokenizer is built from
+    (those present, config.json included): two directories with one digest build one
+    tokenizer. Reading and hashing release the GIL; parsing tokenizer.json does not."""
+    digest = hashlib.sha256()
+    for name in ("config.json", *_TOKENIZER_FILES):
+        file = path / name
+        if file.is_file():
+            data = file.read_bytes()
+            digest.update(f"{name}\0{len(data)}\0".encode())
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def load_hf_dir(
+    path: Path, *, load_tensors: bool = True, tokenizer: Tokenizer | None = None
+) -> Checkpoint:
     """Load a Hugging Face model directory.
 
     Args:
         path: The directory (holding `config.json`).
         load_tensors: False skips the weights (their files are still listed in `files`).
+        tokenizer: One built before (the serving model's): the checkpoint takes it when its
+            tokenizer files are byte for byte the ones it was built from (`tokenizer_digest`)
+            instead of parsing them again. Parsing holds the GIL throughout (70 ms for
+            SmolLM2's tokenizer.json, more for larger vocabularies), which stalls the engine's
+            steps and the event loop of a daemon staging a version while it serves.
 
     Raises:
         CheckpointError: A file is missing, corrupt or unsupported, or tensors do not match
@@ -58,7 +84,11 @@ def load_hf_dir(path: Path, *, load_tensors: bool = True) -> Checkpoint:
         raise CheckpointError(f"{path / 'config.json'}: unsupported or incomplete: {exc}") from exc
     quant = _quant_source(path, config, files)
     weight_files = _weight_files(path)
-    tokenizer = _load_tokenizer(path, config, arch.vocab_size, files)
+    digest = tokenizer_digest(path)
+    if tokenizer is not None and tokenizer.source_digest == digest:
+        files += [path / name for name in _TOKENIZER_FILES if (path / name).is_file()]
+    else:
+        tokenizer = _load_tokenizer(path, config, arch.vocab_size, files, digest)
     files += weight_files
     tensors: dict[str, torch.Tensor] = {}
     if load_tensors:
@@ -157,7 +187,7 @@ def _load_safetensors(weight_files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def _load_tokenizer(
-    path: Path, config: dict[str, Any], vocab_size: int, files: list[Path]
+    path: Path, config: dict[str, Any], vocab_size: int, files: list[Path], digest: str
 ) -> Tokenizer:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -209,6 +239,7 @@ def _load_tokenizer(
             add_bos_token=add_bos,
             add_eos_token=add_eos,
             chat_template=_chat_template(path, tok_config, files),
+            source_digest=digest,
         )
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc

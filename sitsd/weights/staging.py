@@ -165,7 +165,8 @@ class StandbyStager:
         path = Path(record.path)
         if not record.manifest_digest:  # the start-up model: a checkpoint without a manifest
             try:
-                return LoadedVersion(load_checkpoint(path), manifest=None)
+                checkpoint = load_checkpoint(path, tokenizer=self.serving.tokenizer)
+                return LoadedVersion(checkpoint, manifest=None)
             except CheckpointError as exc:
                 raise VersionRejected(str(exc)) from None
         root = Path(self.settings.watch_root) if record.source == "watch" else None
@@ -173,7 +174,8 @@ class StandbyStager:
         on_bytes = ByteProgress(loop, progress, "verify", record.version, pace=pacer)
         # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees.
         workers = _HASH_WORKERS if pacer.share >= 1.0 else 1
-        loaded = load_version(path, root=root, on_progress=on_bytes, hash_workers=workers)
+        loaded = load_version(path, root=root, on_progress=on_bytes, hash_workers=workers,
+                              tokenizer=self.serving.tokenizer)  # fmt: skip
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
             raise VersionRejected("manifest.json changed since the version was registered")

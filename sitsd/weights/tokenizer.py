@@ -56,6 +56,8 @@ class Tokenizer:
         add_eos_token: Whether `encode(add_special_tokens=True)` appends the primary EOS.
         chat_template: Jinja2 source of the chat template, or None.
         unk_token_id: Unknown-token id, or None.
+        source_digest: What it was built from, when that is files (`sitsd.weights.hf`'s
+            `tokenizer_digest`); "" otherwise. Equal digests build equal tokenizers.
 
     Raises:
         ValueError: The backend has ids the model's embedding does not cover.
@@ -73,8 +75,10 @@ class Tokenizer:
         add_eos_token: bool = False,
         chat_template: str | None = None,
         unk_token_id: int | None = None,
+        source_digest: str = "",
     ):
         self._backend = backend
+        self.source_digest = source_digest
         self._id_limit = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         if vocab_size < self._id_limit:
             raise ValueError(
