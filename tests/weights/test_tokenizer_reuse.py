@@ -47,9 +47,7 @@ def edit_json(path: Path, edit) -> None:
     write_manifest(path.parent)
 
 
-def test_a_version_with_the_serving_tokenizer_files_takes_the_serving_tokenizer(
-    tmp_path, parses
-):
+def test_a_version_with_the_serving_tokenizer_files_takes_the_serving_tokenizer(tmp_path, parses):
     serving = serving_of(write_version(tmp_path / "v1"))
     assert serving.tokenizer is not None
     assert len(parses) == 1
