@@ -10,10 +10,10 @@ will still be needed then to have caught up by a deadline (`deadline_s`, set onc
 step time is measured: a number of steady steps, so the device's pace, unless configured in
 seconds), which the scheduler's allowance never goes below as long as a step at most doubles
 (`StepPacer.most_tokens`; past that, the migration takes longer than its deadline rather than
-stall the streams). A shadow's target in
-a step is every known token when its original computes its last token in the same step or
-has a token pending (asynchronous scheduling: the step ahead is sampling it), else all but the
-last one: a flipped request always has a token left to compute, and so samples at once.
+stall the streams). A shadow's target in a step is every known token when its original
+computes its last token in the same step or has a token pending (asynchronous scheduling: the
+step ahead is sampling it), else all but the last one: a flipped request always has a token
+left to compute, and so samples at once.
 
 A shadow counts its tokens as computed when they are scheduled, as a request's step ahead is
 counted: with asynchronous scheduling the next chunk is scheduled while the last one is still
