@@ -61,16 +61,29 @@ class Shadow:
 class Migration:
     """The requests migrating from one weights version to another; see the module docstring."""
 
-    def __init__(self, from_version: str, to_version: str, started: float) -> None:
+    def __init__(
+        self,
+        from_version: str,
+        to_version: str,
+        started: float,
+        deadline_steps: int = 2000,
+        deadline_s: float = 0.0,
+    ) -> None:
+        """Args:
+        deadline_steps: it ends within this many steady steps of `started` (counted at the
+            first steady step time `tokens_to_finish` is given)...
+        deadline_s: ...or within this many seconds, where > 0.
+        """
         self.from_version = from_version
         self.to_version = to_version
         self.started = started
         self.shadows: dict[str, Shadow] = {}  # by the original's req_id
         self.num_restarted = 0  # requests whose shadow found no blocks (recomputed instead)
         self.flip_s = 0.0  # how long the flip took (set by the scheduler)
+        self._deadline_steps = deadline_steps
         # Seconds from `started` it must end within; None until the steady step time that
-        # sets it is measured (set by the scheduler's `SwapPolicies`).
-        self.deadline_s: float | None = None
+        # sets it is measured (given in seconds: that, at once).
+        self.deadline_s: float | None = deadline_s or None
 
     @staticmethod
     def shadow_id(req_id: str) -> str:
@@ -126,15 +139,18 @@ class Migration:
 
     def tokens_to_finish(self, now: float, step_s: float | None) -> int:
         """Tokens shadows need in each step from now on for the migration to end within
-        `deadline_s` of its start, steps being `step_s` apart (None or 0: not measured yet).
+        `deadline_s` of its start, steps being `step_s` apart (None or 0: not measured yet;
+        the first measured one fixes a deadline counted in steps).
 
         A shadow whose original ends before then (it has fewer tokens left to generate than
         there are steps) needs none: its shadow is dropped when it ends. Every other one
         catches up with its deficit over the steps left (a quarter of them kept for steps
         without swap work) and with the token its original adds in each.
         """
-        if step_s is None or step_s <= 0 or self.deadline_s is None:
+        if step_s is None or step_s <= 0:
             return 0
+        if self.deadline_s is None:  # fixed at the first steady step time measured
+            self.deadline_s = self._deadline_steps * step_s
         steps_left = max(1.0, 0.75 * (self.started + self.deadline_s - now) / step_s)
         needed = 0.0
         for entry in self.shadows.values():

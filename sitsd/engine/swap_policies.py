@@ -92,7 +92,8 @@ class SwapPolicies:
         for request in batch.waiting:  # no blocks held: they simply start on the new version
             if policy != "drain" or not request.num_output_tokens:
                 request.weights_version = version
-        migration = Migration(from_version or "", version, batch.now())
+        migration = Migration(from_version or "", version, batch.now(),
+                              self.migration_deadline_steps, self.migration_deadline_s)  # fmt: skip
         num_restarted = 0
         # From the end of the batch: each one taken back goes to the head of the queue, so
         # the restarted keep their order there.
@@ -206,15 +207,11 @@ class SwapPolicies:
         """Last phase: shadow chunks within `allowance` tokens, or what the deadline needs
         (`Migration.tokens_to_finish`, steps `step_s` apart; None: no floor) when more, up
         to `most`; a shadow without blocks: its request is recomputed. Returns the shadows'
-        tokens. The deadline in seconds is fixed at the first step time measured."""
+        tokens."""
         migration = self.migration
         if migration is None:
             return 0
         batch = self._batch
-        if migration.deadline_s is None and step_s is not None:
-            migration.deadline_s = self.migration_deadline_s or (
-                self.migration_deadline_steps * step_s
-            )
         needed = migration.tokens_to_finish(batch.now(), step_s)
         allowance = max(allowance, min(needed, most))
         starved, used = migration.schedule(out, min(allowance, batch.budget(out)), batch.kv_cache)
