@@ -29,7 +29,9 @@ the engine's time on average.
                inter-token P99; one in 128 shows in none, and each still at most doubles.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
-               took back recompute that much a step (`recompute_tokens`).
+               took back, and those a drain held back, compute that much of their prompts a
+               step (`recompute_tokens`); until a swap's recompute has been measured, its
+               tokens are priced as the prompts that steady steps computed cost.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -157,6 +159,7 @@ class StepPacer:
         # Steady periods by the number of weights versions serving in the step.
         self._steady: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(), True: _Cost()}  # by `alone`
+        self._prompts = _Cost()  # what steady steps' prompt tokens added (one version)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
         # Steps since one whose swap work added more than the share (none yet: as if long ago).
@@ -211,21 +214,19 @@ class StepPacer:
         """The most tokens of swap work a step may take even when more presses (a migration
         behind its deadline): what one steady step of extra time buys, so that no step more
         than doubles; 0 until that work's cost has been measured."""
-        steady = self.steady_s(num_serving_versions)
-        cost = self._cost[alone]
-        if self.settings.fixed_tokens or steady is None or not cost.known:
+        if self.settings.fixed_tokens:
             return 0
-        fixed, per_token = cost.fit()
-        return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
+        return _most(self._cost[alone], self.steady_s(num_serving_versions))
 
     def recompute_tokens(self, budget: int) -> int:
-        """Tokens the requests a swap restarted may recompute in the step being scheduled:
-        what one steady step of extra time buys (`most_tokens`: they are the streams waiting,
-        so as much as keeps a step from more than doubling); the whole `budget` until the cost
-        of work that joins a serving sub-batch is measured (nothing else would measure it)."""
+        """Prompt tokens that requests a swap held back may compute in the step being
+        scheduled (those a restart took back, or a drain held): what one steady step of extra
+        time buys (`most_tokens`: they are the streams waiting, so as much as keeps a step
+        from more than doubling). Until recompute has been measured, priced as the prompts
+        that steady steps computed cost; the whole `budget` until either is measured."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
-        most = self.most_tokens(1, alone=False)
+        most = self.most_tokens(1, alone=False) or _most(self._prompts, self.steady_s(1))
         return most if most > 0 else budget
 
     def measuring(self, num_serving_versions: int) -> bool:
@@ -258,6 +259,12 @@ class StepPacer:
             key = work.num_serving_versions
             self._steady.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
             self._earn(key)
+            # Tokens past one a request: the prompts this steady step computed.
+            sched_out = record.sched_out
+            prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
+            steady = self.steady_s(key)
+            if key == 1 and prompts > 0 and steady is not None:
+                self._prompts.add(prompts, period - steady)
             return
         self._num_busy += 1
         if work.num_tokens == record.sched_out.total_num_scheduled_tokens:
@@ -289,6 +296,15 @@ class StepPacer:
         """The most a spaced piece may cost, in steps `steady` long."""
         alone = self._cost[True]
         return _credit_cap(steady, sum(alone.fit()) if alone.known else 0.0)
+
+
+def _most(cost: _Cost, steady: float | None) -> int:
+    """Tokens of work priced by `cost` that one steady step of extra time buys; 0 until both
+    are measured."""
+    if steady is None or not cost.known:
+        return 0
+    fixed, per_token = cost.fit()
+    return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
 
 
 def _credit_cap(steady: float, smallest: float) -> float:

@@ -7,9 +7,9 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     commits: requests that have not started move to the new version at once; running ones
     follow the policy (`drain`: stay on their version, and requests on the new one wait up
     to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
-    weights; `restart`: preempted and recomputed on the new one, at most the pacer's
-    recompute tokens a step, `start_step`, in their queue order; `migrate`: each gets a
-    shadow, `sitsd.engine.migration`);
+    weights, then start at the restart's pace; `restart`: preempted and recomputed on the
+    new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
+    order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
     migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
@@ -67,6 +67,9 @@ class SwapPolicies:
         self.drain_hold_s = drain_hold_s
         self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
         self._holding = False  # this step, requests on the drain's new version wait
+        # The version whose requests a drain held back, until the hold ends and they are
+        # released at the restart's pace (`_recompute`): not one step with all their prompts.
+        self._held: str | None = None
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
         # Requests a restart took back, by req_id: the tokens they had computed, which they
@@ -111,6 +114,7 @@ class SwapPolicies:
             self.migration = migration
         holds = policy == "drain" and self.drain_hold_s > 0
         self._drain = (version, batch.now()) if holds else None
+        self._held = version if holds else None
         others_left = [r for r in batch.requests.values() if r.weights_version != version]
         num_draining = len(others_left) - len(migration.shadows) if policy == "drain" else 0
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
@@ -125,14 +129,20 @@ class SwapPolicies:
     # ------------------------------------------------------------------------------- phases
 
     def start_step(self, room: int) -> None:
-        """Before the step's requests are scheduled: restarted requests may recompute `room`
-        tokens in it, together, in their queue order (the rest wait for the next steps)."""
+        """Before the step's requests are scheduled: restarted requests, and those a drain
+        held back once its hold ends, may compute `room` tokens in it, together, in their
+        queue order (the rest wait for the next steps)."""
         requests = self._batch.requests
         for req_id in [r for r, n in self._recompute.items()
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
             del self._recompute[req_id]  # caught up, or finished
         self._room, self.num_recomputed = room, 0
         self._holding = self._drain_holds()
+        if self._drain is None and self._held:  # the hold ended: release what it held, paced
+            for request in self._batch.waiting:
+                if request.weights_version == self._held and not request.num_computed_tokens:
+                    self._recompute[request.req_id] = request.num_tokens
+            self._held = None
 
     def holds(self, request: Request) -> bool:
         """`request` must not be admitted in this step: a drain is holding new requests back
@@ -160,8 +170,9 @@ class SwapPolicies:
 
     @property
     def recomputing(self) -> bool:
-        """Requests a restart took back may still be recomputing."""
-        return bool(self._recompute)
+        """Requests a restart took back may still be recomputing, or a drain may release the
+        requests it held back in the step being scheduled."""
+        return bool(self._recompute) or self._held is not None
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a

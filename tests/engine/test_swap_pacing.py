@@ -37,14 +37,15 @@ class SimEngine:
     """
 
     def __init__(self, share=0.2, base_s=0.1, token_s=0.002, weights_s=0.0, deadline_s=60.0,
-                 fixed_tokens=0, deadline_steps=2000):  # fmt: skip
+                 fixed_tokens=0, deadline_steps=2000, drain_hold_s=0.0):  # fmt: skip
         self.now = 0.0
         self.base_s, self.token_s, self.weights_s = base_s, token_s, weights_s
         self.kv = KVCacheManager(4096, BLOCK)
         cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, policy="fcfs")
         pacing = PacingSettings(share=share, fixed_tokens=fixed_tokens,
                                 migration_deadline_steps=deadline_steps,
-                                migration_deadline_s=deadline_s)  # fmt: skip
+                                migration_deadline_s=deadline_s,
+                                drain_hold_s=drain_hold_s)  # fmt: skip
         self.sched = Scheduler(cfg, self.kv, 8192, clock=lambda: self.now, pacing=pacing)
         self.runner = FakeRunner(BLOCK)
         self.rng = random.Random()
@@ -295,3 +296,38 @@ def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_
     order = [resumed[f"r{i}"] for i in range(8)]
     assert order == sorted(order), "restarted requests resume in their queue order"
     assert all(sim.runner.versions[f"r{i}"] == V1 for i in range(8)), "none lost, all on V1"
+
+
+def test_requests_a_drain_held_back_start_paced_by_what_steady_prompts_cost():
+    # No canary ran, so nothing measured what tokens joining the batch cost: the prompts of
+    # requests arriving in steady steps do. Held for the whole hold, 12 prompts of 40 tokens
+    # at once would be a step of 480 tokens, over eight steady steps.
+    sim = SimEngine(share=0.2, drain_hold_s=2.0)
+    for i in range(8):
+        sim.add(f"old{i}", sim.rng.randrange(8, 40), 100_000)
+    for i in range(60):
+        if i % 3 == 0:
+            sim.add(f"short{i}", sim.rng.randrange(10, 40), 4)
+        sim.step()
+    steady = sim.sched.pacer.steady_s(1)
+    assert steady is not None
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    switch = sim.sched.swaps.switch(V1, "drain")
+    assert switch.num_draining >= 8
+    held = [f"held{i}" for i in range(12)]
+    for req_id in held:
+        sim.add(req_id, 40, 4)
+    first = len(sim.steps)
+    admitted = set()  # the steps in which held requests were first scheduled
+    while not all(r in sim.finished for r in held):
+        so = sim.step()
+        for req_id in so.num_scheduled_tokens:
+            if req_id in held:
+                assert sim.runner.versions[req_id] == V1, "a held request ran on the old version"
+                admitted.add(len(sim.steps))
+        assert len(sim.steps) - first < 500, "the held requests never finished"
+    periods = [p for p, *_ in sim.steps[first:]]
+    # A step at most doubles (a few tokens' slack: the pace comes from a fitted cost).
+    assert max(periods) <= 2 * steady + 4 * sim.token_s + 1e-9
+    assert len(admitted) > 2, "the held prompts were spread over several steps"
