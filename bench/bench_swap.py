@@ -47,7 +47,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
+from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms, profiler_wrap
 from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now, percentile
@@ -319,8 +319,10 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
     # directory remembers its version ids, and this run's deploys of the same ids are refused.
     state = work / f"state-{clients}"
     shutil.rmtree(state, ignore_errors=True)
+    wrap = profiler_wrap(args.profile_daemon / f"daemon-{clients}.txt") if args.profile_daemon \
+        else []  # fmt: skip
     daemon = BenchDaemon(state, daemon_flags(args, work, v1, clients),
-                         log_path=work / f"daemon-{clients}.log")  # fmt: skip
+                         log_path=work / f"daemon-{clients}.log", wrap=wrap)  # fmt: skip
     results = []
     wall_minus_perf = time.time() - now()  # the daemon's log has wall-clock times
     try:
@@ -420,6 +422,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None, help="where versions are written")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile-daemon", type=Path, default=None, metavar="DIR",
+                        help="record which of the daemon's threads hold the interpreter, and "
+                             "where (py-spy), one file per stream count in DIR")  # fmt: skip
     parser.add_argument("--no-canary", dest="canary", action="store_false",
                         help="stage without a canary file")  # fmt: skip
     parser.add_argument(
@@ -437,6 +442,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.profile_daemon is not None:
+        args.profile_daemon.mkdir(parents=True, exist_ok=True)
     load_before = wait_for_quiet(args.max_load, 180.0)
     print(f"load average before: {load_before:.2f}", flush=True)
     results: list[dict] = []

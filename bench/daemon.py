@@ -9,9 +9,12 @@ machine's wheels, follow).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,16 +49,20 @@ class BenchDaemon:
         flags: Sequence[str],
         log_path: Path | None = None,
         cpus: set[int] | None = None,
+        wrap: Sequence[str] = (),
     ):
-        """`cpus`: the cores the daemon (every thread of it) may run on; None: any."""
+        """`cpus`: the cores the daemon (every thread of it) may run on; None: any. `wrap`: a
+        command the daemon runs under (a profiler that starts its child, `profiler_wrap`)."""
         state_dir.mkdir(parents=True, exist_ok=True)
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         self.env = {**os.environ, "PYTHONPATH": path, "SITSD_STATE_DIR": str(state_dir)}
         self.state_dir = state_dir
         self.log_path = log_path or state_dir / f"daemon-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
-        command = [sys.executable, "-m", "sitsd", "serve", "--port", "0", "--metrics-port", "0",
-                   "--http-port", "0", "--state-dir", str(state_dir), *flags]  # fmt: skip
+        command = [*wrap, sys.executable, "-m", "sitsd", "serve", "--port", "0",
+                   "--metrics-port", "0", "--http-port", "0", "--state-dir", str(state_dir),
+                   *flags]  # fmt: skip
+        self._wrapped = bool(wrap)
         self.proc = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT,
             preexec_fn=None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus),
@@ -112,6 +119,12 @@ class BenchDaemon:
         return float("nan")
 
     def stop(self) -> None:
+        if self._wrapped:  # the daemon is the wrapper's child: stopping it ends the wrapper
+            for pid in _children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(120)  # a profiler writes its file after its child exits
         self.proc.terminate()
         try:
             self.proc.wait(60)
@@ -148,3 +161,23 @@ def bucket_quantile(
     if total <= 0:
         return None
     return next(le for le, count in counts if count >= q * total)
+
+
+def profiler_wrap(out: Path) -> list[str]:
+    """A py-spy command that records which threads of the daemon hold the interpreter, and
+    where, into `out` (collapsed stacks; without pausing the daemon to sample it).
+
+    Raises:
+        RuntimeError: py-spy is not installed.
+    """
+    where = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+    py_spy = shutil.which("py-spy", path=where)  # beside this interpreter, or on PATH
+    if py_spy is None:
+        raise RuntimeError("--profile-daemon needs py-spy on PATH (pip install py-spy)")
+    return [py_spy, "record", "--nonblocking", "--gil", "--threads", "--rate", "250",
+            "--format", "raw", "-o", str(out), "--"]  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
