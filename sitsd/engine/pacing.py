@@ -12,21 +12,23 @@ the engine's time on average.
                steps of that kind run without swap work.
     cost       fitted on recent steps with swap work, separately for work that joins a serving
                sub-batch and work that runs alone on a weight slot serving nothing else:
-               extra time ~ fixed + per_token x tokens. Alone, the fixed part is a whole second
-               pass over the other slot's weights, whatever the size of the piece.
+               extra time ~ fixed + per_token x tokens, a median fit (one step slowed by
+               something else must not shrink every piece after it). Alone, the fixed part is
+               a whole second pass over the other slot's weights, whatever the piece's size.
     allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
                twice the largest piece measured: noise must not turn into a huge step). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
-               pieces are spaced instead: each is as large as one steady step of extra time
-               allows (at most twice the largest measured), and waits until the credit the
-               share earns every step covers that, so the share still holds on average, no
-               step more than doubles, and the fixed part is paid as seldom as it can be.
+               pieces are spaced instead: each is as large as `spaced_steps` steady steps
+               of extra time allow (at most twice the largest measured), and waits until the
+               credit the share earns every step covers that, so the share still holds on
+               average, no step more than triples, and the fixed part is paid as seldom as
+               it can be.
                Each step with swap work is charged what it measured, either way (a noisy
                machine's slow and fast steps average out), at most one spaced piece. And a
                step that grew past the share comes at most once in `spaced_every` steps: on
                a GPU a piece alone is a whole pass over the other slot's weights, and one
                such step in five (what the share alone would space them by) shows in every
-               inter-token P99; one in 128 shows in none, and each still at most doubles.
+               inter-token P99; one in 128 shows in none.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
                took back, and those a drain held back, compute that much of their prompts a
@@ -44,6 +46,7 @@ the scheduler's business.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -75,6 +78,10 @@ class PacingSettings:
     # A step the swap's work makes longer than the share allows (a spaced piece) comes at
     # most once in this many steps: under 1% of them, out of every inter-token P99.
     spaced_every: int = 128
+    # A spaced piece adds at most this many steady steps to its step (or what its smallest
+    # piece costs, if more): on a GPU a piece alone pays about one for its pass over the
+    # other slot's weights, and the rest buys its tokens; its step then at most triples.
+    spaced_steps: float = 2.0
     # After a drain commit, new requests wait up to this long for the old version's requests
     # to finish (`sitsd.engine.swap_policies`): a step serving both reads both weight sets.
     drain_hold_s: float = 2.0
@@ -95,7 +102,7 @@ class _Cost:
 
     def __init__(self) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
-        # `fit()` of the samples as they are, and whether least squares gave it.
+        # `fit()` of the samples as they are, and whether the two-part fit gave it.
         self._fitted: tuple[float, float, bool] | None = None
 
     def add(self, num_tokens: int, extra_s: float) -> None:
@@ -122,32 +129,32 @@ class _Cost:
         return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
 
     def fit(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token): least squares once `separable`; else, or when
-        the steps' noise hides the per-token part, all of it per token (`resolved` False)."""
+        """(fixed seconds, seconds per token): a median fit of both parts once `separable`;
+        else, or when the steps' noise hides the per-token part, all of it per token
+        (`resolved` False)."""
         if self._fitted is None:
             self._fitted = self._fit()
         return self._fitted[:2]
 
     @property
     def resolved(self) -> bool:
-        """The fit told the fixed part from the per-token one (least squares)."""
+        """The fit told the fixed part from the per-token one (the two-part fit)."""
         self.fit()
         assert self._fitted is not None
         return self._fitted[2]
 
     def _fit(self) -> tuple[float, float, bool]:
         samples = self._samples
-        sizes = [n for n, _ in samples]
-        if self.separable:
-            mean_n = statistics.fmean(sizes)
-            mean_e = statistics.fmean(e for _, e in samples)
-            var = sum((n - mean_n) ** 2 for n in sizes)
-            cov = sum((n - mean_n) * (e - mean_e) for n, e in samples)
-            per_token = cov / var
-            fixed = mean_e - per_token * mean_n
+        if self.separable:  # Theil-Sen: one step slowed by something else moves nothing
+            per_token = statistics.median(
+                (e2 - e1) / (n2 - n1)
+                for (n1, e1), (n2, e2) in itertools.combinations(samples, 2)
+                if n2 != n1
+            )
+            fixed = statistics.median(e - per_token * n for n, e in samples)
             if per_token >= _MIN_PER_TOKEN_S and fixed >= 0.0:
                 return fixed, per_token, True
-        through_origin = sum(n * e for n, e in samples) / sum(n * n for n in sizes)
+        through_origin = statistics.median(e / n for n, e in samples)
         return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
 
 
@@ -202,7 +209,7 @@ class StepPacer:
         # measured. Until the fit tells the fixed part from the per-token one (pieces of
         # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
         # all-per-token fit would keep the pieces as small as the noise makes them look.
-        cap = _credit_cap(steady, smallest)
+        cap = self._spaced_cap(steady, smallest)
         if self._credit < cap or self._since_past_share < settings.spaced_every:
             return 0
         grown = 2 * cost.largest + 2
@@ -295,7 +302,12 @@ class StepPacer:
     def _cap(self, steady: float) -> float:
         """The most a spaced piece may cost, in steps `steady` long."""
         alone = self._cost[True]
-        return _credit_cap(steady, sum(alone.fit()) if alone.known else 0.0)
+        return self._spaced_cap(steady, sum(alone.fit()) if alone.known else 0.0)
+
+    def _spaced_cap(self, steady: float, smallest: float) -> float:
+        """The most a spaced piece may cost: `spaced_steps` steady steps, or the smallest
+        piece if more."""
+        return max(self.settings.spaced_steps * steady, smallest)
 
 
 def _most(cost: _Cost, steady: float | None) -> int:
@@ -304,9 +316,4 @@ def _most(cost: _Cost, steady: float | None) -> int:
     if steady is None or not cost.known:
         return 0
     fixed, per_token = cost.fit()
-    return max(1, int((_credit_cap(steady, fixed + per_token) - fixed) / per_token))
-
-
-def _credit_cap(steady: float, smallest: float) -> float:
-    """The most a spaced piece may cost: one steady step, or the smallest piece if more."""
-    return max(steady, smallest)
+    return max(1, int((max(steady, fixed + per_token) - fixed) / per_token))
