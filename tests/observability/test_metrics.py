@@ -283,3 +283,16 @@ def test_the_metrics_port_answers_only_metrics_and_404_elsewhere(path):
         assert b"sitsd_" not in body  # no metrics text a client could mistake for an answer
     finally:
         server.close()
+
+
+def test_a_scrape_carries_no_created_series():
+    # Half of every scrape's series, rendered while the engine waits for the interpreter.
+    m = Metrics()
+    m.bind_model("m")
+    m.count_rpc(GENERATE, "gold", "internal")
+    m.record_swap_stage("stage", 1.0)
+    for text in (m.exposition().decode(), m.exposition(openmetrics=True).decode()):
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                 if line and not line.startswith("#")}  # fmt: skip
+        assert "sitsd_request_errors_total" in names
+        assert not [n for n in names if n.endswith("_created")]
