@@ -59,6 +59,7 @@ POLICY = {"migrate": admin_pb2.SWAP_POLICY_MIGRATE, "drain": admin_pb2.SWAP_POLI
           "restart": admin_pb2.SWAP_POLICY_RESTART}  # fmt: skip
 TARGETS = {"cuda": (1.3, 3.0), "cpu": (1.5, 4.0)}  # P99 / steady P99, max / steady P99
 STEP_HISTOGRAM = "sitsd_step_duration_seconds"
+STEP_SAMPLES = tuple(f"{STEP_HISTOGRAM}{suffix}" for suffix in ("_bucket", "_count", "_sum"))
 CANARY = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -171,13 +172,15 @@ def one_swap(
     """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
     stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
     metadata = [("authorization", f"Bearer {daemon.token()}")]
-    # The daemon's /metrics text at every mark (parsed once the load has stopped): its step
-    # histogram per phase. Fetching is I/O; it holds the GIL no longer than a token's arrival.
+    # The daemon's step histogram at every mark (parsed once the load has stopped), per phase.
+    # Fetching is I/O; it holds the GIL no longer than a token's arrival. Only that histogram:
+    # rendering the whole /metrics holds the daemon's interpreter for milliseconds, which its
+    # engine's steps wait for (a step 3-6x its median at every phase's start on an H200).
     snapshots: dict[float, str] = {}
 
     def mark() -> float:
         t = now()
-        snapshots[t] = daemon.metrics_text()
+        snapshots[t] = daemon.metrics_text(STEP_SAMPLES)
         return t
 
     mark()

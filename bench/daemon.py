@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -103,10 +104,14 @@ class BenchDaemon:
         /metrics, its series summed per value of `label` ("" sums them all)."""
         return parse_histograms(self.metrics_text(), name, label)
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, names: Sequence[str] = ()) -> str:
         """The live /metrics as text (parse it later, with `parse_histograms`, where parsing
-        must not hold the GIL while a load's client thread times tokens)."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+        must not hold the GIL while a load's client thread times tokens); only the samples
+        `names` when given (the daemon renders no more: rendering holds its interpreter,
+        which its engine's steps wait for)."""
+        query = urllib.parse.urlencode([("name[]", name) for name in names])
+        url = f"{self.metrics_url}?{query}" if query else self.metrics_url
+        with urllib.request.urlopen(url, timeout=10) as response:
             return response.read().decode()
 
     def token(self) -> str:
