@@ -31,9 +31,10 @@ the engine's time on average.
                inter-token P99; one in 128 shows in none.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
-               took back, and those a drain held back, compute that much of their prompts a
-               step (`recompute_tokens`); until a swap's recompute has been measured, its
-               tokens are priced as the prompts that steady steps computed cost.
+               took back recompute that much a step (`recompute_tokens`); those a drain
+               held back compute what fits in the share (`release_tokens`: they wait for a
+               first token, not between two). Until a swap's recompute has been measured,
+               its tokens are priced as the prompts that steady steps computed cost.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -226,15 +227,30 @@ class StepPacer:
         return _most(self._cost[alone], self.steady_s(num_serving_versions))
 
     def recompute_tokens(self, budget: int) -> int:
-        """Prompt tokens that requests a swap held back may compute in the step being
-        scheduled (those a restart took back, or a drain held): what one steady step of extra
-        time buys (`most_tokens`: they are the streams waiting, so as much as keeps a step
-        from more than doubling). Until recompute has been measured, priced as the prompts
-        that steady steps computed cost; the whole `budget` until either is measured."""
+        """Tokens the requests a swap restarted may recompute in the step being scheduled:
+        what one steady step of extra time buys (`most_tokens`: they are the streams waiting,
+        so as much as keeps a step from more than doubling). Until recompute has been
+        measured, priced as the prompts that steady steps computed cost; the whole `budget`
+        until either is measured."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
         most = self.most_tokens(1, alone=False) or _most(self._prompts, self.steady_s(1))
         return most if most > 0 else budget
+
+    def release_tokens(self, budget: int) -> int:
+        """Prompt tokens that requests a drain held back may compute in the step being
+        scheduled: what fits in `share x steady` (they wait for a first token; the streams
+        running must not feel them), priced as `recompute_tokens` prices them; where even
+        one token would not fit, what one steady step of extra time buys."""
+        if self.settings.fixed_tokens:
+            return self.settings.fixed_tokens
+        steady = self.steady_s(1)
+        cost = self._cost[False] if self._cost[False].known else self._prompts
+        if steady is None or not cost.known:
+            return budget
+        fixed, per_token = cost.fit()
+        fits = int((self.settings.share * steady - fixed) / per_token)
+        return fits if fits > 0 else self.recompute_tokens(budget)
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

@@ -194,9 +194,7 @@ class Scheduler:
             self._apply_ahead(ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
-        swaps = self.swaps  # 1: a restart's recompute, paced (the pacer asked only then)
-        swaps.start_step(self.pacer.recompute_tokens(self.config.max_num_batched_tokens)
-                         if swaps.recomputing else 0)  # fmt: skip
+        self.swaps.start_step(self._swap_room())  # 1: a restart's recompute, paced
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -268,6 +266,16 @@ class Scheduler:
             request.num_output_tokens + request.num_pending_outputs >= request.params.max_tokens
             or request.num_tokens + request.num_pending_outputs >= self.max_model_len
         )
+
+    def _swap_room(self) -> int:
+        """Tokens that requests a swap held back may compute in the step being scheduled
+        (the pacer is asked only while there are some): those a restart took back, what
+        one steady step of extra time buys (their streams wait for it); those a drain held,
+        what fits in the share (they wait for a first token, the streams running must not
+        feel them)."""
+        swaps, pacer, budget = self.swaps, self.pacer, self.config.max_num_batched_tokens
+        room = pacer.recompute_tokens(budget) if swaps.recomputing else budget
+        return min(room, pacer.release_tokens(budget)) if swaps.releasing else room
 
     def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
         """Tokens `request` may compute in this step before the policy's say: what it has

@@ -7,7 +7,7 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     commits: requests that have not started move to the new version at once; running ones
     follow the policy (`drain`: stay on their version, and requests on the new one wait up
     to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
-    weights, then start at the restart's pace; `restart`: preempted and recomputed on the
+    weights, then start at the pace of the share; `restart`: preempted and recomputed on the
     new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
     order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
@@ -68,8 +68,10 @@ class SwapPolicies:
         self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
         self._holding = False  # this step, requests on the drain's new version wait
         # The version whose requests a drain held back, until the hold ends and they are
-        # released at the restart's pace (`_recompute`): not one step with all their prompts.
+        # released at the share's pace (`_recompute`, `_released`): not one step with all
+        # their prompts.
         self._held: str | None = None
+        self._released: set[str] = set()  # those of `_recompute` that a drain held back
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
         # Requests a restart took back, by req_id: the tokens they had computed, which they
@@ -136,12 +138,14 @@ class SwapPolicies:
         for req_id in [r for r, n in self._recompute.items()
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
             del self._recompute[req_id]  # caught up, or finished
+            self._released.discard(req_id)
         self._room, self.num_recomputed = room, 0
         self._holding = self._drain_holds()
         if self._drain is None and self._held:  # the hold ended: release what it held, paced
             for request in self._batch.waiting:
                 if request.weights_version == self._held and not request.num_computed_tokens:
                     self._recompute[request.req_id] = request.num_tokens
+                    self._released.add(request.req_id)
             self._held = None
 
     def holds(self, request: Request) -> bool:
@@ -170,9 +174,14 @@ class SwapPolicies:
 
     @property
     def recomputing(self) -> bool:
-        """Requests a restart took back may still be recomputing, or a drain may release the
-        requests it held back in the step being scheduled."""
-        return bool(self._recompute) or self._held is not None
+        """Requests a restart took back may still be recomputing (their streams wait)."""
+        return len(self._recompute) > len(self._released)
+
+    @property
+    def releasing(self) -> bool:
+        """A drain may release the requests it held back in the step being scheduled, or
+        some of them have not computed their prompts yet (they wait for a first token)."""
+        return self._held is not None or bool(self._released)
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a

@@ -331,7 +331,7 @@ def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_
     assert all(sim.runner.versions[f"r{i}"] == V1 for i in range(8)), "none lost, all on V1"
 
 
-def test_requests_a_drain_held_back_start_paced_by_what_steady_prompts_cost():
+def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prompts():
     # No canary ran, so nothing measured what tokens joining the batch cost: the prompts of
     # requests arriving in steady steps do. Held for the whole hold, 12 prompts of 40 tokens
     # at once would be a step of 480 tokens, over eight steady steps.
@@ -361,6 +361,6 @@ def test_requests_a_drain_held_back_start_paced_by_what_steady_prompts_cost():
                 admitted.add(len(sim.steps))
         assert len(sim.steps) - first < 500, "the held requests never finished"
     periods = [p for p, *_ in sim.steps[first:]]
-    # A step at most doubles (a few tokens' slack: the pace comes from a fitted cost).
-    assert max(periods) <= 2 * steady + 4 * sim.token_s + 1e-9
+    # Within the share of a steady step (a few tokens' slack: the pace comes from a fit).
+    assert max(periods) <= (1 + 0.2) * steady + 4 * sim.token_s + 1e-9
     assert len(admitted) > 2, "the held prompts were spread over several steps"
