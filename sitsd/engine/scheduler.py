@@ -194,7 +194,7 @@ class Scheduler:
             self._apply_ahead(ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
-        self.swaps.start_step(self._swap_room())  # 1: a restart's recompute, paced
+        self.swaps.start_step(self._swap_room())  # 1: what a swap held back, paced
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -279,7 +279,7 @@ class Scheduler:
 
     def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
         """Tokens `request` may compute in this step before the policy's say: what it has
-        left, within the step's budget and, recomputing after a swap restart, that room."""
+        left, within the step's budget and, held back by a swap (restart, drain), that room."""
         num = min(num_left, self.budget(out))
         room = self.swaps.recompute_room(request)
         return num if room is None else max(0, min(num, room))

@@ -185,7 +185,8 @@ class SwapPolicies:
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
-        restart took back; None: it is not recomputing (no limit of this part's)."""
+        restart took back, or computes the prompt a drain held back; None: neither (no limit
+        of this part's)."""
         if request.req_id not in self._recompute:
             return None
         return self._room
