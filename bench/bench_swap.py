@@ -29,6 +29,10 @@ arrival falls in. Never part of the test run; on the CPU about 10 minutes per st
 
     .venv/bin/python -m bench.bench_swap [--clients 32,128] [--policies migrate,drain,restart]
     python3 -m bench.bench_swap --device cuda --work-dir /scratch/swap   # the GPU machine
+    ... --profile-daemon DIR   # which daemon threads hold the interpreter, and where (py-spy)
+
+At each phase mark the benchmark fetches the daemon's step histogram alone: the whole /metrics
+would hold the daemon's interpreter while it renders, which is a stall of its own.
 """
 
 from __future__ import annotations
