@@ -234,7 +234,7 @@ class StepPacer:
         until either is measured."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
-        most = self.most_tokens(1, alone=False) or _most(self._prompts, self.steady_s(1))
+        most = _most(self._join_cost(), self.steady_s(1))
         return most if most > 0 else budget
 
     def release_tokens(self, budget: int) -> int:
@@ -245,7 +245,7 @@ class StepPacer:
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
         steady = self.steady_s(1)
-        cost = self._cost[False] if self._cost[False].known else self._prompts
+        cost = self._join_cost()
         if steady is None or not cost.known:
             return budget
         fixed, per_token = cost.fit()
@@ -281,11 +281,11 @@ class StepPacer:
             self._num_busy = 0
             key = work.num_serving_versions
             self._steady.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
-            self._earn(key)
+            steady = self.steady_s(key)
+            self._earn(steady)
             # Tokens past one a request: the prompts this steady step computed.
             sched_out = record.sched_out
             prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
-            steady = self.steady_s(key)
             if key == 1 and prompts > 0 and steady is not None:
                 self._prompts.add(prompts, period - steady)
             return
@@ -303,17 +303,21 @@ class StepPacer:
         # spend more than the share earns on a noisy machine); one outlier costs at most what
         # a spaced piece may.
         self._credit -= min(extra, self._cap(steady))
-        self._earn(work.num_serving_versions)
+        self._earn(steady)
 
     # ------------------------------------------------------------------------------ internal
 
-    def _earn(self, key: int) -> None:
-        """Each busy step earns the share of its steady time, up to what one spaced piece
-        may cost."""
-        steady = self.steady_s(key)
+    def _earn(self, steady: float | None) -> None:
+        """Each busy step earns the share of its kind's steady time (None: not measured),
+        up to what one spaced piece may cost."""
         if steady is None:
             return
         self._credit = min(self._cap(steady), self._credit + self.settings.share * steady)
+
+    def _join_cost(self) -> _Cost:
+        """What tokens joining a serving sub-batch cost: as a swap's work measured it, else
+        as the prompts of steady steps did."""
+        return self._cost[False] if self._cost[False].known else self._prompts
 
     def _cap(self, steady: float) -> float:
         """The most a spaced piece may cost, in steps `steady` long."""

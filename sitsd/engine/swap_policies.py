@@ -67,11 +67,9 @@ class SwapPolicies:
         self.drain_hold_s = drain_hold_s
         self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
         self._holding = False  # this step, requests on the drain's new version wait
-        # The version whose requests a drain held back, until the hold ends and they are
-        # released at the share's pace (`_recompute`, `_released`): not one step with all
-        # their prompts.
-        self._held: str | None = None
-        self._released: set[str] = set()  # those of `_recompute` that a drain held back
+        # Those of `_recompute` that a drain held back: released when the hold ends, they
+        # compute their prompts at the share's pace, not in one step with all of them.
+        self._released: set[str] = set()
         self.migration: Migration | None = None  # the migrate policy at work
         self.last_migration: Migration | None = None  # the one that completed last
         # Requests a restart took back, by req_id: the tokens they had computed, which they
@@ -116,7 +114,6 @@ class SwapPolicies:
             self.migration = migration
         holds = policy == "drain" and self.drain_hold_s > 0
         self._drain = (version, batch.now()) if holds else None
-        self._held = version if holds else None
         others_left = [r for r in batch.requests.values() if r.weights_version != version]
         num_draining = len(others_left) - len(migration.shadows) if policy == "drain" else 0
         return VersionSwitch(from_version, len(migration.shadows), num_restarted, num_draining)
@@ -141,12 +138,6 @@ class SwapPolicies:
             self._released.discard(req_id)
         self._room, self.num_recomputed = room, 0
         self._holding = self._drain_holds()
-        if self._drain is None and self._held:  # the hold ended: release what it held, paced
-            for request in self._batch.waiting:
-                if request.weights_version == self._held and not request.num_computed_tokens:
-                    self._recompute[request.req_id] = request.num_tokens
-                    self._released.add(request.req_id)
-            self._held = None
 
     def holds(self, request: Request) -> bool:
         """`request` must not be admitted in this step: a drain is holding new requests back
@@ -169,8 +160,16 @@ class SwapPolicies:
             r.weights_version == version for r in batch.requests.values()
         ):
             self._drain = None
+            self._release(version)
             return False
         return True
+
+    def _release(self, version: str) -> None:
+        """A hold ended: the requests on `version` it kept back compute their prompts paced."""
+        for request in self._batch.waiting:
+            if request.weights_version == version and not request.num_computed_tokens:
+                self._recompute[request.req_id] = request.num_tokens
+                self._released.add(request.req_id)
 
     @property
     def recomputing(self) -> bool:
@@ -181,7 +180,7 @@ class SwapPolicies:
     def releasing(self) -> bool:
         """A drain may release the requests it held back in the step being scheduled, or
         some of them have not computed their prompts yet (they wait for a first token)."""
-        return self._held is not None or bool(self._released)
+        return self._drain is not None or bool(self._released)
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
