@@ -70,7 +70,10 @@ class Rig:
         return list(self.spans.get_finished_spans())
 
     def start(self) -> None:
+        """Start the engine thread; return once it has bound the model to the metrics (its
+        first act), so a test that reads series before any request sees them."""
         self.core.start(lambda ds: [self.deltas.put(d) for d in ds])
+        assert wait_for(lambda: self.metrics.model == MODEL)
 
 
 def make_rig(
