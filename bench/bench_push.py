@@ -351,7 +351,7 @@ def daemon_flags(args: argparse.Namespace, v1: Path) -> list[str]:
     # Stall warnings down to short ones, so the timeline can place every step and loop wake-up
     # that stretched a gap (a line each, at most 50 a second of each kind).
     flags += ["--slow-step-ms", "8", "--slow-step-factor", "1.5", "--loop-lag-warn-ms", "4",
-              "--stall-warn-every-s", "0.02"]  # fmt: skip
+              "--stall-warn-every-s", "0.02", "--gil-hold-warn-ms", "4"]  # fmt: skip
     if args.device == "cuda":
         return [*flags, "--gpu-memory-utilization", "0.6"]
     return [*flags, "--kv-cache-memory", "256MiB"]
@@ -394,7 +394,14 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     return result
 
 
-NOTES = ("ipc push", "engine step", "event loop", "garbage collection", "weight push")
+NOTES = (
+    "ipc push",
+    "engine step",
+    "event loop",
+    "garbage collection",
+    "weight push",
+    "interpreter was held",
+)
 _IPC_PARTS = re.compile(r"ipc push (\S+): \d+ shared storages opened in ([\d.]+) ms \(\d+ "
                         r"kept mapped from the last push\), \d+ tensors copied in ([\d.]+) ms, "
                         r"let go in ([\d.]+) ms")  # fmt: skip
@@ -425,8 +432,11 @@ def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) 
             done[m.group(1)] = (at, float(m.group(2)), float(m.group(4)))
         elif "step_ms" in entry:
             tokens, swap = entry.get("num_tokens", 0), entry.get("swap_work_tokens", 0)
+            wait = entry.get("device_wait_ms", 0.0)
             stalls.append((at, f"step {entry['step_ms']:.1f} ms ({tokens} tokens, {swap} of a "
-                               "swap's)"))  # fmt: skip
+                               f"swap's; {wait:.1f} ms waiting for the device)"))  # fmt: skip
+        elif "gil_wait_ms" in entry:
+            stalls.append((at, f"interpreter held {entry['gil_wait_ms']:.1f} ms"))
         elif "lag_ms" in entry:
             stalls.append((at, f"loop late {entry['lag_ms']:.1f} ms"))
     out = []

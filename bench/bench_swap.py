@@ -160,7 +160,7 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
     # each logged with what it carried (`daemon_account` places them in the swap's phases).
     floor_ms = "50" if args.device == "cpu" else "8"
     flags += ["--slow-step-ms", floor_ms, "--slow-step-factor", "1.5", "--loop-lag-warn-ms",
-              floor_ms, "--stall-warn-every-s", "0.02"]  # fmt: skip
+              floor_ms, "--stall-warn-every-s", "0.02", "--gil-hold-warn-ms", floor_ms]  # fmt: skip
     if args.device == "cpu":  # float32 KV for every stream
         a = SMOLLM2
         per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
@@ -294,7 +294,7 @@ def daemon_account(
             continue
         entry = json.loads(line)
         stamp = entry.get("timestamp", "")
-        if not stamp or not any(k in entry for k in ("step_ms", "lag_ms", "gc_ms")):
+        if not stamp or not any(k in entry for k in ("step_ms", "lag_ms", "gc_ms", "gil_wait_ms")):
             continue
         at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() - wall_minus_perf
         if not phases[0][1] <= at < marks["end"]:
@@ -304,8 +304,11 @@ def daemon_account(
             what = (f"step {entry['step_ms']:.0f} ms ({entry['num_tokens']} tokens, "
                     f"{entry['num_requests']} requests, {entry['serving_versions']} versions, "
                     f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}, "
-                    f"{entry['num_migrated']} migrated)")  # fmt: skip
+                    f"{entry['num_migrated']} migrated; {entry.get('device_wait_ms', 0):.0f} "
+                    f"ms waiting for the device)")  # fmt: skip
             ms = entry["step_ms"]
+        elif "gil_wait_ms" in entry:
+            what, ms = f"interpreter held {entry['gil_wait_ms']:.0f} ms", entry["gil_wait_ms"]
         elif "lag_ms" in entry:
             what, ms = f"event loop late {entry['lag_ms']:.0f} ms", entry["lag_ms"]
         else:

@@ -102,6 +102,14 @@ def add_observability_flags(group: argparse._ArgumentGroup) -> None:
         help="at most one slow-step and one loop-stall warning per this long (default: "
         "%(default)s)",
     )
+    group.add_argument(
+        "--gil-hold-warn-ms",
+        type=positive_float,
+        default=None,
+        metavar="MS",
+        help="log a warning when a thread keeps the Python interpreter this long while others "
+        "wait, with where the busy threads were (a probe thread wakes every 2 ms; default: off)",
+    )
 
 
 def observability_config(
@@ -142,4 +150,5 @@ def observability_config(
         slow_step_factor=args.slow_step_factor,
         loop_lag_warn_ms=args.loop_lag_warn_ms,
         stall_warn_every_s=args.stall_warn_every_s,
+        gil_hold_warn_ms=args.gil_hold_warn_ms or 0.0,
     )

@@ -219,6 +219,9 @@ class ObservabilityConfig:
     slow_step_factor: float = 3.0
     loop_lag_warn_ms: float = 250.0
     stall_warn_every_s: float = 1.0
+    # A thread that kept the interpreter this long while others waited, logged with where the
+    # busy threads were (`sitsd.observability.gil_holds`); 0 = no probe thread (the default).
+    gil_hold_warn_ms: float = 0.0
 
 
 WATCH_COMMIT_MODES = ("auto", "stage-only")  # what the watcher does with a new valid version

@@ -45,6 +45,7 @@ from sitsd.api.telemetry import TelemetryInterceptor
 from sitsd.config import ADMIN_TOKEN_FILE_NAME, ConfigError, ServerConfig, SitsdConfig
 from sitsd.observability import Observability
 from sitsd.observability.gc_pauses import GcPauseMonitor
+from sitsd.observability.gil_holds import GilHoldMonitor
 from sitsd.observability.loop_lag import LoopLagMonitor
 from sitsd.weights import CheckpointError
 
@@ -210,6 +211,11 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
     loop_lag.start()
     gc_pauses = GcPauseMonitor()  # a collection stops the engine's thread too: logged
     gc_pauses.start()
+    gil_holds = None
+    if ocfg.gil_hold_warn_ms > 0:  # a probe thread: for diagnosing stalls, off by default
+        gil_holds = GilHoldMonitor(ocfg.gil_hold_warn_ms / 1e3,
+                                   warn_every_s=ocfg.stall_warn_every_s)  # fmt: skip
+        gil_holds.start()
     try:
         started = None if stop.is_set() else await _start_weights(config, stop, obs)
         if started is None:
@@ -227,6 +233,8 @@ async def serve(config: SitsdConfig, obs: Observability | None = None) -> int:
             pushes.close()  # a trainer's memory kept mapped is the trainer's again
         return 0
     finally:
+        if gil_holds is not None:
+            gil_holds.stop()
         gc_pauses.stop()
         await loop_lag.stop()
 

@@ -35,7 +35,8 @@ def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start()
     log = "\n".join([
         "not a json line",
         line("engine step 7 took 12.0 ms", start + 0.004, step_ms=12.04, num_tokens=32,
-             swap_work_tokens=0),
+             swap_work_tokens=0, device_wait_ms=7.5),
+        line("the interpreter was held 6.0 ms", start + 0.009, gil_wait_ms=6.04),
         line(PARTS_LINE % ("push-2-ipc", 1, opened, 0, 291, copied, let_go), start + parts_end),
         line(f"weight push push-2-ipc over ipc: committed in {total:.3f} s (receive "
              f"{parts_end:.3f} s, validate 0.040 s, commit 0.008 s)", start + total),
@@ -54,7 +55,7 @@ def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start()
     assert f"15.0 ms at {offset:+d}" in parts
     assert warnings == (
         "    the daemon's warnings (at the end of each): step 12.0 ms (32 tokens, 0 of a "
-        "swap's) at +4"
+        "swap's; 7.5 ms waiting for the device) at +4, interpreter held 6.0 ms at +9"
     )
 
 

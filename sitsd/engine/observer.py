@@ -48,6 +48,9 @@ class StepRecord:
     start: float  # before `schedule()`
     end: float  # after `update_from_output()`
     index: int = 0  # the step's number since the engine started (1 = the first)
+    # Seconds the engine thread waited for the device's tokens of this step (0 on a CPU, where
+    # the runner computes inside its launch): the rest of a step's period is the host's.
+    wait_s: float = 0.0
 
 
 class EngineObserver(Protocol):

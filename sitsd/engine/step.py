@@ -132,10 +132,10 @@ class InTurnStep:
         try:
             pending = self.parts.runner.launch(sched_out)  # execute: only queued on a GPU
             deltas = output.flush()  # the last step's tokens, while the device computes
-            runner_out = pending.result()
+            runner_out, wait_s = timed_result(pending)
         except Exception as exc:  # the batch fails, the engine keeps serving
             return self.fail(exc, list(sched_out.num_scheduled_tokens))
-        return deltas + self.update(sched_out, runner_out, started, defer=self._defers)
+        return deltas + self.update(sched_out, runner_out, started, self._defers, wait_s)
 
     def finish_ahead(self) -> list[RequestDelta]:
         return []
@@ -161,13 +161,16 @@ class InTurnStep:
         runner_out: ModelRunnerOutput,
         started: float,
         defer: bool,
+        wait_s: float = 0.0,
     ) -> list[RequestDelta]:
-        """Apply a finished step's tokens; their deltas now, or deferred to the next launch."""
+        """Apply a finished step's tokens; their deltas now, or deferred to the next launch.
+        `wait_s`: how long the engine thread waited for them."""
         parts = self.parts
         self.num_steps += 1
         updates = parts.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
-        parts.hooks.step_ended(StepRecord(sched_out, updates, started, end, self.num_steps), end)
+        record = StepRecord(sched_out, updates, started, end, self.num_steps, wait_s)
+        parts.hooks.step_ended(record, end)
         if defer and parts.scheduler.has_work():
             parts.output.defer(updates)
             return []
@@ -226,7 +229,7 @@ class AheadStep:
                 if launched is None:
                     parts.hooks.step_ended(None, time.monotonic())
                 return deltas
-            runner_out = ahead.pending.result()
+            runner_out, wait_s = timed_result(ahead.pending)
         except Exception as exc:  # both steps fail, the engine keeps serving
             failed = [*(ahead.sched_out.num_scheduled_tokens if ahead else ()),
                       *sched_out.num_scheduled_tokens]  # fmt: skip
@@ -235,7 +238,7 @@ class AheadStep:
         self._ahead = launched
         if launched is None:
             parts.scheduler.drop_ahead()
-        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, defer=False)
+        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s)
 
     def finish_ahead(self) -> list[RequestDelta]:
         """Take the launched step's tokens now (before a swap, a call on the engine thread,
@@ -247,7 +250,14 @@ class AheadStep:
             return []
         deltas = in_turn.parts.output.flush()
         try:
-            runner_out = ahead.pending.result()
+            runner_out, wait_s = timed_result(ahead.pending)
         except Exception as exc:
             return deltas + in_turn.fail(exc, list(ahead.sched_out.num_scheduled_tokens))
-        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, defer=False)
+        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s)
+
+
+def timed_result(pending: PendingStepLike) -> tuple[ModelRunnerOutput, float]:
+    """A launched step's tokens, and the seconds this thread waited for them."""
+    began = time.monotonic()
+    runner_out = pending.result()
+    return runner_out, time.monotonic() - began

@@ -2,9 +2,11 @@
 once. `SlowStepLog` keeps the recent periods between busy steps (the inter-token latency with
 asynchronous scheduling), and logs a warning for a step whose period is `factor` times their
 median and at least `min_s` (at most one per `warn_every_s`), with what the step carried
-(tokens, prompt chunks, versions, a swap's work, migrated or preempted requests), so a stall a
+(tokens, prompt chunks, versions, a swap's work, migrated or preempted requests) and how its
+period split between the engine thread's own work and its wait for the device, so a stall a
 benchmark sees can be told apart: a step that did more, or one that did the usual and took
-longer (the host: a garbage collection, `sitsd.observability.gc_pauses`; or the device).
+longer (on the host: a garbage collection, `sitsd.observability.gc_pauses`, or another thread
+holding the interpreter or a driver lock; or on the device: other work sharing it).
 
 When the telemetry observer calls it is `sitsd.observability.telemetry`'s business.
 """
@@ -76,15 +78,19 @@ class SlowStepLog:
             "swap_work_alone": work.alone if work is not None else False,
             "serving_versions": work.num_serving_versions if work is not None else 0,
             "scheduled_ahead": out.applied_ahead,
+            "device_wait_ms": round(step.wait_s * 1e3, 2),
+            "host_ms": round((period - step.wait_s) * 1e3, 2),
         }
         log.warning(
             "engine step %d took %.1f ms (%.1fx the recent median): %d requests, %d tokens, "
-            "%d of a swap's work",
+            "%d of a swap's work; %.1f ms waiting for the device, %.1f ms on the host",
             step.index,
             period * 1e3,
             period / median,
             num_requests,
             out.total_num_scheduled_tokens,
             fields["swap_work_tokens"],
+            step.wait_s * 1e3,
+            (period - step.wait_s) * 1e3,
             extra=fields,
         )

@@ -234,3 +234,31 @@ def test_an_engine_call_runs_on_the_engine_thread_and_replies():
         assert isinstance(exc, ZeroDivisionError)
     finally:
         core.stop()
+
+
+@pytest.mark.parametrize("mode", [True, "ahead"], ids=["in-turn", "ahead"])
+def test_each_step_record_holds_how_long_the_engine_waited_for_the_device(mode):
+    # A runner whose launched steps take `device_s` to deliver their tokens: the engine thread
+    # waits that long in `result()` for each, and the record says so (the slow-step log splits
+    # a long step's period into that wait and the host's own work).
+    device_s = random.uniform(0.005, 0.015)
+    steps = Steps()
+    core, runner, sink = make_core(mode, observer=steps)
+    launch = runner.launch
+
+    def slow_device(so):
+        done = launch(so)
+        tokens_of = done.result
+        done.result = lambda: (time.sleep(device_s), tokens_of())[1]
+        return done
+
+    runner.launch = slow_device
+    try:
+        add(core, "r0", b"the prompt", 12)
+        sink.until_finished({"r0"})
+    finally:
+        core.stop()
+    busy = [r for r in steps.records if r.sched_out.total_num_scheduled_tokens]
+    assert len(busy) >= 12
+    for r in busy:
+        assert device_s <= r.wait_s <= r.end - r.start + device_s, (r.index, r.wait_s)

@@ -25,7 +25,7 @@ def test_every_observability_flag_reaches_its_field():
         "https://collector:4317", "--service-name", "sitsd-eu", "--log-format", "console",
         "--log-level", "debug", "--trace-sample-ratio", "0.25", "--no-step-spans",
         "--slow-step-ms", "8", "--slow-step-factor", "1.5", "--loop-lag-warn-ms", "4",
-        "--stall-warn-every-s", "0.05",
+        "--stall-warn-every-s", "0.05", "--gil-hold-warn-ms", "12",
     )  # fmt: skip
     assert cfg == ObservabilityConfig(
         metrics_host="0.0.0.0",
@@ -41,6 +41,7 @@ def test_every_observability_flag_reaches_its_field():
         slow_step_factor=1.5,
         loop_lag_warn_ms=4.0,
         stall_warn_every_s=0.05,
+        gil_hold_warn_ms=12.0,
     )
     assert not obs_of("--no-metrics").metrics_enabled
 

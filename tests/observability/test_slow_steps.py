@@ -11,13 +11,15 @@ from sitsd.observability.slow_steps import SlowStepLog
 from sitsd.outputs import SchedulerOutput, SwapWork
 
 
-def step(index: int, start: float, end: float, tokens: int = 8, swap: int = 0) -> StepRecord:
+def step(
+    index: int, start: float, end: float, tokens: int = 8, swap: int = 0, wait: float = 0.0
+) -> StepRecord:
     out = SchedulerOutput()
     for i in range(tokens):
         out.num_scheduled_tokens[f"r{i}"] = 1
     out.total_num_scheduled_tokens = tokens + swap
     out.swap_work = SwapWork(swap, swap > 0, 1)
-    return StepRecord(out, [], start, end, index)
+    return StepRecord(out, [], start, end, index, wait)
 
 
 def busy_steps(log: SlowStepLog, periods: list[float], t: float = 0.0) -> float:
@@ -42,6 +44,18 @@ def test_a_step_far_past_the_recent_ones_is_logged_with_its_swap_work(caplog):
     assert record.swap_work_alone
     assert abs(record.median_step_ms - base * 1e3) < 0.15 * base * 1e3
     assert slow.num_slow == 1
+
+
+def test_a_slow_step_says_how_long_it_waited_for_the_device_and_how_long_the_host_took(caplog):
+    slow = SlowStepLog(factor=2.0, min_s=0.01)
+    t = busy_steps(slow, [0.005] * 100)
+    long, wait = random.uniform(0.02, 0.05), random.uniform(0.001, 0.015)
+    with caplog.at_level(logging.WARNING, logger="sitsd.observability.slow_steps"):
+        slow.observe(step(101, t, t + long, wait=wait))
+    (record,) = caplog.records
+    assert abs(record.device_wait_ms - wait * 1e3) < 0.01
+    assert abs(record.host_ms - (long - wait) * 1e3) < 0.01
+    assert f"{wait * 1e3:.1f} ms waiting for the device" in record.getMessage()
 
 
 def test_steady_steps_and_a_step_after_idling_are_not_logged(caplog):
