@@ -52,7 +52,7 @@ from sitsd.kernels.int4_dequant import int4_dequantize
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_layout import pack_int4
 from sitsd.kernels.quant_reference import fp8_matmul_ref
-from sitsd.quant.layout import Fp8Weight, Int4Weight, nbytes
+from sitsd.quant.layout import Fp8Weight, Int4Weight, mark_integer_zeros, nbytes
 
 DTYPE, GROUP = torch.bfloat16, 128
 NUM_LAYERS = LLAMA3_8B.num_layers
@@ -92,7 +92,7 @@ def make_weight(fmt: str, n: int, k: int, device: str) -> Weight:
     offsets = None
     if fmt == "int4 zp":
         offsets = -(torch.randint(0, 16, scales.shape, device=device).float() * scales.float())
-    return Int4Weight(pack_int4(codes), scales, offsets, GROUP)
+    return mark_integer_zeros(Int4Weight(pack_int4(codes), scales, offsets, GROUP))
 
 
 def weight_bytes(w: Weight) -> int:
@@ -107,7 +107,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, *, config: Int4MatmulConfig | None = None):
-    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config)
+    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
+                       zeros=w.zeros)  # fmt: skip
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
@@ -137,39 +138,21 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     """A few configurations per row count around the default (compiling is most of the run:
     the list is short, and layers that share K share compiled variants)."""
     c = Int4MatmulConfig
-    if num_rows <= 4:
+    m16 = min(64, max(16, 1 << max(num_rows - 1, 0).bit_length()))  # rows of an MMA tile
+    if num_rows <= 4:  # the tensor-core kernel against gemv, split until the grid fills the SMs
         m = 1 << max(num_rows - 1, 0).bit_length()
         return [
-            c("gemv", m, 16, 512, split_k=2),
-            c("gemv", m, 32, 512, split_k=4),
-            c("gemv", m, 64, 128, split_k=4),
-            c("gemv", m, 8, 1024, split_k=2),
-            c("gemv", m, 128, 128, split_k=8),
-            c("fma", m, 8, 512),
-            c("dot_swapped", 16, 64, 128, split_k=4),
-        ]
-    if num_rows <= 16:
-        return [
-            c("dot_swapped", 16, 64, 128, split_k=2),
-            c("dot_swapped", 16, 64, 128, split_k=4),
-            c("dot_swapped", 16, 128, 128, split_k=2, num_warps=8),
-            c("dot_swapped", 16, 64, 256, split_k=2),
+            c("gemv", m, 32, 128, split_k=8, num_warps=2),
+            *(c("mma", 16, n, 128, split_k=s) for n, s in ((64, 8), (128, 8), (128, 16))),
         ]
     if num_rows <= 64:
-        m = max(16, 1 << (num_rows - 1).bit_length())
-        return [
-            c("dot_swapped", m, 64, 128, split_k=2),
-            c("dot_swapped", m, 64, 128, split_k=4),
-            c("dot_swapped", m, 128, 128, num_warps=8),
-            c("dot_swapped", m, 64, 256),
-            c("dot", m, 64, 64),
+        return [c("dot_swapped", m16, 64, 128, split_k=2)] + [
+            c("mma", m16, n, 128, split_k=s) for n in (64, 128) for s in (2, 4, 8)
         ]
     return [
         c("dot", 64, 128, 64),
-        c("dot", 128, 128, 64, num_warps=8),
-        c("dot", 128, 64, 64),
-        c("dot", 64, 64, 128),
-        c("dot", 128, 256, 64, num_warps=8),
+        c("mma", 64, 128, 128, split_k=2),
+        c("mma", 64, 64, 128, split_k=2),
     ]
 
 

@@ -22,6 +22,12 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   on the MMA's M side (64 or 128 on Hopper's warp-group MMA) and the few rows of x on its N side
   (skinny_gemm's trick): for up to 64 rows.
 * `dot`: `tl.dot(x_tile, W_tile^T)`, the tiled GEMM on the tensor cores, for prefill.
+* `mma` (`_int4_mma`; 16-bit x, group size 128): the words of a group sliced by nibble into eight
+  16-bit tiles `BIAS + q` by one inline-PTX LOP3 per code, straight in the MMA's register
+  layout, each slice multiplied with x's matching strided columns on the tensor cores (weight
+  rows on the M side), the group's scale and offset applied once per output element. About 2.7
+  instructions per code in all (SASS of the loop, sm_90), where `gemv` takes about 4 and the
+  dot modes 5-6.
 
 In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
 1` the programs along K write float32 partials `[split_k, M, N]` that a second small kernel sums
@@ -30,10 +36,10 @@ of x as each chunk loads them, so the weight keeps contiguous groups.
 
 Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which configuration, is
 the model's decision; `choose_int4_config` gives defaults from the GPU benchmark
-(`bench/bench_quant_kernels.py`). No mode reaches its memory floor yet: one decode row reads
-the weight at 20-35% of the copy bandwidth (`gemv`; the other modes 12-20%), where cuBLAS
-bf16 reaches 60-97%: the FP32 dequantization costs about four instructions per code, near the
-SMs' issue rate at full bandwidth.
+(`bench/bench_quant_kernels.py`). No mode reaches its memory floor yet: up to 32 rows `mma`
+reads the weight at 25-38% of the copy bandwidth (`gemv` 20-38%, the other modes 12-20%),
+where cuBLAS bf16 reaches 60-97%: every code costs instructions (about 2.5 in `mma`, 4 in
+`gemv`) near the SMs' issue rate at full bandwidth, and the kernels run few warps per SM.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sitsd.kernels._int4_mma import int4_mma_kernel
 from sitsd.kernels._int4_sliced import int4_gemv_kernel
 from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._pdl import pdl_enter
@@ -55,6 +62,7 @@ from sitsd.kernels._utils import (
     check_ndim,
     check_out,
     check_pdl,
+    check_shape,
     next_power_of_2,
     num_sms,
     runs_in_interpreter,
@@ -63,7 +71,9 @@ from sitsd.kernels.quant_layout import check_int4_layout
 
 __all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
-MODES = ("fma", "dot_swapped", "dot", "gemv")
+MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
+MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
+MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
 
@@ -73,9 +83,10 @@ class Int4MatmulConfig:
     """Launch configuration of one `int4_matmul` call."""
 
     mode: str = "dot"  # one of MODES
-    block_m: int = 16  # rows of x per program (power of two; >= 16 for the dot modes; gemv <= 4)
+    # rows of x per program (power of two; >= 16 for the dot modes and mma; gemv <= 4)
+    block_m: int = 16
     block_n: int = 64  # rows of W (output columns) per program, a power of two
-    # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes)
+    # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes; mma: the group, 128)
     block_k: int = 64
     split_k: int = 1  # programs along K; their partials are summed by a second kernel
     num_warps: int = 4
@@ -189,20 +200,43 @@ def choose_int4_config(
     *,
     num_sms: int = 132,
     has_offsets: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Int4MatmulConfig:
-    """A default configuration for `x [num_rows, k] @ W[n, k].T`, from an H200's figures
-    (`bench/bench_quant_kernels.py`, Llama-3-8B's layers, groups of 128).
+    """A default configuration for `x [num_rows, k] @ W[n, k].T` (x in `dtype`), from an H200's
+    figures (`bench/bench_quant_kernels.py`, Llama-3-8B's layers, groups of 128).
 
-    One or two rows: `gemv` on 32 weight rows per program, 128-column chunks (16 words per row:
-    four 16-byte vectors), 2 warps, split along K into up to 8 parts (a power of two, into
-    whole chunks): within 10% of the best of twelve configurations on every layer, with or
-    without offsets (qkv 13, o 10.5, gate_up 38, down 25 us at one row; `fma` took 21, 12, 73
-    and 36, the 3-D `gemv` with offsets 29, 22, 116 and 67); `has_offsets` no longer changes
-    the choice. Up to 64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks. More: `dot` on
-    64 x 128 (128 x 128 past 128 rows) tiles, 64-wide chunks. The dot modes split K (a power of
-    two, at most 8, into whole chunks) until the grid has two programs per SM.
+    Groups of 128 and 16-bit x, up to 32 rows: `mma` (at one row: qkv 12.1, o 10.5, down 22.5
+    us against `gemv`'s 13.3, 10.4 and 24.6; at 32 rows 17.9, 14.7, 57.4 and 34.3 us against
+    `dot_swapped`'s 20.3, 17.8, 93.3 and 49.8), on 128 weight rows per program, or 64 for the
+    long K of down at one or two rows and for more rows of a small N (qkv, o, down), unless
+    there are offsets (whose zero points take the same time per group whatever the tile: down
+    at one row 33.7 us on 64 rows, 24.3 on 128); split along K into 8 parts for one or two
+    rows (2 for a large N, else 4, for more), and further until the grid has a program per
+    SM; but `gemv` for one or two rows of a large N without offsets (gate_up 37.9 against 40.2
+    us). From 64 rows `mma`'s tiles of x cost more than its codes save.
+
+    Otherwise, one or two rows: `gemv` on 32 weight rows per program, 128-column chunks (16
+    words per row: four 16-byte vectors), 2 warps, split along K into up to 8 parts (a power of
+    two, into whole chunks). Up to 64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks.
+    More: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles, 64-wide chunks. The dot modes split
+    K (a power of two, at most 8, into whole chunks) until the grid has two programs per SM.
     """
     k_pow2 = next_power_of_2(k)
+    mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
+    large_n = n >= 16384
+    if mma and num_rows <= 32 and not (num_rows <= 2 and large_n and not has_offsets):
+        if num_rows <= 2:  # down (K 14336) on 64 rows, the rest on 128
+            block_n, split_k = (64 if k >= 8192 and not has_offsets else 128), 8
+        else:
+            block_n, split_k = (128 if large_n or has_offsets else 64), (2 if large_n else 4)
+        block_m = max(16, next_power_of_2(num_rows))
+        tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
+        groups = cdiv(k, MMA_GROUP_SIZE)
+        while tiles * split_k < num_sms and split_k < MMA_MAX_SPLIT and 2 * split_k <= groups:
+            split_k *= 2  # a program per SM, as long as each keeps a group
+        while split_k > 1 and split_k > groups:
+            split_k //= 2
+        return Int4MatmulConfig("mma", block_m, block_n, MMA_GROUP_SIZE, split_k)
     if num_rows <= 2:
         split_k = 1
         while split_k < 8 and k % (2 * split_k * 128) == 0:
@@ -226,7 +260,10 @@ def choose_int4_config(
 def _check_config(config: Int4MatmulConfig) -> None:
     if config.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
-    dot = config.mode in ("dot", "dot_swapped")  # tl.dot needs every side >= 16
+    dot = config.mode in ("dot", "dot_swapped", "mma")  # tl.dot needs every side >= 16
+    if config.mode == "mma" and config.block_k != MMA_GROUP_SIZE:
+        raise ValueError(f"block_k must be {MMA_GROUP_SIZE} (the group) in mode 'mma', got "
+                         f"{config.block_k}")  # fmt: skip
     least = {"block_m": 16 if dot else 1, "block_n": 16 if dot else 1, "block_k": 16 if dot else 8}
     if config.mode == "gemv" and config.block_m > 4:
         raise ValueError(f"block_m must be at most 4 in mode 'gemv' (an accumulator per row), "
@@ -252,6 +289,7 @@ def int4_matmul(
     config: Int4MatmulConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    zeros: torch.Tensor | None = None,  # [G, N] uint8
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -268,6 +306,10 @@ def int4_matmul(
         config: Launch configuration; `choose_int4_config` by default.
         out: Optional preallocated contiguous output, `[M, N]` in x's dtype.
         pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
+        zeros: The integer zero points, `[G, N]` uint8 with `offsets == -zeros * scales`
+            exactly (`sitsd.quant.layout.mark_integer_zeros` finds them), or None. Mode `mma`
+            then subtracts them from the codes as it unpacks them instead of summing x per
+            group; the other modes read the offsets. Values are not checked (a host sync).
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -277,6 +319,11 @@ def int4_matmul(
         TypeError: Unsupported dtypes.
     """
     n, k = check_int4_layout(qweight, scales, offsets, group_size, perm)
+    if zeros is not None:
+        check_dtype("zeros", zeros, (torch.uint8,))
+        check_shape("zeros", zeros, tuple(scales.shape), "[ceil(K / group_size), N]")
+        if offsets is None or not zeros.is_contiguous() or zeros.device != qweight.device:
+            raise ValueError("zeros must be contiguous, on the weight's device, beside offsets")
     check_ndim("x", x, 2, "[M, K]")
     check_dtype("x", x, FLOAT_DTYPES)
     check_last_dim_contiguous("x", x)
@@ -290,9 +337,18 @@ def int4_matmul(
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
     config = config or choose_int4_config(
-        num_rows, n, k, group_size, num_sms=num_sms(x.device), has_offsets=offsets is not None
+        num_rows,
+        n,
+        k,
+        group_size,
+        num_sms=num_sms(x.device),
+        has_offsets=offsets is not None,
+        dtype=x.dtype,
     )
     _check_config(config)
+    if config.mode == "mma" and (group_size != MMA_GROUP_SIZE or x.dtype == torch.float32):
+        raise ValueError(f"mode 'mma' takes group size {MMA_GROUP_SIZE} and float16 or bfloat16 "
+                         f"x, got group size {group_size} and {x.dtype}")  # fmt: skip
     if num_rows == 0 or n == 0:
         return out
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -304,7 +360,18 @@ def int4_matmul(
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
     grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
-    if config.mode == "gemv":
+    if config.mode == "mma":
+        int4_mma_kernel[grid](
+            x, qweight, scales, scales if offsets is None else offsets,
+            qweight if zeros is None else zeros, qweight if perm is None else perm, target,
+            num_rows, n, x.stride(0),
+            K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
+            K_SPLIT=k_split, HAS_OFFSETS=offsets is not None, HAS_ZEROS=zeros is not None,
+            HAS_PERM=perm is not None,
+            EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        )  # fmt: skip
+    elif config.mode == "gemv":
         int4_gemv_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
             qweight if perm is None else perm, target, num_rows, n, x.stride(0),

@@ -8,7 +8,11 @@ quantized W is held as one of three frozen dataclasses of tensors, on the device
   consecutive inputs), optional `offsets [G, N]` (the zero point folded into the float domain,
   `W = q * scale + offset`; without offsets `W = (q - 8) * scale`), and an optional act-order
   permutation `perm [K]` (layout column j multiplies input column perm[j]). The exact definition
-  is `sitsd.kernels.quant_layout`'s. On the CPU torch's int4 matmul wants its own packing:
+  is `sitsd.kernels.quant_layout`'s. `zeros [G, N]` uint8, derived from offsets and scales, holds
+  the integer zero points z when every offset is `-z * scale` exactly (found from the values by
+  `mark_integer_zeros` at load and staging: AWQ, GPTQ, compressed-tensors and RTN weights, not
+  GGUF's Q4_1 and Q4_K minima); the INT4 kernel then subtracts z from each code as it unpacks
+  them instead of summing x per group. On the CPU torch's int4 matmul wants its own packing:
   `sitsd.quant.cpu.CpuInt4Weight` is made from an `Int4Weight` once.
 * `Fp8Weight`, what `sitsd.kernels.fp8_matmul` reads: `weight [N, K]` float8_e4m3fn and one
   float32 scale per output row (`scale [N]`; a per-tensor scale is the same value N times).
@@ -53,6 +57,7 @@ __all__ = [
     "concat_rows",
     "copy_weight_",
     "empty_like",
+    "mark_integer_zeros",
     "move_to",
     "narrow_rows",
     "nbytes",
@@ -84,6 +89,10 @@ class Int4Weight:
     offsets: torch.Tensor | None = field(metadata=_rows(1))  # [G, N]; None: zero point 8
     group_size: int  # 32, 64 or 128 consecutive inputs per scale
     perm: torch.Tensor | None = field(default=None, metadata=_rows(None))  # [K] int32
+    # [G, N] uint8 zero points z with offsets == -z * scale exactly, or None (derived from the
+    # values by `mark_integer_zeros`; None is always correct). Part of the slot's structure:
+    # the kernel variant, and so the captured CUDA graphs, depend on it.
+    zeros: torch.Tensor | None = field(default=None, metadata=_rows(1))
 
     def __post_init__(self) -> None:
         _check(
@@ -105,6 +114,14 @@ class Int4Weight:
                     f"{name} must be [G, N] = {groups} in float16/bfloat16/float32, got "
                     f"{t.dtype} {tuple(t.shape)}",
                 )
+        if self.zeros is not None:
+            _check(
+                self.offsets is not None
+                and self.zeros.dtype == torch.uint8
+                and tuple(self.zeros.shape) == groups,
+                f"zeros must be [G, N] = {groups} uint8 beside offsets, got {self.zeros.dtype} "
+                f"{tuple(self.zeros.shape)}",
+            )
         if self.perm is not None:
             _check(
                 self.perm.dtype == torch.int32 and tuple(self.perm.shape) == (k,),
@@ -130,6 +147,19 @@ class Int4Weight:
         return dataclasses.replace(
             self, scales=self.scales.to(scale_dtype), offsets=offsets.to(offset_dtype)
         )
+
+
+def mark_integer_zeros(weight: Int4Weight) -> Int4Weight:
+    """`weight` with `zeros` found from its values: the z = `round(-offset / scale)` (float32,
+    halves away from zero) when every one gives `offset + z * scale == 0` exactly and lies in
+    0..255, else None. Reads values: a host sync, for load and staging."""
+    if weight.offsets is None:
+        return dataclasses.replace(weight, zeros=None)
+    offsets, scales = weight.offsets.float(), weight.scales.float()
+    z = -offsets / scales
+    z = torch.where(z < 0, -torch.floor(0.5 - z), torch.floor(z + 0.5))
+    exact = bool(((offsets + z * scales == 0) & (z >= 0) & (z <= 255)).all())
+    return dataclasses.replace(weight, zeros=z.to(torch.uint8).contiguous() if exact else None)
 
 
 @dataclass(frozen=True)
@@ -287,6 +317,8 @@ def concat_rows(parts: Sequence[W]) -> W:
             f"part {i} has K = {p.shape[1]}, part 0 K = {first.shape[1]}",
         )
         for f in dataclasses.fields(first):
+            if f.name == "zeros":  # derived: found again for the fused weight (below)
+                continue
             a, b = getattr(first, f.name), getattr(p, f.name)
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 if f.metadata[_ROWS] is None:  # shared by all rows: must be equal
@@ -301,8 +333,10 @@ def concat_rows(parts: Sequence[W]) -> W:
     fused = {
         name: torch.cat([getattr(p, name) for p in parts], dim=axis).contiguous()
         for name, axis, _ in _tensor_fields(first)
-        if axis is not None
+        if axis is not None and name != "zeros"
     }
+    if isinstance(first, Int4Weight):  # found for the whole when its values are read again
+        return cast(W, dataclasses.replace(first, **fused, zeros=None))  # type: ignore[arg-type]
     return with_tensors(first, fused)
 
 

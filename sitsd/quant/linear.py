@@ -24,7 +24,14 @@ import torch
 
 from sitsd.quant.cpu import CpuInt4Weight, int4_cpu_matmul
 from sitsd.quant.errors import QuantFormatError
-from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, move_to
+from sitsd.quant.layout import (
+    Fp8Weight,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    mark_integer_zeros,
+    move_to,
+)
 
 __all__ = [
     "LinearWeight",
@@ -50,7 +57,7 @@ def to_serving_layout(weight: QuantizedWeight, device: torch.device | str) -> Se
     if isinstance(weight, Int4Weight):
         if device.type == "cpu":
             return CpuInt4Weight.from_int4(weight)
-        return move_to(weight, device)
+        return mark_integer_zeros(move_to(weight, device))
     if isinstance(weight, Fp8Weight):  # one call per layout: move_to keeps the layout's type
         return move_to(weight, device)
     return move_to(weight, device)
@@ -64,7 +71,8 @@ def quantized_linear(x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  #
         from sitsd.kernels.int4_matmul import int4_matmul  # triton: CUDA hosts only
 
         w = weight
-        return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm)
+        return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
+                           zeros=w.zeros)  # fmt: skip
     if isinstance(weight, Fp8Weight):
         return _fp8_linear(x, weight)
     if isinstance(weight, Int8Weight) and x.device.type == "cpu":

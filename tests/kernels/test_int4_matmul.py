@@ -72,6 +72,62 @@ def test_split_k_sums_the_same_bits_each_time(split_k, device):
     assert_close(first, int4_matmul_ref(x, *weight.args), torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("perm", [False, True])
+def test_mma_mode_matches_reference_with_ragged_tiles_a_short_last_group_and_split_k(
+    dtype, offsets, perm, device
+):
+    # Mode mma takes group 128 only. N = 37: masked weight rows; K = 2 * 128 + 32: a short last
+    # group (and, split in two, a second split that runs past K); 5 rows of a 16-row tile.
+    k = 2 * 128 + 32
+    weight = random_int4(37, k, 128, offsets=offsets, perm=perm, device=device)
+    x = _x(5, k, dtype, device)
+    ref = int4_matmul_ref(x, *weight.args)
+    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2)):
+        out = torch.full((5, 37), float("nan"), device=device, dtype=dtype)
+        assert_close(int4_matmul(x, *weight.args, config=config, out=out), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
+    # Offsets -z * scale (AWQ, GPTQ, RTN): mark_integer_zeros finds z, and mode mma subtracts
+    # it from the codes; the product is the offsets' product. Ragged N and K, a split past K.
+    from sitsd.quant.layout import Int4Weight, mark_integer_zeros
+
+    k = 2 * 128 + 32
+    case = random_int4(37, k, 128, offsets=True, scale_dtype=torch.float16, device=device)
+    weight = mark_integer_zeros(Int4Weight(case.qweight, case.scales, case.offsets, 128))
+    assert weight.zeros is not None
+    z = -(case.offsets.float() / case.scales.float())
+    assert torch.equal(weight.zeros, z.round().to(torch.uint8))
+    x = _x(5, k, dtype, device)
+    ref = int4_matmul_ref(x, *case.args)
+    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2)):
+        out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
+        assert_close(out, ref, dtype)
+
+
+def test_mma_mode_on_even_tiles_and_more_rows_than_one_tile(device):
+    weight = random_int4(64, 256, 128, offsets=True, device=device)
+    x = _x(20, 256, torch.bfloat16, device)
+    out = int4_matmul(x, *weight.args, config=Int4MatmulConfig("mma", 16, 32, 128))
+    assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
+
+
+def test_mma_mode_refuses_other_groups_float32_x_and_other_chunks(device):
+    w64 = random_int4(32, 128, 64, offsets=True, device=device)
+    w128 = random_int4(32, 128, 128, offsets=True, device=device)
+    mma = Int4MatmulConfig("mma", 16, 32, 128)
+    with pytest.raises(ValueError, match="mode 'mma' takes group size 128 and float16 or bf"):
+        int4_matmul(_x(2, 128, torch.bfloat16, device), *w64.args, config=mma)
+    with pytest.raises(ValueError, match=r"got group size 128 and torch\.float32"):
+        int4_matmul(_x(2, 128, torch.float32, device), *w128.args, config=mma)
+    with pytest.raises(ValueError, match=r"block_k must be 128 \(the group\) in mode 'mma'"):
+        int4_matmul(_x(2, 128, torch.bfloat16, device), *w128.args,
+                    config=Int4MatmulConfig("mma", 16, 32, 64))  # fmt: skip
+
+
 @pytest.mark.parametrize(("name", "num_rows"), [("kv", 1), ("o", 5)])
 def test_smollm2_shapes_with_the_default_config(name, num_rows, device):
     n, k = SMOLLM2_SHAPES[name]
@@ -124,12 +180,18 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_off
     config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=has_offsets)
     assert k % (config.split_k * config.block_k) == 0
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
-    assert programs * config.split_k >= 2 * 132 or config.split_k == 8
+    if config.mode == "mma":  # a program per SM (two-per-SM splits measured slower)
+        assert programs * config.split_k >= 132 or config.split_k == 16
+    else:
+        assert programs * config.split_k >= 2 * 132 or config.split_k == 8
 
 
-def _other_modes(num_rows: int) -> list[Int4MatmulConfig]:
+def _other_modes(num_rows: int, group_size: int) -> list[Int4MatmulConfig]:
     """A tiling of each mode that can serve `num_rows` besides the default's."""
     configs = [Int4MatmulConfig("dot", 64, 128, 64)]
+    if group_size == 128:
+        configs.append(Int4MatmulConfig("mma", max(16, min(64, triton.next_power_of_2(num_rows))),
+                                        128, 128, split_k=2))  # fmt: skip
     if num_rows <= 64:
         block_m = max(16, triton.next_power_of_2(num_rows))
         configs.append(Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k=2))
@@ -159,7 +221,7 @@ def test_gpu_model_shapes_match_reference_from_1_to_512_rows(name, group_size, o
         x = _x(num_rows, k, torch.bfloat16, device)
         ref = int4_matmul_ref(x, *weight.args)
         assert_close(int4_matmul(x, *weight.args), ref, torch.bfloat16)
-        for config in _other_modes(num_rows) if num_rows in (1, 17, 200) else []:
+        for config in _other_modes(num_rows, group_size) if num_rows in (1, 17, 200) else []:
             assert_close(int4_matmul(x, *weight.args, config=config), ref, torch.bfloat16)
 
 
@@ -173,8 +235,9 @@ def test_gpu_act_order_and_split_k_on_llama_down(dtype, device):
         ref = int4_matmul_ref(x, *weight.args)
         for split_k in (1, 2, 4, 8):
             block_m = max(16, 1 << (num_rows - 1).bit_length())  # a power of two
-            config = Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k)
-            assert_close(int4_matmul(x, *weight.args, config=config), ref, dtype)
+            for mode, block_n in (("dot_swapped", 64), ("mma", 256)):
+                config = Int4MatmulConfig(mode, block_m, block_n, 128, split_k)
+                assert_close(int4_matmul(x, *weight.args, config=config), ref, dtype)
 
 
 @pytest.mark.gpu

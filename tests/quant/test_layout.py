@@ -14,6 +14,7 @@ from sitsd.quant.layout import (
     concat_rows,
     copy_weight_,
     empty_like,
+    mark_integer_zeros,
     narrow_rows,
     nbytes,
     select_rows,
@@ -135,3 +136,36 @@ def test_the_dataclasses_refuse_tensors_that_do_not_form_the_layout():
 def test_int4_bytes_are_about_a_quarter_of_bfloat16():
     w = int4(4096, 4096, 128, offsets=False)
     assert nbytes(w) / (4096 * 4096 * 2) == pytest.approx(0.25 + 2 / 128 / 2, rel=1e-6)
+
+
+def test_integer_zero_points_are_found_from_the_values_and_only_when_exact():
+    w = int4(24, 128, 64)  # offsets -z * scale, z in 0..15
+    marked = mark_integer_zeros(w)
+    assert marked.zeros is not None
+    assert marked.zeros.dtype == torch.uint8
+    assert torch.equal(-marked.zeros.float() * w.scales.float(), w.offsets.float())
+    assert torch.equal(marked.dequantize(), w.dequantize())  # the zeros change no value
+    # A GGUF-like minimum that is no whole number of scales: no zeros, the offsets serve.
+    fractional = w.offsets.clone()
+    fractional[1, 3] += w.scales[1, 3].float() * 0.25
+    assert mark_integer_zeros(Int4Weight(w.qweight, w.scales, fractional, 64)).zeros is None
+    assert mark_integer_zeros(int4(24, 128, 64, offsets=False)).zeros is None
+    # Zero points past a byte (a shifted grid) are not kept either.
+    shifted = Int4Weight(w.qweight, w.scales, w.offsets - 300 * w.scales.float(), 64)
+    assert mark_integer_zeros(shifted).zeros is None
+
+
+def test_zero_points_are_part_of_a_weight_s_structure_and_fusing_drops_them():
+    from sitsd.quant.linear import same_structure
+
+    w = int4(16, 128, 64)
+    marked = mark_integer_zeros(w)
+    assert not same_structure(marked, w)  # another kernel variant: the slot is rebuilt
+    with pytest.raises(QuantFormatError, match="zeros: only the destination has one"):
+        copy_weight_(marked, w)
+    assert torch.equal(narrow_rows(marked, 4, 8).zeros, marked.zeros[:, 4:12])
+    fused = concat_rows([marked, int4(8, 128, 64)])
+    assert fused.zeros is None  # found again, for the whole, when its values are read
+    assert mark_integer_zeros(fused).zeros is not None
+    with pytest.raises(QuantFormatError, match=r"zeros must be \[G, N\] = \(2, 16\) uint8"):
+        Int4Weight(w.qweight, w.scales, w.offsets, 64, zeros=marked.zeros.int())

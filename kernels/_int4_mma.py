@@ -1,0 +1,269 @@
+"""The tensor-core INT4 kernel behind `int4_matmul`'s `mma` mode: 16-bit x, group size 128, any
+number of rows.
+
+A group is 16 int32 words per weight row (`sitsd.kernels.quant_layout`: code 8w + i of the group
+in nibble i of word w). Its `[BLOCK_N, 16]` word tile becomes eight 16-bit tiles `c_0 .. c_7` in
+x's dtype, `c_i[n, w] = q[n, 8w + i] - z[n]`, exact. On the GPU that is one inline-PTX block per
+two words (sixteen codes): two byte permutes pair the words' halves, six shifts and eight LOP3s
+(`(t & 0x000F000F) | MAGIC`) set each code as the low mantissa bits of BIAS (128 in bfloat16,
+whose last mantissa bit is worth 1 there; 1024 in float16), and eight packed subtractions of
+`BIAS + z` leave `q - z`: 1.5 instructions per code (the float32 dequantization of the other
+modes costs about four, plus a conversion to 16 bits). The words are loaded straight into the
+MMA's register layout (through shared memory, pipelined) and never move again; the eight slices
+side by side are one `[BLOCK_N, 128]` operand (a relabelling of registers), multiplied in one
+chain of MMAs with x's columns in the same slice-major order (`x[:, k0 + 8w + i]` at K index
+16 i + w, gathered: x is small and stays in cache). The weight rows are the MMA's M side.
+
+The zero point z of a row and group is 8 without offsets; the integer zero points found at load
+(`zeros`, uint8: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.
+The group's float32 partial `p = sum_k (q_k - z) x_k` takes its scale once per output element:
+
+    y += scale * p + r * sum_k x_k,      r = offset + z * scale
+
+r is 0 in the first two cases, which skip the sum of x; GGUF's Q4_1 and Q4_K minima leave a
+remainder, and the sum of x per group (a contiguous load, summed along its rows) carries it.
+
+The x, scales and offsets of a group are loaded one group ahead, so their latency hides behind
+the group before (the words' loads are pipelined by Triton itself).
+
+Under the interpreter (no PTX) the slices are float32 arithmetic and the MMA runs in float32, so
+the CPU checks the tiling, masks and the zero-point algebra; the PTX block is checked on the GPU
+(`tests/kernels/test_int4_matmul.py`, `gpu`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sitsd.kernels._pdl import pdl_enter
+
+WORDS = tl.constexpr(16)  # words per group row: the kernel takes group size 128 only (8 * WORDS)
+
+# Two words a, b in ($8, $9) and (BIAS + z, BIAS + z) in $10; eight 16-bit pairs out: $i =
+# (nibble i of a, nibble i of b) - z. The permutes give lo = (a.lo16, b.lo16) and hi = (a.hi16,
+# b.hi16); a shift by 4j brings nibble j of each half to bits 0-3 and 16-19; LOP3 0xEA is
+# (t & mask) | MAGIC, which reads as BIAS + q; the subtraction is exact.
+_UNPACK_PTX = """
+{
+.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3, c0, c1, c2, c3, c4, c5, c6, c7;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+shr.b32 a1, lo, 4;
+shr.b32 a2, lo, 8;
+shr.b32 a3, lo, 12;
+shr.b32 b1, hi, 4;
+shr.b32 b2, hi, 8;
+shr.b32 b3, hi, 12;
+lop3.b32 c0, lo, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c1, a1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c2, a2, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c3, a3, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c4, hi, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c5, b1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c6, b2, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 c7, b3, 0x000F000F, MAGIC, 0xEA;
+SUB $0, c0, $10;
+SUB $1, c1, $10;
+SUB $2, c2, $10;
+SUB $3, c3, $10;
+SUB $4, c4, $10;
+SUB $5, c5, $10;
+SUB $6, c6, $10;
+SUB $7, c7, $10;
+}
+"""
+# A jit function reads only constexpr globals.
+_UNPACK_BF16 = tl.constexpr(  # 128.0 in bfloat16, twice
+    _UNPACK_PTX.replace("MAGIC", "0x43004300").replace("SUB", "sub.rn.bf16x2")
+)
+_UNPACK_F16 = tl.constexpr(  # 1024.0 in float16, twice
+    _UNPACK_PTX.replace("MAGIC", "0x64006400").replace("SUB", "sub.rn.f16x2")
+)
+
+
+@triton.jit
+def _bias(DTYPE: tl.constexpr):
+    if tl.bfloat16 == DTYPE:
+        return 128.0
+    return 1024.0
+
+
+@triton.jit
+def _slices_ptx(words, bias_z, DTYPE: tl.constexpr):
+    """`[BLOCK_N, WORDS]` int32 words and `[BLOCK_N, WORDS]` DTYPE `BIAS + z` -> eight DTYPE
+    tiles `q - z`, nibbles 0..7 (the PTX)."""
+    # Eight pairs out; two words and a pair of BIAS + z in.
+    if tl.bfloat16 == DTYPE:
+        c = tl.inline_asm_elementwise(_UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                      [words, bias_z], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                                      pack=2)  # fmt: skip
+    else:
+        c = tl.inline_asm_elementwise(_UNPACK_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                      [words, bias_z], dtype=(tl.float16,) * 8, is_pure=True,
+                                      pack=2)  # fmt: skip
+    return c
+
+
+@triton.jit
+def _slices_float32(words, z):
+    """The same tiles in float32, by plain arithmetic (the interpreter runs no PTX)."""
+    return (
+        (words & 0xF).to(tl.float32) - z,
+        ((words >> 4) & 0xF).to(tl.float32) - z,
+        ((words >> 8) & 0xF).to(tl.float32) - z,
+        ((words >> 12) & 0xF).to(tl.float32) - z,
+        ((words >> 16) & 0xF).to(tl.float32) - z,
+        ((words >> 20) & 0xF).to(tl.float32) - z,
+        ((words >> 24) & 0xF).to(tl.float32) - z,
+        ((words >> 28) & 0xF).to(tl.float32) - z,
+    )
+
+
+@triton.jit
+def _slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N: tl.constexpr):
+    """The eight `[BLOCK_N, WORDS]` slices side by side, `[BLOCK_N, 8 * WORDS]`: K index
+    `WORDS * i + w` holds slice i's word w. A relabelling of registers (joins, a permute, a
+    reshape): each slice's registers are already the MMA's for its K range."""
+    a = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)),
+                tl.join(tl.join(c4, c5), tl.join(c6, c7)))  # fmt: skip
+    # [BLOCK_N, WORDS, 2, 2, 2], slice i = t0 + 2 t1 + 4 t2 over the last three dimensions
+    return tl.reshape(tl.permute(a, (0, 4, 3, 2, 1)), (BLOCK_N, 8 * WORDS))
+
+
+@triton.jit
+def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, offs_n, n_mask,
+                  k0, live, N, stride_xm, K: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                  EVEN_K: tl.constexpr):  # fmt: skip
+    """What one group multiplies besides its codes: x's columns in slice-major order,
+    transposed (`[8 * WORDS, BLOCK_M]`, zero past M and K), and per weight row (float32
+    `[BLOCK_N]`) the scale, the zero point z and the remainder `offset + z * scale` (0 unless
+    offsets come without zeros). `live` False (a prefetch past the split's last group) loads
+    nothing."""
+    cols = k0 + x_cols
+    k_mask = live + 0 * cols > 0  # a block (the interpreter's & wants two)
+    if not EVEN_K:
+        k_mask = k_mask & (cols < K)
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
+    x = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None],
+                mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # fmt: skip
+    g = k0 // (8 * WORDS)
+    num_groups = (K + 8 * WORDS - 1) // (8 * WORDS)
+    g_mask = n_mask & (live + 0 * offs_n > 0) & (g + 0 * offs_n < num_groups)
+    scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=1.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * N + offs_n, mask=g_mask, other=0).to(tl.float32)
+        rest = z * 0.0
+    elif HAS_OFFSETS:
+        offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
+        z = _round(tl.fdiv(-offset, scale))  # any z is right: the remainder carries the rest
+        rest = offset + z * scale
+    else:
+        z = tl.full(offs_n.shape, 8.0, tl.float32)
+        rest = z * 0.0
+    return x, scale, z, rest
+
+
+@triton.jit
+def _round(v):
+    """To the nearest integer, halves away from zero (zero points are small: exact in float32)."""
+    return tl.where(v < 0, -tl.floor(0.5 - v), tl.floor(v + 0.5))
+
+
+@triton.jit
+def _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, live, stride_xm, K: tl.constexpr,
+            HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """Each row's sum of x over the group's columns (`[BLOCK_M]` float32): one contiguous load
+    (unless act-order gathers it), summed along the row."""
+    cols = k0 + tl.arange(0, 8 * WORDS)
+    k_mask = live + 0 * cols > 0
+    if not EVEN_K:
+        k_mask = k_mask & (cols < K)
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+    return tl.sum(x.to(tl.float32), axis=1)
+
+
+# One compiled variant per (K, tile, flags): M changes with the batch.
+@triton.jit(do_not_specialize=["M"])
+def int4_mma_kernel(
+    x_ptr,  # [M, K] float16 or bfloat16
+    qw_ptr,  # [N, K // 8] int32
+    s_ptr,
+    o_ptr,  # offsets, or any pointer without HAS_OFFSETS
+    z_ptr,  # integer zero points [G, N] uint8, or any pointer without HAS_ZEROS
+    perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
+    out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    stride_xm,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows of x per program (the MMA's N side), >= 16
+    BLOCK_N: tl.constexpr,  # rows of W per program (the MMA's M side), >= 16
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,  # K elements per split, a multiple of the group (128)
+    HAS_OFFSETS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,  # offsets are -zeros * scales exactly: no x sums
+    HAS_PERM: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * 128 divides K: no weight masks
+    EVEN_K: tl.constexpr,  # SPLIT_K * 128 divides K: no K mask on x
+    ASM: tl.constexpr,  # the PTX unpacking (GPU); plain float32 arithmetic otherwise
+    PDL: tl.constexpr,
+):
+    """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
+    pdl_enter(PDL)
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    GROUP: tl.constexpr = 8 * WORDS
+    X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_w = tl.arange(0, WORDS)
+    rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
+    r = tl.arange(0, GROUP)
+    x_cols = 8 * (r % WORDS) + r // WORDS  # slice-major K index WORDS * i + w <- column 8 w + i
+    first = split * K_SPLIT
+    end = first + K_SPLIT
+    # A group's x, scale, zero point and remainder are loaded one group ahead.
+    x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m,
+                                        m_mask, offs_n, n_mask, first, True, N, stride_xm, K,
+                                        HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K)  # fmt: skip
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(first, end, GROUP):
+        word_cols = k0 // 8 + offs_w
+        if EVEN:
+            words = tl.load(rows + word_cols[None, :])
+        else:
+            w_mask = n_mask[:, None] & (word_cols < K // 8)[None, :]
+            words = tl.load(rows + word_cols[None, :], mask=w_mask, other=0)
+        if ASM:
+            bias_z = tl.broadcast_to((_bias(DTYPE) + z).to(DTYPE)[:, None], (BLOCK_N, WORDS))
+            c0, c1, c2, c3, c4, c5, c6, c7 = _slices_ptx(words, bias_z, DTYPE)
+            p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N), x_t)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _slices_float32(words, z[:, None])
+            p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N),
+                       x_t.to(tl.float32), input_precision="ieee")  # fmt: skip
+        acc += scale[:, None] * p
+        if X_SUMS:
+            x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, True, stride_xm, K, HAS_PERM,
+                            EVEN_K)  # fmt: skip
+            acc += rest[:, None] * x_sum[None, :]
+        nxt = k0 + GROUP
+        x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m,
+                                            m_mask, offs_n, n_mask, nxt, nxt < end, N, stride_xm,
+                                            K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
+                                            EVEN_K)  # fmt: skip
+    y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    offs = offs_m[:, None] * N + offs_n[None, :]  # into row-major [M, N]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split * M * N + offs, y, mask=mask)
