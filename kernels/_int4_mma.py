@@ -158,7 +158,9 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, 
         rest = z * 0.0
     elif HAS_OFFSETS:
         offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
-        z = _round(tl.fdiv(-offset, scale))  # any z is right: the remainder carries the rest
+        # Any z is right (the remainder carries the rest); one in 0..15 keeps q - z exact in
+        # 16 bits whatever the offset.
+        z = tl.minimum(tl.maximum(_round(tl.fdiv(-offset, scale)), 0.0), 15.0)
         rest = offset + z * scale
     else:
         z = tl.full(offs_n.shape, 8.0, tl.float32)
@@ -168,7 +170,7 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, 
 
 @triton.jit
 def _round(v):
-    """To the nearest integer, halves away from zero (zero points are small: exact in float32)."""
+    """To the nearest integer, halves away from zero."""
     return tl.where(v < 0, -tl.floor(0.5 - v), tl.floor(v + 0.5))
 
 

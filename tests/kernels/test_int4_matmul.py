@@ -108,6 +108,17 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
         assert_close(out, ref, dtype)
 
 
+def test_mma_mode_takes_offsets_that_are_no_whole_number_of_scales(device):
+    # GGUF-like minima: the zero point taken is the nearest (clamped to 0..15), and the
+    # remainder, times each group's sum of x, carries the rest.
+    case = random_int4(40, 256, 128, offsets=True, scale_dtype=torch.float32, device=device)
+    shift = torch.empty_like(case.offsets).uniform_(-40.0, 40.0) * case.scales
+    case.offsets = case.offsets + shift
+    x = _x(3, 256, torch.bfloat16, device)
+    out = int4_matmul(x, *case.args, config=Int4MatmulConfig("mma", 16, 32, 128, 2))
+    assert_close(out, int4_matmul_ref(x, *case.args), torch.bfloat16)
+
+
 def test_mma_mode_on_even_tiles_and_more_rows_than_one_tile(device):
     weight = random_int4(64, 256, 128, offsets=True, device=device)
     x = _x(20, 256, torch.bfloat16, device)
