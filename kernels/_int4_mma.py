@@ -141,12 +141,7 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, 
     `[BLOCK_N]`) the scale, the zero point z and the remainder `offset + z * scale` (0 unless
     offsets come without zeros). `live` False (a prefetch past the split's last group) loads
     nothing."""
-    cols = k0 + x_cols
-    k_mask = live + 0 * cols > 0  # a block (the interpreter's & wants two)
-    if not EVEN_K:
-        k_mask = k_mask & (cols < K)
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
+    cols, k_mask = _input_columns(perm_ptr, k0 + x_cols, live, K, HAS_PERM, EVEN_K)
     x = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None],
                 mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # fmt: skip
     g = k0 // (8 * WORDS)
@@ -155,7 +150,7 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, 
     scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=1.0).to(tl.float32)
     if HAS_ZEROS:
         z = tl.load(z_ptr + g * N + offs_n, mask=g_mask, other=0).to(tl.float32)
-        rest = z * 0.0
+        rest = tl.zeros_like(scale)
     elif HAS_OFFSETS:
         offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
         # Any z is right (the remainder carries the rest); one in 0..15 keeps q - z exact in
@@ -164,7 +159,7 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m, m_mask, 
         rest = offset + z * scale
     else:
         z = tl.full(offs_n.shape, 8.0, tl.float32)
-        rest = z * 0.0
+        rest = tl.zeros_like(scale)
     return x, scale, z, rest
 
 
@@ -175,16 +170,25 @@ def _round(v):
 
 
 @triton.jit
-def _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, live, stride_xm, K: tl.constexpr,
-            HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """Each row's sum of x over the group's columns (`[BLOCK_M]` float32): one contiguous load
-    (unless act-order gathers it), summed along the row."""
-    cols = k0 + tl.arange(0, 8 * WORDS)
-    k_mask = live + 0 * cols > 0
+def _input_columns(perm_ptr, cols, live, K: tl.constexpr, HAS_PERM: tl.constexpr,
+                   EVEN_K: tl.constexpr):  # fmt: skip
+    """The input columns of layout columns `cols` (through act-order's perm) and where they
+    exist: below K, and nowhere when `live` is False."""
+    k_mask = live + 0 * cols > 0  # a block (the interpreter's & wants two)
     if not EVEN_K:
         k_mask = k_mask & (cols < K)
     if HAS_PERM:
         cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
+    return cols, k_mask
+
+
+@triton.jit
+def _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K: tl.constexpr,
+            HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """Each row's sum of x over the group's columns (`[BLOCK_M]` float32): one contiguous load
+    (unless act-order gathers it), summed along the row."""
+    cols, k_mask = _input_columns(perm_ptr, k0 + tl.arange(0, 8 * WORDS), True, K, HAS_PERM,
+                                  EVEN_K)  # fmt: skip
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
                 mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
     return tl.sum(x.to(tl.float32), axis=1)
@@ -254,8 +258,7 @@ def int4_mma_kernel(
                        x_t.to(tl.float32), input_precision="ieee")  # fmt: skip
         acc += scale[:, None] * p
         if X_SUMS:
-            x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, True, stride_xm, K, HAS_PERM,
-                            EVEN_K)  # fmt: skip
+            x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K, HAS_PERM, EVEN_K)
             acc += rest[:, None] * x_sum[None, :]
         nxt = k0 + GROUP
         x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, x_cols, offs_m,

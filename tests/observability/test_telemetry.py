@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from sitsd.config import SchedulerConfig, TiersConfig
 from sitsd.engine.admission import QueuePlace
 from sitsd.engine.core import EngineCore
 from sitsd.engine.kv_cache_manager import KVCacheManager
-from sitsd.engine.messages import AbortRequest, AddRequest
+from sitsd.engine.messages import AbortRequest, AddRequest, EngineCall
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.observability.metrics import Metrics
@@ -70,10 +71,13 @@ class Rig:
         return list(self.spans.get_finished_spans())
 
     def start(self) -> None:
-        """Start the engine thread; return once it has bound the model to the metrics (its
-        first act), so a test that reads series before any request sees them."""
+        """Start the engine thread; return once it has run a call between two steps, so its
+        start-up hook (the model bound to the metrics, every series at zero, the weights
+        version set) is done and a test that reads series before any request sees them."""
         self.core.start(lambda ds: [self.deltas.put(d) for d in ds])
-        assert wait_for(lambda: self.metrics.model == MODEL)
+        started = threading.Event()
+        self.core.submit(EngineCall(lambda: None, lambda result, exc: started.set()))
+        assert started.wait(TIMEOUT), "the engine thread ran no call"
 
 
 def make_rig(
