@@ -130,9 +130,9 @@ class _Cost:
         return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
 
     def fit(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token): a median fit of both parts once `separable`;
-        else, or when the steps' noise hides the per-token part, all of it per token
-        (`resolved` False)."""
+        """(fixed seconds, seconds per token): a median fit of both parts once `separable`
+        (a fixed part fitted below zero counts as none); else, or when the steps' noise hides
+        the per-token part, all of it per token (`resolved` False)."""
         if self._fitted is None:
             self._fitted = self._fit()
         return self._fitted[:2]
@@ -153,8 +153,13 @@ class _Cost:
                 if n2 != n1
             )
             fixed = statistics.median(e - per_token * n for n, e in samples)
-            if per_token >= _MIN_PER_TOKEN_S and fixed >= 0.0:
-                return fixed, per_token, True
+            if per_token >= _MIN_PER_TOKEN_S:
+                # Below zero when the steady median the extras are taken from holds prompts
+                # that the small pieces' steps did not carry (a CPU's steps: -50 ms, pieces
+                # of 2-26 tokens measured below it). No work costs less than nothing, and
+                # the slope is what the pieces say: priced through the origin instead, the
+                # small pieces' negative extras made every token look 1.4x cheaper.
+                return max(0.0, fixed), per_token, True
         through_origin = statistics.median(e / n for n, e in samples)
         return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
 

@@ -19,9 +19,10 @@ import pytest
 from sitsd.config import SchedulerConfig
 from sitsd.engine.kv_cache_manager import KVCacheManager
 from sitsd.engine.observer import StepRecord
-from sitsd.engine.pacing import PacingSettings
+from sitsd.engine.pacing import PacingSettings, StepPacer
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
+from sitsd.outputs import SchedulerOutput, SwapWork
 from sitsd.types import SamplingParams, Tier
 from tests.engine.fakes import FakeRunner, next_token
 
@@ -364,3 +365,29 @@ def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prom
     # Within the share of a steady step (a few tokens' slack: the pace comes from a fit).
     assert max(periods) <= (1 + 0.2) * steady + 4 * sim.token_s + 1e-9
     assert len(set(admitted.values())) > 2, "the held prompts were spread over several steps"
+
+
+def test_pieces_measured_below_the_steady_median_do_not_make_tokens_look_cheaper():
+    # A CPU run's joined pieces: 1.68 ms a token with a fitted fixed part of -50 ms (the steady
+    # median held prompts that the small pieces' steps did not carry). Priced through the
+    # origin, the small pieces' negative extras made a token look 1.4x cheaper, and a drain's
+    # held-back prompts took 0.28 of a steady step instead of 0.2.
+    pacer = StepPacer(PacingSettings(share=0.2))
+    clock = 0.0
+
+    def step(period: float, work_tokens: int) -> None:
+        nonlocal clock
+        sched_out = SchedulerOutput(num_scheduled_tokens={"r": 1 + work_tokens},
+                                    total_num_scheduled_tokens=1 + work_tokens,
+                                    swap_work=SwapWork(work_tokens, False, 1))  # fmt: skip
+        start, clock = clock, clock + period
+        pacer.step_ended(StepRecord(sched_out, [], start, clock), clock)
+
+    for period in itertools.islice(itertools.cycle((0.38, 0.40, 0.42)), 30):
+        step(period, 0)
+    steady = pacer.steady_s(1)
+    assert steady == pytest.approx(0.40)
+    per_token, below = 0.0017, -0.05
+    for n in (2, 10, 3, 6, 22, 46, 94, 138, 278, 558, 224, 103, 26, 66):
+        step(steady + per_token * n + below, n)
+    assert pacer.release_tokens(2048) == pytest.approx(0.2 * steady / per_token, abs=1)
