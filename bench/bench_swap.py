@@ -21,6 +21,13 @@
    step: what each slow step carried, placed in its phase). The worst ratios come last, against
    the targets (GPU: P99 at most 1.3x steady, max at most 3x steady P99; CPU: 1.5x and 4x).
 
+`--second int4`: the other version is v1 quantized by `sitsd quantize --method rtn` (INT4, groups
+of 128 on the GPU, 64 on the CPU: SmolLM2's 576 inputs), so the swaps alternate between the
+16-bit version and its INT4 version; after them, a third version (the INT4 one with every scale
+off by a random factor in [1/8, 8): well formed, finite, badly quantized) is deployed and must be
+rejected by the canary while the streams go on (its phases reported like a swap's, up to the
+rejection, then after). Every deploy's canary KL is printed beside its bound.
+
 Phases, in order: steady, verify, validate, stage (the copy into the standby slot), canary,
 staged (the second between deploy and swap); then migrate (the swap call to its commit) | commit
 and drain (requests that started on the old weights finishing there) | restart (requests in
@@ -29,6 +36,7 @@ arrival falls in. Never part of the test run; on the CPU about 10 minutes per st
 
     .venv/bin/python -m bench.bench_swap [--clients 32,128] [--policies migrate,drain,restart]
     python3 -m bench.bench_swap --device cuda --work-dir /scratch/swap   # the GPU machine
+    ... --second int4 --policies migrate,migrate   # 16-bit -> INT4 -> 16-bit, then a bad INT4
     ... --profile-daemon DIR   # which daemon threads hold the interpreter, and where (py-spy)
 
 At each phase mark the benchmark fetches the daemon's step histogram alone: the whole /metrics
@@ -50,6 +58,7 @@ from datetime import datetime
 from pathlib import Path
 
 import grpc
+import torch
 
 from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms, profiler_wrap
 from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps
@@ -61,6 +70,7 @@ SLOT_COST = re.compile(r"the standby slot costs (\d+) MiB")
 STAGES = ("verify", "validate", "stage", "canary")
 POLICY = {"migrate": admin_pb2.SWAP_POLICY_MIGRATE, "drain": admin_pb2.SWAP_POLICY_DRAIN,
           "restart": admin_pb2.SWAP_POLICY_RESTART}  # fmt: skip
+REJECTED = "rejected"  # the row of the badly quantized version's deploy (--second int4)
 TARGETS = {"cuda": (1.3, 3.0), "cpu": (1.5, 4.0)}  # P99 / steady P99, max / steady P99
 STEP_HISTOGRAM = "sitsd_step_duration_seconds"
 STEP_SAMPLES = tuple(f"{STEP_HISTOGRAM}{suffix}" for suffix in ("_bucket", "_count", "_sum"))
@@ -71,35 +81,79 @@ CANARY = [
     "The three primary colours are",
 ]
 KV_TOKENS_PER_STREAM = 320  # a prompt of up to 160 tokens and up to 128 outputs, and slack
+INT4_GROUP = {"cuda": 128, "cpu": 64}  # SmolLM2's 576 inputs are not a multiple of 128
+# The daemon's --canary-max-kl (nats) by --second and device: loose where the other version is
+# a 1% noisy copy; with int4, between what the INT4 version and the badly quantized one measure
+# (CPU: SmolLM2's RTN version measured 0.46 from the 16-bit one and 0.54 back; random weights
+# in 8B shapes have logits of std ~1.3 (unit RMS after the last norm, 0.02 x sqrt(4096)): an
+# unrelated model measures ~1.6, an INT4 copy far less).
+CANARY_MAX_KL = {"noise": {"cpu": 5.0, "cuda": 5.0}, "int4": {"cpu": 1.5, "cuda": 0.5}}
+BAD_SCALE_RANGE = 8.0  # the bad version's scales are off by factors log-uniform in [1/8, 8)
 
 
 # ------------------------------------------------------------------------------- versions
 
 
-def write_cpu_versions(work: Path) -> tuple[Path, Path]:
+def write_cpu_versions(work: Path, noisy: bool) -> tuple[Path, Path]:
+    """SmolLM2 in float32 (v1) and, if `noisy`, a copy with 1% relative noise (v2)."""
     from sitsd.weights import load_checkpoint, resolve_model_path
     from sitsd.weights.export import perturbed, write_version
 
     # Dequantized: a version is a float32 Hugging Face directory (the GGUF's Q4_1 bytes are not).
     ckpt = load_checkpoint(resolve_model_path("default"), keep_quantized=False)
     write_version(ckpt, work / "v1")
-    write_version(ckpt, work / "v2", perturbed(ckpt.tensors, 0.01, seed=1))
+    if noisy:
+        write_version(ckpt, work / "v2", perturbed(ckpt.tensors, 0.01, seed=1))
     return work / "v1", work / "v2"
 
 
-def write_gpu_versions(work: Path) -> tuple[Path, Path]:
+def write_gpu_versions(work: Path, noisy: bool) -> tuple[Path, Path]:
     """Random bf16 weights in Llama-3-8B shapes (about 16 GB each on disk), generated on the GPU:
-    v1, and v2 = v1 with 1% relative noise; written once (reused when their manifests exist)."""
+    v1, and if `noisy` v2 = v1 with 1% relative noise; written once (reused when their
+    manifests exist)."""
     from bench.make_random_model import write
     from sitsd.weights.manifest import write_manifest
 
-    for name, noise in (("v1", 0.0), ("v2", 0.01)):
+    for name, noise in (("v1", 0.0), ("v2", 0.01))[: 2 if noisy else 1]:
         if not (work / name / "manifest.json").exists():
             started = now()
             write(work / name, "llama-3-8b", seed=0, noise=noise)
             write_manifest(work / name, workers=8)
             print(f"wrote {name} in {now() - started:.0f} s", flush=True)
     return work / "v1", work / "v2"
+
+
+def write_int4_versions(work: Path, v1: Path, device: str) -> tuple[Path, Path]:
+    """v1 quantized as `sitsd quantize --method rtn --scale-search none` does (no calibration:
+    each group's full range), and a badly quantized copy of it: every scale off by a random
+    factor in [1/8, 8) (finite, non-zero, well formed: only the canary can tell). Written
+    once."""
+    from safetensors.torch import load_file, save_file
+
+    from sitsd.weights import load_checkpoint
+    from sitsd.weights.manifest import write_manifest
+    from sitsd.weights.quantize import QuantizeConfig, quantize_checkpoint
+
+    int4, bad = work / "v1-int4", work / "v1-int4-bad"
+    if not (int4 / "manifest.json").exists():
+        started = now()
+        config = QuantizeConfig(method="rtn", group_size=INT4_GROUP[device], scale_search="none")
+        quantize_checkpoint(load_checkpoint(v1), config, "", int4)
+        print(f"wrote {int4.name} in {now() - started:.0f} s", flush=True)
+    if not (bad / "manifest.json").exists():
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(int4, bad, ignore=shutil.ignore_patterns("manifest.json"))
+        gen = torch.Generator().manual_seed(2)
+        for shard in sorted(bad.glob("*.safetensors")):
+            tensors = load_file(str(shard))
+            for name, t in tensors.items():
+                if name.endswith(".scales"):
+                    exponent = 2 * torch.rand(t.shape, generator=gen) - 1  # [-1, 1)
+                    factor = BAD_SCALE_RANGE**exponent
+                    tensors[name] = (t.float() * factor).to(t.dtype)
+            save_file(tensors, str(shard))
+        write_manifest(bad)
+    return int4, bad
 
 
 # ----------------------------------------------------------------------------------- load
@@ -154,7 +208,8 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
             flags += [f"--{flag.replace('_', '-')}", str(value)]
     if args.canary:
         (work / "canary.txt").write_text("\n".join(CANARY) + "\n")
-        flags += ["--canary-file", str(work / "canary.txt"), "--canary-max-kl", "5"]
+        flags += ["--canary-file", str(work / "canary.txt"), "--canary-max-kl",
+                  str(args.canary_max_kl)]  # fmt: skip
     # The daemon's account of a slow inter-token gap: steps 1.5x their recent median (and
     # past a floor a little under a steady step), event-loop stalls and garbage collections,
     # each logged with what it carried (`daemon_account` places them in the swap's phases).
@@ -169,6 +224,50 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
     return flags
 
 
+class Marks:
+    """The times one swap's phases start (`now()`), each with the daemon's step histogram as
+    it stood then (parsed once the load has stopped)."""
+
+    def __init__(self, daemon: BenchDaemon) -> None:
+        self.daemon = daemon
+        self.snapshots: dict[float, str] = {}
+
+    def __call__(self) -> float:
+        # Fetching is I/O; it holds the GIL no longer than a token's arrival. Only that
+        # histogram: rendering the whole /metrics holds the daemon's interpreter for
+        # milliseconds, which its engine's steps wait for (a step 3-6x its median at every
+        # phase's start on an H200).
+        t = now()
+        self.snapshots[t] = self.daemon.metrics_text(STEP_SAMPLES)
+        return t
+
+
+def deploy(args: argparse.Namespace, daemon: BenchDaemon, path: Path, version: str,
+           mark: Marks) -> dict:  # fmt: skip
+    """Steady load, then `Admin.Deploy` of `path` as `version` to its end: the marks (each
+    stage's start, the canary's KL; `staged`: when it staged or was rejected, `rejected`: the
+    status that rejected it, absent when it staged)."""
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
+    metadata = [("authorization", f"Bearer {daemon.token()}")]
+    mark()
+    time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
+    marks: dict = {"deploy": mark(), "stages": {}, "metrics": mark.snapshots, "canary_kl": None}
+    request = admin_pb2.DeployRequest(path=str(path), version=version)
+    try:
+        for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
+            if progress.stage not in marks["stages"]:
+                marks["stages"][progress.stage] = mark()
+            if progress.stage == "canary" and progress.canary_kl:
+                marks["canary_kl"] = progress.canary_kl
+    except grpc.RpcError as exc:
+        marks["staged"] = mark()
+        marks["rejected"] = f"{exc.code().name}: {exc.details()}"
+        return marks
+    assert progress.stage == "staged", progress
+    marks["staged"] = mark()
+    return marks
+
+
 def one_swap(
     args: argparse.Namespace, daemon: BenchDaemon, load: StreamLoad, path: Path, version: str,
     policy: str,
@@ -176,26 +275,10 @@ def one_swap(
     """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
     stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
     metadata = [("authorization", f"Bearer {daemon.token()}")]
-    # The daemon's step histogram at every mark (parsed once the load has stopped), per phase.
-    # Fetching is I/O; it holds the GIL no longer than a token's arrival. Only that histogram:
-    # rendering the whole /metrics holds the daemon's interpreter for milliseconds, which its
-    # engine's steps wait for (a step 3-6x its median at every phase's start on an H200).
-    snapshots: dict[float, str] = {}
-
-    def mark() -> float:
-        t = now()
-        snapshots[t] = daemon.metrics_text(STEP_SAMPLES)
-        return t
-
-    mark()
-    time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
-    marks: dict = {"deploy": mark(), "stages": {}, "metrics": snapshots}
-    request = admin_pb2.DeployRequest(path=str(path), version=version)
-    for progress in stub.Deploy(request, metadata=metadata, timeout=3600):
-        if progress.stage not in marks["stages"]:
-            marks["stages"][progress.stage] = mark()
-    assert progress.stage == "staged", progress
-    marks["staged"] = mark()
+    mark = Marks(daemon)
+    marks = deploy(args, daemon, path, version, mark)
+    if "rejected" in marks:
+        raise RuntimeError(f"the deploy of {version} failed: {marks['rejected']}")
     time.sleep(1.0)  # a second of plain load between staging and the commit
     marks["swap"] = mark()
     swap = admin_pb2.SwapRequest(version=version, policy=POLICY[policy])
@@ -206,6 +289,20 @@ def one_swap(
                  num_restarted=last.num_restarted, num_draining=last.num_draining)  # fmt: skip
     marks["effect_end"] = effect_end(load, policy, marks["swap"], marks["committed"], 1800)
     mark()  # just after the effect's end (the end is known only once it is over)
+    time.sleep(args.after)
+    marks["end"] = mark()
+    return marks
+
+
+def one_rejection(args: argparse.Namespace, daemon: BenchDaemon, path: Path,
+                  version: str) -> dict:  # fmt: skip
+    """Steady load, the deploy of a version the canary must reject, after; the marks (those of
+    a swap that ends, with no pause, where the deploy was refused)."""
+    mark = Marks(daemon)
+    marks = deploy(args, daemon, path, version, mark)
+    marks.setdefault("rejected", None)  # None: it staged (it should not have)
+    marks.update(effect_end=marks["staged"], pause_ms=0.0, flip_ms=0.0, num_migrating=0,
+                 num_restarted=0, num_draining=0)  # fmt: skip
     time.sleep(args.after)
     marks["end"] = mark()
     return marks
@@ -237,6 +334,8 @@ def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[
     bounds = [t for _, t in staged] + [marks["staged"]]
     phases = [("steady", marks["deploy"] - args.steady, marks["deploy"])]
     phases += [(name, bounds[i], bounds[i + 1]) for i, (name, _) in enumerate(staged)]
+    if policy == REJECTED:  # up to the refusal, then after
+        return [*phases, ("after", marks["staged"], marks["end"])]
     phases.append(("staged", marks["staged"], marks["swap"]))
     swap, committed, effect = marks["swap"], marks["committed"], marks["effect_end"]
     if policy == "drain":
@@ -275,6 +374,9 @@ def summarize(args: argparse.Namespace, streams: list[Stream], marks: dict, poli
             if s.ended is not None and phases[0][1] <= s.ended <= marks["end"]
         ),
         "largest_gaps": largest,
+        "canary_kl": marks["canary_kl"],
+        "canary_max_kl": args.canary_max_kl if args.canary else None,
+        "rejected": marks.get("rejected"),
     }
 
 
@@ -322,8 +424,9 @@ def daemon_account(
 
 
 def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path],
-                clients: int) -> list[dict]:  # fmt: skip
-    """One daemon, one swap per policy under `clients` streams."""
+                bad: Path | None, clients: int) -> list[dict]:  # fmt: skip
+    """One daemon, one swap per policy under `clients` streams (then the deploy of `bad`, if
+    given, which the canary must reject)."""
     v1, v2 = versions
     # A fresh daemon each run: a state directory kept from a run before in the same work
     # directory remembers its version ids, and this run's deploys of the same ids are refused.
@@ -351,7 +454,11 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
             swaps.append((policy, one_swap(args, daemon, load, path,
                                            f"{path.name}-{policy}-{i}", policy)))  # fmt: skip
             print(f"{clients} streams, {policy}: done", flush=True)
+        if bad is not None:
+            swaps.append((REJECTED, one_rejection(args, daemon, bad, f"{bad.name}-{clients}")))
+            print(f"{clients} streams, the badly quantized version: done", flush=True)
         streams = load.stop(1800)
+        print(f"{clients} streams, the versions: {versions_line(daemon)}", flush=True)
         for policy, marks in swaps:
             result = summarize(args, streams, marks, policy, clients)
             result["second_slot_mib"] = slot_mib
@@ -370,14 +477,33 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
 # --------------------------------------------------------------------------------- report
 
 
+def versions_line(daemon: BenchDaemon) -> str:
+    """Each version the daemon knows: its precision and weight bytes (`Admin.ListVersions`)."""
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
+    metadata = [("authorization", f"Bearer {daemon.token()}")]
+    listed = stub.ListVersions(admin_pb2.ListVersionsRequest(), metadata=metadata, timeout=60)
+    return "; ".join(f"{v.version}: {v.precision}, {v.weight_bytes / 2**20:.0f} MiB"
+                     if v.precision else f"{v.version}: never in a slot"
+                     for v in listed.versions)  # fmt: skip
+
+
 def table(r: dict, device: str) -> str:
     p99_target, max_target = TARGETS[device]
+    kl = "no canary" if r["canary_max_kl"] is None else \
+        f"canary KL {r['canary_kl'] or float('nan'):.4f} (bound {r['canary_max_kl']})"  # fmt: skip
+    if r["policy"] == REJECTED:
+        outcome = f"rejected ({r['rejected']})" if r["rejected"] else "NOT REJECTED: it staged"
+        head = (f"\n{r['clients']} streams, the badly quantized version: {outcome} "
+                f"{r['swap_s']:.1f} s after its deploy; {kl}; {r['requests']} requests, "
+                f"{r['failed']} failed")  # fmt: skip
+    else:
+        head = (f"\n{r['clients']} streams, {r['policy']}: swap {r['swap_s']:.1f} s (deploy to "
+                f"the end of its effect), pause {r['pause_ms']:.2f} ms, "
+                f"{r['in_flight']['num_migrating']} migrated / {r['in_flight']['num_restarted']} "
+                f"restarted / {r['in_flight']['num_draining']} draining, {r['requests']} "
+                f"requests, {r['failed']} failed; {kl}")  # fmt: skip
     lines = [
-        f"\n{r['clients']} streams, {r['policy']}: swap {r['swap_s']:.1f} s (deploy to the end "
-        f"of its effect), pause {r['pause_ms']:.2f} ms, {r['in_flight']['num_migrating']} "
-        f"migrated / {r['in_flight']['num_restarted']} restarted / "
-        f"{r['in_flight']['num_draining']} draining, {r['requests']} requests, "
-        f"{r['failed']} failed",
+        head,
         f"{'phase':<9} {'s':>6} {'n':>7} {'P50':>8} {'P99':>8} {'max':>8}  "
         f"{'P99/steady':>10} {'max/steadyP99':>13}   (ms; targets {p99_target}x, {max_target}x)"
         f" | {'steps':>6} {'P50<=':>6} {'P99<=':>6} {'max<=':>6}  (engine steps, ms buckets)",
@@ -437,6 +563,12 @@ def parse_args() -> argparse.Namespace:
                              "where (py-spy), one file per stream count in DIR")  # fmt: skip
     parser.add_argument("--no-canary", dest="canary", action="store_false",
                         help="stage without a canary file")  # fmt: skip
+    parser.add_argument("--second", choices=tuple(CANARY_MAX_KL), default="noise",
+                        help="the version swapped with v1: v1 with 1%% noise, or v1 in INT4 "
+                             "(then a badly quantized one must be rejected)")  # fmt: skip
+    parser.add_argument("--canary-max-kl", type=float, default=None,
+                        help="the daemon's --canary-max-kl (default: 5 with --second noise; "
+                             "with int4 1.5 on the CPU, 0.5 on the GPU)")  # fmt: skip
     parser.add_argument(
         "--max-load",
         type=float,
@@ -447,6 +579,10 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.policies) - set(POLICY)
     if unknown:
         parser.error(f"--policies: unknown {sorted(unknown)} (choose from {sorted(POLICY)})")
+    if args.second == "int4" and not args.canary:
+        parser.error("--second int4 needs the canary (it must reject the bad version)")
+    if args.canary_max_kl is None:
+        args.canary_max_kl = CANARY_MAX_KL[args.second][args.device]
     return args
 
 
@@ -461,9 +597,12 @@ def main() -> int:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         write = write_gpu_versions if args.device == "cuda" else write_cpu_versions
-        versions = write(work)
+        versions, bad = write(work, noisy=args.second == "noise"), None
+        if args.second == "int4":
+            int4, bad = write_int4_versions(work, versions[0], args.device)
+            versions = (versions[0], int4)
         for clients in args.clients:
-            results += run_streams(args, work, versions, clients)
+            results += run_streams(args, work, versions, bad, clients)
     load_after = os.getloadavg()[0]
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "load_average": [load_before,
@@ -477,7 +616,10 @@ def main() -> int:
     print(f"worst max ITL / steady P99: {max_ratio:.2f}x ({where_max}; target {max_target}x)")
     print(f"worst phase ITL P99 / steady P99: {p99_ratio:.2f}x ({where_p99}; target "
           f"{p99_target}x)")  # fmt: skip
-    return 0
+    staged_bad = [r["clients"] for r in results if r["policy"] == REJECTED and not r["rejected"]]
+    if staged_bad:
+        print(f"the badly quantized version was NOT rejected with {staged_bad} streams")
+    return 1 if staged_bad else 0
 
 
 if __name__ == "__main__":
