@@ -101,7 +101,13 @@ class FinishedStep(Protocol):
 class _Cost:
     """Extra seconds of swap work in a step, fitted as fixed + per_token x tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, passes_weights: bool) -> None:
+        """Args:
+        passes_weights: the work runs as a sub-batch of its own, a pass over a slot's
+            weights (a fixed part that is real); else it joins a serving sub-batch (tokens
+            only: a fixed part fitted below zero is the baseline's, see `_fit`).
+        """
+        self._passes_weights = passes_weights
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
         # `fit()` of the samples as they are, and whether the two-part fit gave it.
         self._fitted: tuple[float, float, bool] | None = None
@@ -131,8 +137,9 @@ class _Cost:
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token): a median fit of both parts once `separable`
-        (a fixed part fitted below zero counts as none); else, or when the steps' noise hides
-        the per-token part, all of it per token (`resolved` False)."""
+        (for work that joins a serving sub-batch, a fixed part fitted below zero counts as
+        none); else, or when the steps' noise hides the per-token part, all of it per token
+        (`resolved` False)."""
         if self._fitted is None:
             self._fitted = self._fit()
         return self._fitted[:2]
@@ -153,13 +160,17 @@ class _Cost:
                 if n2 != n1
             )
             fixed = statistics.median(e - per_token * n for n, e in samples)
-            if per_token >= _MIN_PER_TOKEN_S:
-                # Below zero when the steady median the extras are taken from holds prompts
-                # that the small pieces' steps did not carry (a CPU's steps: -50 ms, pieces
-                # of 2-26 tokens measured below it). No work costs less than nothing, and
-                # the slope is what the pieces say: priced through the origin instead, the
-                # small pieces' negative extras made every token look 1.4x cheaper.
-                return max(0.0, fixed), per_token, True
+            if per_token >= _MIN_PER_TOKEN_S and fixed >= 0.0:
+                return fixed, per_token, True
+            if per_token >= _MIN_PER_TOKEN_S and not self._passes_weights:
+                # Joined work has no fixed part of its own: one below zero is the steady
+                # median's, which holds prompts that the small pieces' steps did not carry
+                # (a CPU's steps: -50 ms, pieces of 2-26 tokens measured below it). Priced
+                # through the origin, their negative extras made every token look 1.4x
+                # cheaper; the slope is what the pieces say. (A pass over weights is a real
+                # fixed part: there, one below zero is noise in small pieces' slopes, and
+                # the all-per-token price below lets the pieces grow.)
+                return 0.0, per_token, True
         through_origin = statistics.median(e / n for n, e in samples)
         return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
 
@@ -171,8 +182,8 @@ class StepPacer:
         self.settings = settings or PacingSettings()
         # Steady periods by the number of weights versions serving in the step.
         self._steady: dict[int, deque[float]] = {}
-        self._cost = {False: _Cost(), True: _Cost()}  # by `alone`
-        self._prompts = _Cost()  # what steady steps' prompt tokens added (one version)
+        self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
+        self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
         # Steps since one whose swap work added more than the share (none yet: as if long ago).
