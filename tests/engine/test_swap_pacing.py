@@ -367,27 +367,42 @@ def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prom
     assert len(set(admitted.values())) > 2, "the held prompts were spread over several steps"
 
 
+class FedPacer:
+    """A pacer fed finished steps directly: steady ones, then ones with swap work."""
+
+    def __init__(self) -> None:
+        self.pacer = StepPacer(PacingSettings(share=0.2))
+        self.clock = 0.0
+        for period in itertools.islice(itertools.cycle((0.38, 0.40, 0.42)), 30):
+            self.step(period, 0)
+        assert self.pacer.steady_s(1) == pytest.approx(0.40)
+
+    def step(self, period: float, work_tokens: int, alone: bool = False) -> None:
+        sched_out = SchedulerOutput(num_scheduled_tokens={"r": 1 + work_tokens},
+                                    total_num_scheduled_tokens=1 + work_tokens,
+                                    swap_work=SwapWork(work_tokens, alone, 1))  # fmt: skip
+        start, self.clock = self.clock, self.clock + period
+        self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
+
+
 def test_pieces_measured_below_the_steady_median_do_not_make_tokens_look_cheaper():
     # A CPU run's joined pieces: 1.68 ms a token with a fitted fixed part of -50 ms (the steady
     # median held prompts that the small pieces' steps did not carry). Priced through the
     # origin, the small pieces' negative extras made a token look 1.4x cheaper, and a drain's
     # held-back prompts took 0.28 of a steady step instead of 0.2.
-    pacer = StepPacer(PacingSettings(share=0.2))
-    clock = 0.0
-
-    def step(period: float, work_tokens: int) -> None:
-        nonlocal clock
-        sched_out = SchedulerOutput(num_scheduled_tokens={"r": 1 + work_tokens},
-                                    total_num_scheduled_tokens=1 + work_tokens,
-                                    swap_work=SwapWork(work_tokens, False, 1))  # fmt: skip
-        start, clock = clock, clock + period
-        pacer.step_ended(StepRecord(sched_out, [], start, clock), clock)
-
-    for period in itertools.islice(itertools.cycle((0.38, 0.40, 0.42)), 30):
-        step(period, 0)
-    steady = pacer.steady_s(1)
-    assert steady == pytest.approx(0.40)
+    fed = FedPacer()
     per_token, below = 0.0017, -0.05
     for n in (2, 10, 3, 6, 22, 46, 94, 138, 278, 558, 224, 103, 26, 66):
-        step(steady + per_token * n + below, n)
-    assert pacer.release_tokens(2048) == pytest.approx(0.2 * steady / per_token, abs=1)
+        fed.step(0.40 + per_token * n + below, n)
+    assert fed.pacer.release_tokens(2048) == pytest.approx(0.2 * 0.40 / per_token, abs=1)
+
+
+def test_pieces_alone_whose_fixed_part_fits_below_zero_keep_the_price_that_lets_them_grow():
+    # Pieces of 2 and 3 tokens alone on a slot, 10 and 90 ms: a slope of 80 ms a token (noise
+    # between two sizes a token apart) and a fixed part of -150 ms. Alone, a piece pays a pass
+    # over the slot's weights, a real fixed part: the slope would allow one token a step (and
+    # a CPU canary took 64-158 s that way); the price through the origin allows four.
+    fed = FedPacer()
+    for n in (2, 3, 2, 3, 2, 3):
+        fed.step(0.40 + (0.01 if n == 2 else 0.09), n, alone=True)
+    assert fed.pacer.allowance(1, alone=True) == 4
