@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from pathlib import Path
 
-from bench.load import LoadSpec, _child
 
+def test_the_load_process_ends_when_its_parent_closes_the_pipe_without_stop(monkeypatch):
+    # The root on the import path: the spawned child imports `bench.load` by name too.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from bench.load import LoadSpec, _child
 
-def test_the_load_process_ends_when_its_parent_closes_the_pipe_without_stop():
     with socket.socket() as s:  # a port nothing listens on: every request fails at once
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
