@@ -224,6 +224,12 @@ def daemon_flags(args: argparse.Namespace, work: Path, v1: Path, clients: int) -
     return flags
 
 
+def admin(daemon: BenchDaemon) -> tuple[admin_pb2_grpc.AdminStub, list[tuple[str, str]]]:
+    """The daemon's Admin service and the metadata its calls need (the admin token)."""
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
+    return stub, [("authorization", f"Bearer {daemon.token()}")]
+
+
 class Marks:
     """The times one swap's phases start (`now()`), each with the daemon's step histogram as
     it stood then (parsed once the load has stopped)."""
@@ -242,13 +248,11 @@ class Marks:
         return t
 
 
-def deploy(args: argparse.Namespace, daemon: BenchDaemon, path: Path, version: str,
-           mark: Marks) -> dict:  # fmt: skip
+def deploy(args: argparse.Namespace, path: Path, version: str, mark: Marks) -> dict:
     """Steady load, then `Admin.Deploy` of `path` as `version` to its end: the marks (each
     stage's start, the canary's KL; `staged`: when it staged or was rejected, `rejected`: the
     status that rejected it, absent when it staged)."""
-    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
-    metadata = [("authorization", f"Bearer {daemon.token()}")]
+    stub, metadata = admin(mark.daemon)
     mark()
     time.sleep(args.steady)  # the load runs meanwhile: nothing is timed by this
     marks: dict = {"deploy": mark(), "stages": {}, "metrics": mark.snapshots, "canary_kl": None}
@@ -273,10 +277,9 @@ def one_swap(
     policy: str,
 ) -> dict:  # fmt: skip
     """Steady load, deploy, a second, swap with `policy`, its effect, after; the marks."""
-    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
-    metadata = [("authorization", f"Bearer {daemon.token()}")]
+    stub, metadata = admin(daemon)
     mark = Marks(daemon)
-    marks = deploy(args, daemon, path, version, mark)
+    marks = deploy(args, path, version, mark)
     if "rejected" in marks:
         raise RuntimeError(f"the deploy of {version} failed: {marks['rejected']}")
     time.sleep(1.0)  # a second of plain load between staging and the commit
@@ -299,7 +302,7 @@ def one_rejection(args: argparse.Namespace, daemon: BenchDaemon, path: Path,
     """Steady load, the deploy of a version the canary must reject, after; the marks (those of
     a swap that ends, with no pause, where the deploy was refused)."""
     mark = Marks(daemon)
-    marks = deploy(args, daemon, path, version, mark)
+    marks = deploy(args, path, version, mark)
     marks.setdefault("rejected", None)  # None: it staged (it should not have)
     marks.update(effect_end=marks["staged"], pause_ms=0.0, flip_ms=0.0, num_migrating=0,
                  num_restarted=0, num_draining=0)  # fmt: skip
@@ -479,8 +482,7 @@ def run_streams(args: argparse.Namespace, work: Path, versions: tuple[Path, Path
 
 def versions_line(daemon: BenchDaemon) -> str:
     """Each version the daemon knows: its precision and weight bytes (`Admin.ListVersions`)."""
-    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(daemon.address))
-    metadata = [("authorization", f"Bearer {daemon.token()}")]
+    stub, metadata = admin(daemon)
     listed = stub.ListVersions(admin_pb2.ListVersionsRequest(), metadata=metadata, timeout=60)
     return "; ".join(f"{v.version}: {v.precision}, {v.weight_bytes / 2**20:.0f} MiB"
                      if v.precision else f"{v.version}: never in a slot"
