@@ -168,7 +168,9 @@ def test_one_step_slowed_by_something_else_does_not_shrink_the_pieces_after_it()
     spaced_every = sim.sched.pacer.settings.spaced_every
     sim.stalls[sim.num_pieces + 3] = 4 * steady
     first = len(sim.steps)
-    prompts = probe_prompts(sim.rng, 4, length=(60, 100))
+    # Pieces grow about twofold a step (11, 46, 94 after the slowed one): prompts of 480
+    # tokens or more leave enough to show it (with 60-100 tokens, one run in ten ended first).
+    prompts = probe_prompts(sim.rng, 4, length=(120, 160))
     done = {}
     for i, prompt in enumerate(prompts):
         sim.sched.probes.add(prompt, V1, lambda p, e, k=i: done.setdefault(k, e))
