@@ -22,14 +22,44 @@ references). Accessing a wrapper without triton raises ImportError naming the mi
 A wrapper checks its arguments and picks its own launch configuration from the shapes. Which
 kernel runs when (device, dtype, row counts, programmatic dependent launch) is the model's
 decision: `sitsd.model.ops`, `sitsd.model.linear`, `sitsd.model.routing`.
+
+Imported by its bare name `kernels` (the repository root is on `sys.path` whenever Python runs
+from a checkout: `python -m bench.bench_cpu`, `python -m pytest`, a REPL), this directory would
+shadow the `kernels` distribution that transformers imports; it hands that name over to the
+installed distribution instead (`_hand_over_bare_name`). sitsd itself never imports `kernels`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
+from importlib.machinery import PathFinder
+from pathlib import Path
 from typing import Any
+
+
+def _hand_over_bare_name() -> None:
+    """Replace this module under the name `kernels` with the installed distribution of that
+    name, found on `sys.path` without this directory's parent (Python keeps what a module puts
+    in `sys.modules` under its own name as the result of the import)."""
+    root = Path(__file__).resolve().parent.parent
+    others = [p for p in sys.path if Path(p or ".").resolve() != root]
+    spec = PathFinder.find_spec("kernels", others)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(
+            "no module named 'kernels' outside this repository: sitsd's kernels are imported as "
+            "sitsd.kernels",
+            name="kernels",
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_bare_name()
 
 # public name -> submodule that defines it
 _WRAPPERS = {
@@ -89,4 +119,5 @@ class _KernelsPackage(types.ModuleType):
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _KernelsPackage
+if __name__ != "kernels":  # not handed over
+    sys.modules[__name__].__class__ = _KernelsPackage

@@ -54,3 +54,57 @@ def test_wrapper_names_resolve_to_the_wrappers_even_after_importing_their_module
         assert wrapper.__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'not_a_kernel'"):
         kernels.not_a_kernel  # noqa: B018
+
+
+def _run_in_checkout(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter started in the repository root (it puts that on sys.path,
+    as `python -m bench.NAME` and `python -m pytest` do)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_from_the_checkout_the_bare_name_kernels_is_the_installed_distribution():
+    # transformers (>= 5) requires the `kernels` distribution and imports it; the repository
+    # root's `kernels/` directory made `from transformers import LlamaConfig` fail there.
+    result = _run_in_checkout(
+        """
+        import importlib.metadata
+        from transformers import LlamaConfig
+        import sitsd.kernels
+        print(sitsd.kernels.rms_norm.__module__)
+        try:
+            importlib.metadata.version("kernels")
+        except importlib.metadata.PackageNotFoundError:
+            print("-")  # transformers < 5 does not need it
+        else:
+            import kernels
+            print(kernels.__file__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    wrapper_module, location = result.stdout.split()
+    assert wrapper_module == "sitsd.kernels.rmsnorm"
+    if location != "-":
+        assert not Path(location).resolve().is_relative_to(REPO_ROOT / "kernels")
+
+
+def test_from_the_checkout_without_the_distribution_the_bare_name_is_not_found():
+    result = _run_in_checkout(
+        """
+        import importlib.machinery, sys
+        # Hide every installed `kernels`: only the checkout's directory is left to find.
+        sys.path[:] = [p for p in sys.path if p in ("", ".") or "site-packages" not in p]
+        try:
+            import kernels
+        except ModuleNotFoundError as exc:
+            print(exc.name, "|", exc)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("kernels | no module named 'kernels' outside this repository")
+    assert "sitsd.kernels" in result.stdout
