@@ -13,6 +13,10 @@ inherits SIGINT ignored, and so would every process it starts: the tests that pr
 a `sitsctl` or a daemon would then wait for an exit that never comes. `pytest_configure`
 catches SIGINT again in that case, so the processes the tests start get the default action.
 
+Every test runs with `random`, torch and numpy seeded afresh (`fresh_seed`; `rng` is a
+`random.Random` of the same seed): a failure's summary line names its seed, and
+`SITSD_TEST_SEED=N` replays it.
+
 `bench_package` makes `bench` importable as `python -m bench.NAME` from the repository root
 finds it, for the tests of the benchmarks' own code.
 """
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
+import secrets
 import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +54,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if "gpu" not in item.keywords]
+
+
+_SEED = "random seed"  # the user property a failed test's report names its seed by
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request: pytest.FixtureRequest) -> int:
+    """Seed `random`, torch and numpy for each test: from $SITSD_TEST_SEED, else from fresh
+    entropy (the tests explore their inputs); a failure names the seed."""
+    seed = int(os.environ.get("SITSD_TEST_SEED") or secrets.randbits(31))
+    request.node.user_properties.append((_SEED, seed))
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    return seed
+
+
+@pytest.fixture
+def rng(fresh_seed: int) -> random.Random:
+    """A `random.Random` of its own, seeded from the test's seed."""
+    return random.Random(f"{fresh_seed}:rng")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test that drew a seed says which, in its summary line and its report."""
+    report = yield
+    seeds = [value for name, value in item.user_properties if name == _SEED]
+    if report.failed and seeds:
+        replay = f"SITSD_TEST_SEED={seeds[0]} pytest '{item.nodeid}'"
+        report.sections.append((_SEED, replay))
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if crash is not None:
+            crash.message = f"[{_SEED} {seeds[0]}] {crash.message}"
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ clients' clock beside the longest inter-token gaps."""
 from __future__ import annotations
 
 import json
-import random
 from datetime import UTC, datetime
 
 import pytest
@@ -20,11 +19,10 @@ def line(event: str, at: float, **fields: object) -> str:
     return json.dumps({"event": event, "timestamp": stamp, **fields})
 
 
-def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start():
+def test_a_push_s_parts_gaps_and_warnings_land_at_their_offsets_from_its_start(rng):
     from bench.bench_push import ipc_timelines
     from bench.load import Stream
 
-    rng = random.Random()
     start = 1.8e9 + rng.randrange(10**6)  # the daemon's start of the push, wall clock
     perf = rng.uniform(100, 1000)  # the same instant on the clients' clock
     # Every part ends a quarter past a whole millisecond: no rounding lands on a half.

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from sitsd.api.v1 import admin_pb2
 from sitsd.client.tensors import ALIGN, chunk_messages, flat_copy
 
 
-def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_whole():
-    rng = random.Random()
+def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_whole(rng):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         shape = (rng.randrange(1, 300), rng.randrange(1, 300))
         tensor = torch.randn(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
@@ -35,8 +32,7 @@ def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_who
         assert torch.equal(got, tensor.t())  # row-major bytes of the (transposed) view
 
 
-def test_a_flat_copy_holds_every_tensor_as_an_aligned_view_of_one_buffer():
-    rng = random.Random()
+def test_a_flat_copy_holds_every_tensor_as_an_aligned_view_of_one_buffer(rng):
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     tensors = [
         (f"t{i}", torch.randn(rng.randrange(1, 40), rng.randrange(1, 40), generator=gen).to(

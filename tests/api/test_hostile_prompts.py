@@ -42,11 +42,6 @@ def engine(server) -> FakeEngine:
     return server.attach(engine)
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    return random.Random()
-
-
 def text_of(rng: random.Random, num_chars: int) -> str:
     return "".join(rng.choice("abcdefgh ") for _ in range(num_chars))
 

@@ -14,8 +14,7 @@ from sitsd.api.v1 import admin_pb2
 from sitsd.client.tensors import chunk_messages
 
 
-def test_the_clients_chunks_are_read_in_place_as_protobuf_parses_them():
-    rng = random.Random()
+def test_the_clients_chunks_are_read_in_place_as_protobuf_parses_them(rng):
     tensor = torch.randn(rng.randrange(1, 200), rng.randrange(1, 200))
     name = f"model.layers.{rng.randrange(100)}.self_attn.ö_proj.weight"  # a name in UTF-8
     # Sizes around the varint boundaries of the length fields (127, 16383 bytes).
@@ -52,8 +51,8 @@ def _encodings(rng: random.Random) -> list[bytes]:
 
 
 @pytest.mark.parametrize("index", range(9))
-def test_any_other_message_means_what_protobuf_parses_it_as(index):
-    message = _encodings(random.Random())[index]
+def test_any_other_message_means_what_protobuf_parses_it_as(rng, index):
+    message = _encodings(rng)[index]
     try:
         want = admin_pb2.UpdateWeightsRequest.FromString(message)
     except DecodeError:

@@ -109,8 +109,7 @@ def version(daemon: DaemonProcess, name: str) -> admin_pb2.WeightVersion | None:
 
 
 def prompts(n: int = 12) -> list[list[int]]:
-    rng = random.Random()
-    return [[rng.randrange(1, 300) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+    return [[random.randrange(1, 300) for _ in range(random.randrange(4, 40))] for _ in range(n)]
 
 
 def greedy(daemon: DaemonProcess, prompt: list[int], n: int = 12) -> tuple[list[int], set[str]]:

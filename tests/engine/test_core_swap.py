@@ -131,7 +131,7 @@ def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_t
         core.stop()
 
 
-def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip():
+def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip(rng):
     # Asynchronous scheduling: shadows catch up over many steps scheduled ahead (the fake
     # runner asserts no shadow reads a token the host has not seen, and every KV read is its
     # own version's); only the last two steps of the migration run in turn.
@@ -139,7 +139,6 @@ def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip():
     core, runner, sink = make_core("ahead", slow_s=0.001, observer=steps, fixed_tokens=12,
                                    num_blocks=256)  # fmt: skip
     try:
-        rng = random.Random()
         prompts = {f"r{i}": bytes(rng.randrange(1, 250) for _ in range(rng.randrange(20, 40)))
                    for i in range(4)}  # fmt: skip
         events = migrate_while_streaming(core, runner, prompts, 150, 60)

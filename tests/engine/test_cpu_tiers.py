@@ -33,8 +33,9 @@ def light_cpu_load(rng: random.Random, tier: Tier) -> QueueSnapshot:
 
 
 @pytest.mark.parametrize("tier", TIER_ORDER)
-def test_a_light_cpu_load_is_admitted_by_the_cpu_defaults_and_was_refused_by_the_gpu_ones(tier):
-    rng = random.Random()
+def test_a_light_cpu_load_is_admitted_by_the_cpu_defaults_and_was_refused_by_the_gpu_ones(
+    rng, tier
+):
     snapshot = light_cpu_load(rng, tier)
     for tiers, refused in ((default_tiers("cpu"), False), (TiersConfig(), True)):
         config = tiers.tier(tier.value)
@@ -43,8 +44,8 @@ def test_a_light_cpu_load_is_admitted_by_the_cpu_defaults_and_was_refused_by_the
         assert (reason is not None) is refused, (tier, tiers)
 
 
-def test_a_refusal_says_what_to_change():
-    snapshot = light_cpu_load(random.Random(), Tier.SILVER)
+def test_a_refusal_says_what_to_change(rng):
+    snapshot = light_cpu_load(rng, Tier.SILVER)
     refusal = refusal_reason(snapshot, Tier.SILVER, 1.0, TiersConfig().silver.max_queue_wait_s)
     assert refusal is not None
     reason = refusal.message

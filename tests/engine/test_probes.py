@@ -10,7 +10,6 @@ tell which version computed them.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -34,10 +33,11 @@ def predicted(prompt, version, vocab):
     return [next_token(t, version, vocab) for t in prompt]
 
 
-def test_a_canary_through_the_port_runs_in_the_steps_that_serve_and_never_stalls_them(overlaps):
+def test_a_canary_through_the_port_runs_in_the_steps_that_serve_and_never_stalls_them(
+    rng, overlaps
+):
     core, runner, sink = make_core(overlaps, slow_s=0.002)
     port = SwapPort(core)
-    rng = random.Random()
     try:
         runner.slots.load(V1)
         for i in range(3):
@@ -86,10 +86,9 @@ def request(req_id, prompt, max_tokens=8):
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "asynchronous-scheduling"])
-def test_probe_chunks_are_each_computed_once_in_order_in_turn_and_ahead(ahead):
+def test_probe_chunks_are_each_computed_once_in_order_in_turn_and_ahead(rng, ahead):
     sched, kv = make_scheduler(chunk=3, async_scheduling=ahead)
     runner = FakeRunner(BLOCK)
-    rng = random.Random()
     prompt = [rng.randrange(1000) for _ in range(rng.randrange(10, 40))]
     got = {}
 

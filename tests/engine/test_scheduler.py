@@ -215,8 +215,7 @@ def test_adding_a_live_request_id_twice_is_refused(policy):
         sched.add_request(make_request("a", [1, 2]))
 
 
-def test_random_mix_of_finish_cancel_preempt_leaves_every_block_free(policy):
-    rng = random.Random()
+def test_random_mix_of_finish_cancel_preempt_leaves_every_block_free(rng, policy):
     sched, runner = make_scheduler(policy, num_blocks=24, max_num_seqs=6, budget=24)
     live = set()
     for step in range(400):

@@ -7,8 +7,6 @@ here is deterministic.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from sitsd.config import SchedulerConfig, TierConfig, TiersConfig
@@ -339,8 +337,7 @@ def test_gold_runs_on_the_whole_batch_past_the_largest_lower_tier_cap():
 
 
 @pytest.mark.parametrize("gold_step_tokens", [512, 8])
-def test_no_block_leaks_through_tier_preemption_aborts_and_shedding(gold_step_tokens):
-    rng = random.Random()
+def test_no_block_leaks_through_tier_preemption_aborts_and_shedding(rng, gold_step_tokens):
     sim = Sim(tiers=TiersConfig(gold_step_tokens=gold_step_tokens), num_blocks=24,
               max_num_seqs=4, budget=24)  # fmt: skip
     tiers = [GOLD, SILVER, BRONZE]

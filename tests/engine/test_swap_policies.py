@@ -284,9 +284,8 @@ def test_gold_preempting_a_migrating_bronze_request_drops_its_shadow():
 
 
 @pytest.mark.parametrize("policy", ["migrate", "drain", "restart"])
-def test_a_hundred_swaps_under_load_leak_no_block_and_no_slot(policy):
+def test_a_hundred_swaps_under_load_leak_no_block_and_no_slot(rng, policy):
     e = Engine(num_blocks=160, budget=48, migrate=24)
-    rng = random.Random()
     versions = [V1, V2]
     n = 0
     swaps = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,7 @@ from sitsd.types import Tier
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_windowed_p99_is_the_exact_nearest_rank_quantile_of_the_window():
-    rng = random.Random()
+def test_windowed_p99_is_the_exact_nearest_rank_quantile_of_the_window(rng):
     window = SlidingWindowQuantile(window_s=10.0)
     values = [rng.expovariate(10.0) for _ in range(500)]
     for i, value in enumerate(values):

@@ -27,11 +27,6 @@ from sitsd.types import (
 
 
 @pytest.fixture
-def rng() -> random.Random:
-    return random.Random()
-
-
-@pytest.fixture
 def info(rng: random.Random) -> ModelInfo:
     return ModelInfo(
         name=f"model-{rng.randrange(10**6)}",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 from collections.abc import Iterator
 
@@ -28,11 +27,6 @@ def http() -> Iterator[HttpThread]:
     thread.attach(engine)
     yield thread
     thread.stop()
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    return random.Random()
 
 
 def post(http: HttpThread, path: str, raw: bytes) -> tuple[int, dict]:

@@ -6,8 +6,6 @@ input named."""
 
 from __future__ import annotations
 
-import random
-
 import gguf
 import numpy as np
 import pytest
@@ -33,14 +31,10 @@ BLOCK = 16
 
 
 @pytest.fixture
-def seed() -> int:
-    """A fresh seed per test (printed: a failure's output says how to replay it); the random
-    inputs of the test come from torch and numpy seeded with it."""
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    np.random.seed(value)
-    print(f"seed {value}")
-    return value
+def seed(fresh_seed: int) -> int:
+    """The test's seed (tests/conftest.py seeded torch and numpy with it), for the models the
+    tests write."""
+    return fresh_seed
 
 
 # The dequantized model: every weight in bfloat16, float32 activations, as the CPU serves.

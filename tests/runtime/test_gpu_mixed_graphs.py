@@ -34,9 +34,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 def test_replays_of_one_capture_give_the_eager_logits_and_kv_for_many_batches(
-    dtype, atol, num_kv_heads
+    rng, dtype, atol, num_kv_heads
 ):
-    rng = random.Random()
     hf = tiny_llama_model(seed=rng.randrange(1000), num_kv_heads=num_kv_heads)
     arch = arch_from_hf_config(hf.config.to_dict())
     weights = build_weights(arch, state_dict_of(hf), "cuda", dtype)
@@ -99,16 +98,15 @@ def count_replays(runner) -> list[int]:
     return calls
 
 
-def random_prompts(vocab_size: int) -> dict[str, tuple[list[int], str]]:
+def random_prompts(rng: random.Random, vocab_size: int) -> dict[str, tuple[list[int], str]]:
     """Six prompts of 3-69 tokens on version v1, for `staggered`."""
-    rng = random.Random()
     return {f"r{i}": ([rng.randrange(vocab_size) for _ in range(rng.randrange(3, 70))], "v1")
             for i in range(6)}  # fmt: skip
 
 
-def test_greedy_outputs_with_mixed_graphs_equal_eager_for_prefills_mixed_with_decodes():
+def test_greedy_outputs_with_mixed_graphs_equal_eager_for_prefills_mixed_with_decodes(rng):
     arch, tensors = tiny(random.randrange(1000))
-    prompts = random_prompts(arch.vocab_size)
+    prompts = random_prompts(rng, arch.vocab_size)
     eager, _ = gpu_runner(tensors, arch, eager=True, mixed=False)
     want = staggered(eager, prompts, 8, chunk=24)
     del eager
@@ -122,12 +120,12 @@ def test_greedy_outputs_with_mixed_graphs_equal_eager_for_prefills_mixed_with_de
     assert off_info.mixed_graph_buckets == ()
 
 
-def test_a_runner_built_after_a_graph_runner_is_destroyed_computes_the_same_outputs():
+def test_a_runner_built_after_a_graph_runner_is_destroyed_computes_the_same_outputs(rng):
     # Destroying a runner resets its graphs, which drops the cuBLAS workspace of the stream
     # they were captured on (pytorch/pytorch#193402): later GEMMs, eager or captured by the
     # next runner, must not use it.
     arch, tensors = tiny(random.randrange(1000))
-    prompts = random_prompts(arch.vocab_size)
+    prompts = random_prompts(rng, arch.vocab_size)
     first, _ = gpu_runner(tensors, arch, eager=False, mixed=True)
     want = staggered(first, prompts, 8, chunk=24)
     del first
@@ -141,7 +139,7 @@ def test_a_runner_built_after_a_graph_runner_is_destroyed_computes_the_same_outp
     torch.cuda.synchronize()
 
 
-def test_each_weight_slot_replays_its_own_mixed_graphs():
+def test_each_weight_slot_replays_its_own_mixed_graphs(rng):
     arch, first = tiny(random.randrange(1000))
     _, second = tiny(random.randrange(1000, 2000))
     runner, info = gpu_runner(first, arch, eager=False, mixed=True, slots="2")
@@ -156,7 +154,6 @@ def test_each_weight_slot_replays_its_own_mixed_graphs():
     slots.activate("v2")
     assert torch.cuda.memory_allocated() == before
     calls = count_replays(runner)
-    rng = random.Random()
     prompts = {f"r{i}": [rng.randrange(arch.vocab_size) for _ in range(rng.randrange(4, 40))]
                for i in range(3)}  # fmt: skip
     # Both versions in every step: one sub-batch (and one mixed graph) per slot.

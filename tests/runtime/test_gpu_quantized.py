@@ -4,8 +4,6 @@ Q4_1 bits, with and without CUDA graphs, alone and batched."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -52,10 +50,8 @@ def triton_logits(arch, weights, token_ids: list[int]) -> torch.Tensor:  # [len,
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_format_on_the_gpu_gives_the_dequantized_models_logits(tmp_path, fmt):
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
+def test_each_format_on_the_gpu_gives_the_dequantized_models_logits(tmp_path, fmt, fresh_seed):
+    seed = fresh_seed
     reference = write_quantized_llama(tmp_path, fmt, seed=seed)
     ckpt = load_checkpoint(tmp_path)
     weights = build_weights(ckpt.arch, ckpt.tensors, "cuda", torch.bfloat16, source=ckpt.quant)

@@ -28,7 +28,7 @@ def gpu_runner(tensors, arch, eager: bool, version: str):
     return build_runner(cfg, arch, tensors, version)
 
 
-def test_each_slot_replays_its_own_graphs_and_the_flip_moves_no_memory():
+def test_each_slot_replays_its_own_graphs_and_the_flip_moves_no_memory(rng):
     arch, first = tiny(random.randrange(1000))
     _, second = tiny(random.randrange(1000, 2000))
     runner, info = gpu_runner(first, arch, eager=False, version="v1")
@@ -41,7 +41,6 @@ def test_each_slot_replays_its_own_graphs_and_the_flip_moves_no_memory():
     slots.copy_into(standby, second, chunk_bytes=4096)  # side stream, many chunks
     slots.fill(standby, "v2")
     assert [t.data_ptr() for _, t in slots.weights(standby).named_tensors()] == addresses
-    rng = random.Random()
     prompts = {f"r{i}": [rng.randrange(arch.vocab_size) for _ in range(rng.randrange(4, 30))]
                for i in range(4)}  # fmt: skip
     before = torch.cuda.memory_allocated()
@@ -133,7 +132,7 @@ def test_version_checks_and_pushes_upload_through_the_pinned_buffers_made_at_sta
         torch.testing.assert_close(got[name], tensor.cuda(), rtol=0, atol=0, msg=name)
 
 
-def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax():
+def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax(rng):
     seeds = random.sample(range(1000), 2)
     arch, first = tiny(seeds[0])
     _, second = tiny(seeds[1])
@@ -143,7 +142,6 @@ def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax()
     slots.release(slots.standby)
     slots.copy_into(slots.standby, second)
     slots.fill(slots.standby, "v2")
-    rng = random.Random()
     requests = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(9)], "v1", 10)
                 for i in range(3)}  # fmt: skip
     probes = [([rng.randrange(arch.vocab_size) for _ in range(37)], "v1"),
@@ -156,7 +154,9 @@ def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax()
         torch.testing.assert_close(logprobs.cpu(), want, atol=2e-3, rtol=0)
 
 
-def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(tmp_path):
+def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(
+    rng, tmp_path
+):
     from sitsd.weights import load_checkpoint
     from tests.model.quant_checkpoints import write_quantized_llama
     from tests.weights.tiny_models import write_tiny_llama
@@ -174,7 +174,6 @@ def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_r
     runner.recapture_graphs(standby)
     slots.fill(standby, "int4")
     assert slots.precision(standby).startswith("int4-g32")
-    rng = random.Random()
     prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
                for i in range(4)}  # fmt: skip
     mixed = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()

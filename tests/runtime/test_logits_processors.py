@@ -57,8 +57,7 @@ def random_state(rng: random.Random) -> CachedRequestState:
     )
 
 
-def test_bias_and_penalties_match_the_reference_row_by_row():
-    rng = random.Random()
+def test_bias_and_penalties_match_the_reference_row_by_row(rng):
     rows = [random_state(rng) for _ in range(8)]
     logits = torch.randn(len(rows), VOCAB) * 3
     expected = torch.stack([reference(logits[i], s) for i, s in enumerate(rows)])
@@ -67,9 +66,8 @@ def test_bias_and_penalties_match_the_reference_row_by_row():
     torch.testing.assert_close(logits, expected)
 
 
-def test_the_last_token_comes_from_the_device_not_the_host_list():
+def test_the_last_token_comes_from_the_device_not_the_host_list(rng):
     """With asynchronous scheduling the host's last token is a placeholder (0)."""
-    rng = random.Random()
     real = [rng.randrange(1, VOCAB) for _ in range(6)]
     placeholder = state([*real[:-1], 0], 2, frequency_penalty=1.5, repetition_penalty=1.3)
     logits = torch.randn(1, VOCAB)

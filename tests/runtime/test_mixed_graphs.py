@@ -219,9 +219,8 @@ def staggered(
     return tokens
 
 
-def test_cpu_runner_with_fixed_shape_mixed_steps_generates_what_the_eager_runner_does():
+def test_cpu_runner_with_fixed_shape_mixed_steps_generates_what_the_eager_runner_does(rng):
     arch, tensors = tiny(random.randrange(1000))
-    rng = random.Random()
     prompts = {f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 70))],
                          "v1") for i in range(5)}  # fmt: skip
     eager = staggered(cpu_runner(tensors, arch), prompts, 6, chunk=24)
@@ -245,9 +244,8 @@ def test_the_start_up_log_names_decode_and_token_buckets():
     assert graphs_summary(replace(info, graph_buckets=())) == "off (eager)"
 
 
-def test_each_version_runs_its_own_slot_in_fixed_shape_mixed_steps():
+def test_each_version_runs_its_own_slot_in_fixed_shape_mixed_steps(rng):
     runner, arch = runner_with_two_versions()
-    rng = random.Random()
     prompts = {f"r{i}": [rng.randrange(arch.vocab_size) for _ in range(rng.randrange(5, 40))]
                for i in range(3)}  # fmt: skip
     both = {f"{r}-{v}": (p, v) for r, p in prompts.items() for v in ("v1", "v2")}

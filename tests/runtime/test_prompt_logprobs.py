@@ -7,8 +7,6 @@ fixed shapes of mixed-step graphs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -63,11 +61,10 @@ def transformers_logprobs(seed, prompt):
 
 
 @pytest.mark.parametrize("shapes", ["eager", "mixed"])
-def test_probes_in_steps_with_decoding_requests_equal_transformers_log_softmax(shapes):
+def test_probes_in_steps_with_decoding_requests_equal_transformers_log_softmax(rng, shapes):
     runner, arch = runner_with_two_versions(tmp_seed_a=1, tmp_seed_b=2)
     if shapes == "mixed":  # the fixed-shape forward the mixed-step graphs capture, on the CPU
         runner.prepare_mixed_steps(token_buckets(runner.builder.max_num_tokens), capture=False)
-    rng = random.Random()
     requests = {
         f"r{i}": ([rng.randrange(arch.vocab_size) for _ in range(rng.randrange(3, 30))], "v1", 12)
         for i in range(3)

@@ -70,9 +70,8 @@ def test_copy_rest_fills_exactly_the_tensors_not_written_from_the_base_slot():
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
 
 
-def test_write_all_lands_views_of_any_dtype_and_strides_as_whole_copies_would():
+def test_write_all_lands_views_of_any_dtype_and_strides_as_whole_copies_would(rng):
     slots, writer, _, second = writer_for(random.randrange(2**20))
-    rng = random.Random()
     names = rng.sample(sorted(second), rng.randrange(1, len(second)))
     srcs = []
     for name in names:

@@ -111,9 +111,8 @@ def greedy(runner, prompts: dict[str, tuple[list[int], str]], num_new: int) -> d
     return tokens
 
 
-def test_requests_of_two_versions_in_one_step_each_get_their_own_slots_output():
+def test_requests_of_two_versions_in_one_step_each_get_their_own_slots_output(rng):
     runner, arch = runner_with_two_versions()
-    rng = random.Random()
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(rng.randrange(5, 40))]
                for _ in range(3)]  # fmt: skip
     alone = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 
 import pytest
 
@@ -20,10 +19,9 @@ from sitsd.weights.manifest import (
 
 
 @pytest.fixture
-def version_dir(tmp_path):
+def version_dir(tmp_path, rng):
     d = tmp_path / "watch" / "tiny" / "v1"
     d.mkdir(parents=True)
-    rng = random.Random()
     (d / "config.json").write_text(json.dumps({"n": rng.randrange(10**6)}))
     (d / "model.safetensors").write_bytes(os.urandom(rng.randrange(5000, 9000)))
     (d / "sub").mkdir()

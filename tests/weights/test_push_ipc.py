@@ -67,9 +67,9 @@ def random_tensors(rng: random.Random, count: int) -> list[tuple[str, torch.Tens
 
 @pytest.mark.parametrize("count_per_storage", [False, True])
 def test_views_of_one_flat_buffer_open_one_storage_and_rebuild_every_tensor_exactly(
+    rng,
     count_per_storage,
 ):
-    rng = random.Random()
     tensors = random_tensors(rng, rng.randrange(3, 20))
     flat = flat_copy(tensors)
     apart = random_tensors(rng, 2)  # tensors of storages of their own, too
@@ -94,8 +94,8 @@ def test_views_of_one_flat_buffer_open_one_storage_and_rebuild_every_tensor_exac
         assert len(released) == len(sent) - 3
 
 
-def test_counts_of_storages_never_opened_are_released_each_once():
-    tensors = random_tensors(random.Random(), 6)
+def test_counts_of_storages_never_opened_are_released_each_once(rng):
+    tensors = random_tensors(rng, 6)
     handles, _ = handles_of(flat_copy(tensors[:4]) + tensors[4:], count_per_storage=True)
     held = {counter_of(handles[0])}  # the flat buffer opened, the last two storages not
     assert counters_to_release(handles, held) == [counter_of(handles[4]), counter_of(handles[5])]
@@ -120,8 +120,8 @@ def test_pushed_views_land_in_the_slot_exactly_in_one_write():
     assert writer.copy_rest() == []
 
 
-def test_a_view_past_its_storage_or_a_storage_of_two_sizes_is_rejected_by_name():
-    tensors = random_tensors(random.Random(), 4)
+def test_a_view_past_its_storage_or_a_storage_of_two_sizes_is_rejected_by_name(rng):
+    tensors = random_tensors(rng, 4)
     flat = flat_copy(tensors)
     handles, _ = handles_of(flat, count_per_storage=True)
     last = handles[-1]
@@ -136,8 +136,7 @@ def test_a_view_past_its_storage_or_a_storage_of_two_sizes_is_rejected_by_name()
     assert storage_key(grown) == storage_key(handles[0])
 
 
-def test_kept_mappings_are_exactly_the_last_pushs_and_the_others_are_let_go():
-    rng = random.Random()
+def test_kept_mappings_are_exactly_the_last_pushs_and_the_others_are_let_go(rng):
     keys = [(bytes([i]) * 66, rng.randrange(0, 2**20)) for i in range(6)]
     storages = {key: torch.UntypedStorage(8) for key in keys}
     kept = IpcMappings()
@@ -155,11 +154,11 @@ def test_kept_mappings_are_exactly_the_last_pushs_and_the_others_are_let_go():
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_push_reuses_the_kept_mappings_only_when_the_daemon_keeps_them(keep):
+def test_a_push_reuses_the_kept_mappings_only_when_the_daemon_keeps_them(rng, keep):
     from sitsd.weights.push import PushSettings, WeightPushes
 
     pushes = WeightPushes(None, PushSettings(ipc_keep_mapped=keep))  # type: ignore[arg-type]
-    flat = flat_copy(random_tensors(random.Random(), 3))
+    flat = flat_copy(random_tensors(rng, 3))
     handles, _ = handles_of(flat, count_per_storage=True)
     source = pushes.ipc_push(plan_of(flat), handles)
     assert (source.mappings is pushes.ipc_mappings) is keep

@@ -5,7 +5,6 @@ manager on a real in-process engine, the tiny Llama)."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -60,8 +59,7 @@ def test_a_version_id_that_is_not_a_name_is_refused_naming_the_field(version):
     assert registry.list() == []
 
 
-def test_names_are_version_ids_and_any_name_can_be_made_one():
-    rng = random.Random()
+def test_names_are_version_ids_and_any_name_can_be_made_one(rng):
     for version in ("v1", "2025-06-01", "SmolLM2-135M@1a2b3c4d", "a.b_c+d", "v" * 128):
         assert check_version_id(version) == version
     for name in [
