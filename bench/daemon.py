@@ -4,13 +4,14 @@ Free ports (`--port 0 --metrics-port 0 --http-port 0`), the log in a file, the a
 /metrics URL once health says SERVING, the admin token, the process's RSS, and a stop that
 never hangs. This
 checkout comes first on the daemon's PYTHONPATH (the caller's entries, such as the GPU
-machine's wheels, follow).
+machine's wheels, follow). The daemon ends with the benchmark that started it, even one killed
+before its `stop()` (`start_tied`): a daemon left behind would share the next run's cores.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import ctypes
 import os
 import re
 import shutil
@@ -41,6 +42,29 @@ def split_cores(pin: bool = True) -> tuple[set[int] | None, set[int] | None]:
     return set(cores[:-1]), set(cores[-1:])
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent thread ends
+
+
+def start_tied(
+    command: Sequence[str], cpus: set[int] | None = None, **popen: object
+) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(command, **popen)`, on `cpus` (None: any core), SIGTERMed by the
+    kernel when the thread that called this ends, however it ends (on Linux; elsewhere it
+    outlives a killed caller). Call it from the thread that lives as long as the child should."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    parent = os.getpid()
+
+    def in_child() -> None:  # between fork and exec: no imports, no allocation to speak of
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the caller ended before the line above
+                os._exit(1)
+
+    return subprocess.Popen(command, preexec_fn=in_child, **popen)  # type: ignore[call-overload]
+
+
 class BenchDaemon:
     """A started `sitsd serve`; `wait_until_serving()` before use, `stop()` after."""
 
@@ -64,10 +88,8 @@ class BenchDaemon:
                    "--metrics-port", "0", "--http-port", "0", "--state-dir", str(state_dir),
                    *flags]  # fmt: skip
         self._wrapped = bool(wrap)
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT,
-            preexec_fn=None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus),
-        )  # fmt: skip
+        self.proc = start_tied(command, cpus, stdout=self._log, stderr=subprocess.STDOUT,
+                               env=self.env, cwd=REPO_ROOT)  # fmt: skip
         self.address = self.metrics_url = ""
 
     def log_text(self) -> str:
