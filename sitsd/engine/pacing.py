@@ -15,6 +15,9 @@ the engine's time on average.
                extra time ~ fixed + per_token x tokens, a median fit (one step slowed by
                something else must not shrink every piece after it). Alone, the fixed part is
                a whole second pass over the other slot's weights, whatever the piece's size.
+               Joined, a token costs at least what a prompt token of a steady step costs
+               (fitted on those steps): each step's other prompts make its time past the
+               median too noisy to price small pieces by alone.
     allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
                twice the largest piece measured: noise must not turn into a huge step). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
@@ -213,12 +216,12 @@ class StepPacer:
         cost = self._cost[alone]
         if not cost.known:
             return 1  # a first, smallest piece: what it costs is measured next
-        fixed, per_token = cost.fit()
+        fixed, per_token, resolved = self._price(alone)
         share_s = settings.share * steady
         # Until the fit tells the fixed part from the per-token one, an all-per-token fit
         # would price the smallest piece below what every piece so far has cost (a whole
         # pass over the other slot's weights for a handful of tokens, on a GPU).
-        smallest = fixed + per_token if cost.resolved else max(per_token, cost.cheapest)
+        smallest = fixed + per_token if resolved else max(per_token, cost.cheapest)
         if smallest <= share_s:  # fits in every step; at most twice what was measured so far
             return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
@@ -230,7 +233,7 @@ class StepPacer:
         if self._credit < cap or self._since_past_share < settings.spaced_every:
             return 0
         grown = 2 * cost.largest + 2
-        if not cost.resolved:
+        if not resolved:
             return grown
         return max(1, min(int((cap - fixed) / per_token), grown))
 
@@ -240,7 +243,10 @@ class StepPacer:
         than doubles; 0 until that work's cost has been measured."""
         if self.settings.fixed_tokens:
             return 0
-        return _most(self._cost[alone], self.steady_s(num_serving_versions))
+        steady = self.steady_s(num_serving_versions)
+        if steady is None or not self._cost[alone].known:
+            return 0
+        return _most(*self._price(alone)[:2], steady)
 
     def recompute_tokens(self, budget: int) -> int:
         """Tokens the requests a swap restarted may recompute in the step being scheduled:
@@ -250,8 +256,10 @@ class StepPacer:
         until either is measured."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
-        most = _most(self._join_cost(), self.steady_s(1))
-        return most if most > 0 else budget
+        steady = self.steady_s(1)
+        if steady is None or not self._join_cost().known:
+            return budget
+        return _most(*self._price(False)[:2], steady)
 
     def release_tokens(self, budget: int) -> int:
         """Prompt tokens that requests a drain held back may compute in the step being
@@ -261,10 +269,9 @@ class StepPacer:
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
         steady = self.steady_s(1)
-        cost = self._join_cost()
-        if steady is None or not cost.known:
+        if steady is None or not self._join_cost().known:
             return budget
-        fixed, per_token = cost.fit()
+        fixed, per_token, _ = self._price(False)
         fits = int((self.settings.share * steady - fixed) / per_token)
         return fits if fits > 0 else self.recompute_tokens(budget)
 
@@ -330,6 +337,27 @@ class StepPacer:
             return
         self._credit = min(self._cap(steady), self._credit + self.settings.share * steady)
 
+    def _price(self, alone: bool) -> tuple[float, float, bool]:
+        """(fixed seconds, seconds per token, whether a two-part fit gave them) of swap work
+        alone on a slot, or joining a serving sub-batch.
+
+        Joined tokens are prompt tokens to the sub-batch they join, priced as what the prompts
+        of steady steps measured, or what the pieces' own fit says where that is more. The
+        prompts' fit rests on many steps whose prompts vary by tens of tokens; the pieces'
+        rests on what each step took past the steady median, which the same steps' other
+        prompts move by as much as a piece costs (a CPU under a churning load: one piece
+        priced at a step's whole noise, or slopes near zero and pieces doubling to 7-11x the
+        share)."""
+        if alone or not self._prompts.known:
+            cost = self._cost[alone] if alone else self._join_cost()
+            return (*cost.fit(), cost.resolved)
+        joined = self._cost[False]
+        per_token = self._prompts.fit()[1]
+        if joined.known and joined.resolved:
+            fixed, slope = joined.fit()
+            return fixed, max(slope, per_token), True
+        return 0.0, per_token, True
+
     def _join_cost(self) -> _Cost:
         """What tokens joining a serving sub-batch cost: as a swap's work measured it, else
         as the prompts of steady steps did."""
@@ -346,10 +374,7 @@ class StepPacer:
         return max(self.settings.spaced_steps * steady, smallest)
 
 
-def _most(cost: _Cost, steady: float | None) -> int:
-    """Tokens of work priced by `cost` that one steady step of extra time buys; 0 until both
-    are measured."""
-    if steady is None or not cost.known:
-        return 0
-    fixed, per_token = cost.fit()
+def _most(fixed: float, per_token: float, steady: float) -> int:
+    """Tokens of work at `fixed + per_token x tokens` seconds that one steady step of extra
+    time buys."""
     return max(1, int((max(steady, fixed + per_token) - fixed) / per_token))

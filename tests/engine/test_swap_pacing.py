@@ -272,6 +272,46 @@ def test_a_migration_behind_its_deadline_never_more_than_doubles_a_step():
     assert sim.sched.swaps.last_migration.num_restarted == 0
 
 
+def test_a_migration_under_a_churning_load_adds_at_most_the_share_to_a_step():
+    # As on a CPU at 32 streams: requests finish and new ones bring prompts of 30-170 tokens,
+    # so a step takes the steady median give or take as much as a piece of shadows costs.
+    # Fitted on what each piece's step took past the median, the pieces' price fell near zero
+    # and they doubled step after step (to 7-11x the share); priced at least as the prompts
+    # of steady steps cost, no piece takes more than the share.
+    sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, deadline_s=1e6)
+    for i in range(8):  # requests that outlast the migration: it must move them
+        sim.add(f"long{i}", sim.rng.randrange(30, 170), 100_000)
+    live = {f"long{i}" for i in range(8)}
+
+    def step():
+        live.difference_update(sim.finished)
+        while len(live) < 32:
+            req_id = f"c{len(sim.steps)}-{len(live)}"
+            sim.add(req_id, sim.rng.randrange(30, 170), sim.rng.randrange(20, 120))
+            live.add(req_id)
+        steady = {k: sim.sched.pacer.steady_s(k) for k in (1, 2)}
+        sim.step()
+        return steady
+
+    for _ in range(150):
+        step()
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    first = len(sim.steps)
+    sim.sched.swaps.switch(V1, "migrate")
+    pieces = []
+    while sim.sched.swaps.migration is not None:
+        steady = step()
+        _, tokens, added, versions = sim.steps[-1]
+        if tokens:
+            pieces.append((added, steady[versions]))
+        assert len(sim.steps) - first < 5000, "the migration never ended"
+    assert sum(1 for _, tokens, *_ in sim.steps[first:] if tokens) > 10
+    assert not {f"long{i}" for i in range(8)} & sim.finished, "every long request migrated"
+    for added, steady in pieces:
+        assert added <= 0.2 * steady + 1e-9
+
+
 @pytest.mark.parametrize("fixed", [3, 11])
 def test_a_fixed_allowance_is_never_exceeded(fixed):
     sim = SimEngine(fixed_tokens=fixed, deadline_s=1e6)
