@@ -406,9 +406,13 @@ def daemon_account(
             continue
         if "step_ms" in entry:
             work = entry["swap_work_tokens"]
+            limit = entry.get("swap_work_limit", "")  # what set the piece's size
+            if limit and entry.get("swap_work_token_ms"):
+                limit += f" at {entry['swap_work_token_ms']:.3g} ms a token"
             what = (f"step {entry['step_ms']:.0f} ms ({entry['num_tokens']} tokens, "
                     f"{entry['num_requests']} requests, {entry['serving_versions']} versions, "
-                    f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}, "
+                    f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}"
+                    f"{f' ({limit})' if limit else ''}, "
                     f"{entry['num_migrated']} migrated; {entry.get('device_wait_ms', 0):.0f} "
                     f"ms waiting for the device)")  # fmt: skip
             ms = entry["step_ms"]

@@ -86,6 +86,10 @@ class SwapWork:
     num_tokens: int  # tokens of a swap's work in the step (0: none)
     alone: bool  # that work ran as a sub-batch of its own: its version served nothing else
     num_serving_versions: int  # weights versions the step's serving requests ran on
+    # What set num_tokens (`sitsd.engine.pacing.Allowance.limit`, or "deadline": a migration
+    # behind its deadline; "idle": nothing served; "recompute": a restart's); "" for none.
+    limit: str = ""
+    per_token_s: float = 0.0  # the pacer's price of one of its tokens then (0: not priced)
 
 
 @dataclass(slots=True)

@@ -178,6 +178,18 @@ class _Cost:
         return 0.0, max(_MIN_PER_TOKEN_S, through_origin), False
 
 
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """The tokens of a swap's work a step may take, and what set them."""
+
+    tokens: int
+    # "share": what fits in the share; "spaced": a spaced piece (or 0 while the credit
+    # builds); "first": a first piece, to be measured; "measuring": none, the step keeps the
+    # steady time measured; "fixed": `fixed_tokens`.
+    limit: str
+    per_token_s: float = 0.0  # the price of a token it was set at (0: not priced)
+
+
 class StepPacer:
     """The allowance of a swap's work per step; see the module docstring. Engine thread."""
 
@@ -207,15 +219,19 @@ class StepPacer:
             num_serving_versions: weights versions the step's serving requests run on.
             alone: the work would run on a slot that serves nothing in this step.
         """
+        return self.pace(num_serving_versions, alone).tokens
+
+    def pace(self, num_serving_versions: int, alone: bool) -> Allowance:
+        """`allowance`, with what set it (for the step's record)."""
         settings = self.settings
         if settings.fixed_tokens:
-            return settings.fixed_tokens
+            return Allowance(settings.fixed_tokens, "fixed")
         steady = self.steady_s(num_serving_versions)
         if steady is None or self.measuring(num_serving_versions):
-            return 0
+            return Allowance(0, "measuring")
         cost = self._cost[alone]
         if not cost.known:
-            return 1  # a first, smallest piece: what it costs is measured next
+            return Allowance(1, "first")  # a smallest piece: what it costs is measured next
         fixed, per_token, resolved = self._price(alone)
         share_s = settings.share * steady
         # Until the fit tells the fixed part from the per-token one, an all-per-token fit
@@ -223,7 +239,8 @@ class StepPacer:
         # pass over the other slot's weights for a handful of tokens, on a GPU).
         smallest = fixed + per_token if resolved else max(per_token, cost.cheapest)
         if smallest <= share_s:  # fits in every step; at most twice what was measured so far
-            return max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
+            tokens = max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
+            return Allowance(tokens, "share", per_token)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
         # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
         # measured. Until the fit tells the fixed part from the per-token one (pieces of
@@ -231,11 +248,11 @@ class StepPacer:
         # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = self._spaced_cap(steady, smallest)
         if self._credit < cap or self._since_past_share < settings.spaced_every:
-            return 0
+            return Allowance(0, "spaced", per_token)
         grown = 2 * cost.largest + 2
         if not resolved:
-            return grown
-        return max(1, min(int((cap - fixed) / per_token), grown))
+            return Allowance(grown, "spaced", per_token)
+        return Allowance(max(1, min(int((cap - fixed) / per_token), grown)), "spaced", per_token)
 
     def most_tokens(self, num_serving_versions: int, alone: bool) -> int:
         """The most tokens of swap work a step may take even when more presses (a migration

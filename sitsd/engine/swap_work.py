@@ -20,7 +20,7 @@ The scheduler (`sitsd.engine.scheduler`) owns this phase and calls it once a ste
 from __future__ import annotations
 
 from sitsd.engine.batch import Batch
-from sitsd.engine.pacing import StepPacer
+from sitsd.engine.pacing import Allowance, StepPacer
 from sitsd.engine.probes import Probes
 from sitsd.engine.swap_policies import SwapPolicies
 from sitsd.outputs import SchedulerOutput, SwapWork
@@ -46,23 +46,31 @@ class SwapWorkPhase:
             pending.add(migration.to_version)
         joining = pending & serving
         versions, alone = (joining, False) if joining else (pending, True)
-        used = self._schedule(out, versions, alone, len(serving)) if versions else 0
+        paced = Allowance(0, "")
+        if versions:
+            used, paced = self._schedule(out, versions, alone, len(serving))
+        else:
+            used = 0
         # A restart's recompute (phases 2 and 3) is a swap's work too, joining its version's.
-        out.swap_work = SwapWork(used + self._swaps.num_recomputed, alone and used > 0,
-                                 len(serving))  # fmt: skip
+        recomputed = self._swaps.num_recomputed
+        limit = paced.limit if used else ("recompute" if recomputed else "")
+        out.swap_work = SwapWork(used + recomputed, alone and used > 0, len(serving), limit,
+                                 paced.per_token_s if used else 0.0)  # fmt: skip
 
     def _schedule(
         self, out: SchedulerOutput, versions: set[str], alone: bool, num_serving: int
-    ) -> int:
-        """A swap's work on `versions`; the tokens scheduled."""
+    ) -> tuple[int, Allowance]:
+        """A swap's work on `versions`: the tokens scheduled, and what set how many."""
         pacer = self._pacer
         if num_serving:
-            allowance = pacer.allowance(num_serving, alone)
+            paced = pacer.pace(num_serving, alone)
+            allowance = paced.tokens
             prefill = out.total_num_scheduled_tokens - len(out.num_scheduled_tokens)
             if allowance > 0 and not alone:  # a spaced piece keeps its size: it pays its pass
                 allowance = max(-(-allowance // 8), allowance - prefill)
         else:  # nothing served in this step: nothing to protect
             allowance = self._batch.budget(out)
+            paced = Allowance(allowance, "idle")
         used = 0
         migration = self._swaps.migration
         if migration is not None and migration.to_version in versions:
@@ -70,4 +78,6 @@ class SwapWorkPhase:
             step_s = None if pacer.measuring(num_serving) else pacer.steady_s(num_serving)
             most = pacer.most_tokens(num_serving, alone) if num_serving else allowance
             used = self._swaps.schedule_shadows(out, allowance, step_s, most)
-        return used + self._probes.schedule(out, allowance - used, versions)
+            if used > allowance:  # the deadline's floor
+                paced = Allowance(used, "deadline", paced.per_token_s)
+        return used + self._probes.schedule(out, allowance - used, versions), paced

@@ -18,6 +18,7 @@ import statistics
 from collections import deque
 
 from sitsd.engine.observer import StepRecord
+from sitsd.outputs import SwapWork
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class SlowStepLog:
             "num_preempted": len(out.preempted_req_ids),
             "swap_work_tokens": work.num_tokens if work is not None else 0,
             "swap_work_alone": work.alone if work is not None else False,
+            "swap_work_limit": work.limit if work is not None else "",
+            "swap_work_token_ms": round(work.per_token_s * 1e3, 3) if work is not None else 0.0,
             "serving_versions": work.num_serving_versions if work is not None else 0,
             "scheduled_ahead": out.applied_ahead,
             "device_wait_ms": round(step.wait_s * 1e3, 2),
@@ -83,14 +86,23 @@ class SlowStepLog:
         }
         log.warning(
             "engine step %d took %.1f ms (%.1fx the recent median): %d requests, %d tokens, "
-            "%d of a swap's work; %.1f ms waiting for the device, %.1f ms on the host",
+            "%d of a swap's work%s; %.1f ms waiting for the device, %.1f ms on the host",
             step.index,
             period * 1e3,
             period / median,
             num_requests,
             out.total_num_scheduled_tokens,
             fields["swap_work_tokens"],
+            _limit_text(work),
             step.wait_s * 1e3,
             (period - step.wait_s) * 1e3,
             extra=fields,
         )
+
+
+def _limit_text(work: SwapWork | None) -> str:
+    """` (share, 1.25 ms a token)`: what set the size of the step's swap work."""
+    if work is None or not work.limit:
+        return ""
+    price = f", {work.per_token_s * 1e3:.3g} ms a token" if work.per_token_s else ""
+    return f" ({work.limit}{price})"

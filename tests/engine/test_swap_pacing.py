@@ -52,6 +52,7 @@ class SimEngine:
         self.rng = random.Random(random.getrandbits(32))  # the test's seed decides
         self.steps = []  # (period, swap tokens, cost of the swap work, serving versions)
         self.alone = []  # per step: its swap work ran on a slot serving nothing else
+        self.works = []  # per step: its SwapWork (what the pacer set, and why)
         self.finished = set()
         # Seconds something else adds to the step of the swap's Nth piece (from 0).
         self.stalls: dict[int, float] = {}
@@ -88,6 +89,7 @@ class SimEngine:
         self.steps.append((period, sum(so.num_scheduled_tokens[r] for r in swap_ids), added,
                            len(versions)))  # fmt: skip
         self.alone.append(so.swap_work is not None and so.swap_work.alone)
+        self.works.append(so.swap_work)
         for u in updates:
             if u.finish_reason is not None:
                 self.finished.add(u.request.req_id)
@@ -270,6 +272,7 @@ def test_a_migration_behind_its_deadline_never_more_than_doubles_a_step():
     assert max(added) > 0.2 * steady + sim.token_s, "the deadline pushed past the share"
     assert max(added) <= steady + sim.token_s + 1e-9, "a step at most doubles"
     assert sim.sched.swaps.last_migration.num_restarted == 0
+    assert "deadline" in {w.limit for w in sim.works[first:] if w is not None and w.num_tokens}
 
 
 def test_a_migration_under_a_churning_load_adds_at_most_the_share_to_a_step():
@@ -307,6 +310,12 @@ def test_a_migration_under_a_churning_load_adds_at_most_the_share_to_a_step():
             pieces.append((added, steady[versions]))
         assert len(sim.steps) - first < 5000, "the migration never ended"
     assert sum(1 for _, tokens, *_ in sim.steps[first:] if tokens) > 10
+    # Each step's record says what set its piece, and at what price of a token.
+    works = [w for w in sim.works[first:] if w.num_tokens]
+    assert {w.limit for w in works} <= {"first", "share", "spaced"}
+    priced = [w.per_token_s for w in works if w.limit != "first"]
+    assert priced
+    assert min(priced) >= sim.token_s * (1 - 1e-9), "a token priced below a prompt token"
     assert not {f"long{i}" for i in range(8)} & sim.finished, "every long request migrated"
     for added, steady in pieces:
         assert added <= 0.2 * steady + 1e-9
