@@ -16,8 +16,8 @@ the engine's time on average.
                something else must not shrink every piece after it). Alone, the fixed part is
                a whole second pass over the other slot's weights, whatever the piece's size.
                Joined, a token costs at least what a prompt token of a steady step costs
-               (fitted on those steps): each step's other prompts make its time past the
-               median too noisy to price small pieces by alone.
+               (the slope of those steps' periods over their prompt tokens): each step's
+               other prompts make its time past the median too noisy to price pieces by.
     allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
                twice the largest piece measured: noise must not turn into a huge step). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
@@ -136,7 +136,7 @@ class _Cost:
     def separable(self) -> bool:
         """The piece sizes vary enough to tell the fixed part from the per-token one."""
         sizes = [n for n, _ in self._samples]
-        return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
+        return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes) and max(sizes) > min(sizes)
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token): a median fit of both parts once `separable`
@@ -199,6 +199,8 @@ class StepPacer:
         self._steady: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
         self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
+        # One-version steady steps' periods against the prompt tokens they computed (some).
+        self._prefill = _Cost(False)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
         # Steps since one whose swap work added more than the share (none yet: as if long ago).
@@ -328,6 +330,7 @@ class StepPacer:
             prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
             if key == 1 and prompts > 0 and steady is not None:
                 self._prompts.add(prompts, period - steady)
+                self._prefill.add(prompts, period)
             return
         self._num_busy += 1
         if work.num_tokens == record.sched_out.total_num_scheduled_tokens:
@@ -358,22 +361,24 @@ class StepPacer:
         """(fixed seconds, seconds per token, whether a two-part fit gave them) of swap work
         alone on a slot, or joining a serving sub-batch.
 
-        Joined tokens are prompt tokens to the sub-batch they join, priced as what the prompts
-        of steady steps measured, or what the pieces' own fit says where that is more. The
-        prompts' fit rests on many steps whose prompts vary by tens of tokens; the pieces'
-        rests on what each step took past the steady median, which the same steps' other
-        prompts move by as much as a piece costs (a CPU under a churning load: one piece
-        priced at a step's whole noise, or slopes near zero and pieces doubling to 7-11x the
-        share)."""
-        if alone or not self._prompts.known:
+        Joined tokens are prompt tokens to the sub-batch they join: one costs at least the
+        slope of steady steps' periods over the prompt tokens they computed, where those vary
+        enough to fit one. The pieces' own fit (and the prompts' in `_prompts`) take each
+        step's time past the steady median, which the same step's other prompts move by as
+        much as a piece costs: under a churning load their slopes fell near zero (a CPU at
+        128 streams: 0.028 ms a token where one costs ~2 ms), and pieces doubled to 7-11x the
+        share in simulation. The periods themselves, against all the prompt tokens in them,
+        carry that variance as signal."""
+        prefill = self._prefill
+        if alone or not (prefill.known and prefill.resolved):
             cost = self._cost[alone] if alone else self._join_cost()
             return (*cost.fit(), cost.resolved)
+        floor = prefill.fit()[1]
         joined = self._cost[False]
-        per_token = self._prompts.fit()[1]
         if joined.known and joined.resolved:
             fixed, slope = joined.fit()
-            return fixed, max(slope, per_token), True
-        return 0.0, per_token, True
+            return fixed, max(slope, floor), True
+        return 0.0, floor, True
 
     def _join_cost(self) -> _Cost:
         """What tokens joining a serving sub-batch cost: as a swap's work measured it, else
