@@ -136,7 +136,7 @@ class _Cost:
     def separable(self) -> bool:
         """The piece sizes vary enough to tell the fixed part from the per-token one."""
         sizes = [n for n, _ in self._samples]
-        return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes) and max(sizes) > min(sizes)
+        return len(sizes) >= 3 and max(sizes) >= 1.5 * min(sizes)
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token): a median fit of both parts once `separable`
@@ -199,7 +199,7 @@ class StepPacer:
         self._steady: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
         self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
-        # One-version steady steps' periods against the prompt tokens they computed (some).
+        # Periods of one-version steady steps that computed prompts, by their prompt tokens.
         self._prefill = _Cost(False)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work

@@ -46,11 +46,11 @@ class SwapWorkPhase:
             pending.add(migration.to_version)
         joining = pending & serving
         versions, alone = (joining, False) if joining else (pending, True)
-        paced = Allowance(0, "")
-        if versions:
-            used, paced = self._schedule(out, versions, alone, len(serving))
-        else:
-            used = 0
+        used, paced = (
+            self._schedule(out, versions, alone, len(serving))
+            if versions
+            else (0, Allowance(0, ""))
+        )
         # A restart's recompute (phases 2 and 3) is a swap's work too, joining its version's.
         recomputed = self._swaps.num_recomputed
         limit = paced.limit if used else ("recompute" if recomputed else "")
