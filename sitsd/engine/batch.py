@@ -55,8 +55,14 @@ class Batch(Protocol):
 
     def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch with its first chunk; the chunk's tokens, or
-        None when the budget or the blocks for it are missing (batch slots are the caller's
-        to check)."""
+        None when the budget or the blocks for it are missing, or a swap keeps it out of this
+        step (`kept_out`; batch slots are the caller's to check)."""
+        ...
+
+    def kept_out(self, request: Request) -> bool:
+        """A swap keeps `request` out of this step: a drain holds it, or it is one the drain
+        held and this step's share of their prompts is spent. The requests behind it may go
+        ahead (they are the arrivals of a steady load), and nothing is preempted for it."""
         ...
 
     def preempt(

@@ -71,7 +71,8 @@ class SchedulingPolicy(Protocol):
 
 
 class FcfsPolicy:
-    """Arrival order; the queue's head is admitted while budget, slots and blocks last."""
+    """Arrival order; the queue's head is admitted while budget, slots and blocks last (one a
+    swap keeps out of the step is passed over)."""
 
     name = "fcfs"
     uses_caps = False
@@ -91,13 +92,13 @@ class FcfsPolicy:
         pass
 
     def admit(self, batch: Batch, out: SchedulerOutput) -> None:
-        while (
-            batch.waiting
-            and batch.budget(out) > 0
-            and len(batch.running) < batch.config.max_num_seqs
-        ):
-            if batch.try_admit(batch.waiting.peek(), out) is None:
-                break
+        for request in batch.waiting:
+            if batch.budget(out) <= 0 or len(batch.running) >= batch.config.max_num_seqs:
+                return
+            if batch.kept_out(request):
+                continue  # a swap's: the arrivals behind it go ahead as in a steady load
+            if batch.try_admit(request, out) is None:
+                return
 
     def refusal(self, request: Request, batch: Batch, step_time_s: float) -> Refusal | None:
         return None

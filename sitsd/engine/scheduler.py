@@ -298,9 +298,12 @@ class Scheduler:
     def budget(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
+    def kept_out(self, request: Request) -> bool:
+        return self.swaps.holds(request) or self.swaps.paced_out(request)
+
     def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""
-        if self.budget(out) <= 0 or self.swaps.holds(request):
+        if self.budget(out) <= 0 or self.kept_out(request):
             return None
         computed_blocks = self.kv_cache.get_computed_blocks(request)
         num_hit = len(computed_blocks) * self.kv_cache.block_size

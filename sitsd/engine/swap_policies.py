@@ -148,6 +148,11 @@ class SwapPolicies:
             and (request.weights_version == self._drain[0])
         )
 
+    def paced_out(self, request: Request) -> bool:
+        """`request` is one a drain held back, and this step's room for their prompts is
+        spent: it waits for the next step."""
+        return request.req_id in self._released and self._room <= 0
+
     def _drain_holds(self) -> bool:
         """A drain still holds: requests run on another version, and it began less than
         `drain_hold_s` ago."""

@@ -108,6 +108,8 @@ class TierPolicy:
                 continue
             if self._tier_count(batch, request.tier) >= self.tracker.caps[request.tier]:
                 continue  # a capped tier waits for its own requests to finish
+            if batch.kept_out(request):
+                continue  # a swap's: nothing is preempted for it, the others go ahead
             num_new = None
             if not no_budget and len(batch.running) < batch.config.max_num_seqs:
                 num_new = batch.try_admit(request, out)

@@ -418,6 +418,58 @@ def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prom
     assert len(set(admitted.values())) > 2, "the held prompts were spread over several steps"
 
 
+def test_arrivals_go_ahead_of_the_prompts_a_drain_held_while_it_paces_them():
+    # CPU run E, 128 streams: requests arriving while a drain paced the prompts it had held
+    # waited behind them, then all came in one step of 1024 prompt tokens (3 s, 2.1x the
+    # steady P99). They are a steady load's arrivals: admitted as they come, as in steady
+    # steps, while the held prompts start within the share.
+    sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, deadline_s=1e6, drain_hold_s=3.0)
+    for i in range(8):  # they outlast the hold: it lasts its whole three seconds
+        sim.add(f"long{i}", sim.rng.randrange(30, 170), 100_000)
+    live = {f"long{i}" for i in range(8)}
+    added: dict[str, tuple[int, float]] = {}  # request -> (the step it came in, when)
+
+    def step() -> SchedulerOutput:
+        live.difference_update(sim.finished)
+        while len(live) < 32:
+            req_id = f"c{len(sim.steps)}-{len(live)}"
+            sim.add(req_id, sim.rng.randrange(30, 170), sim.rng.randrange(5, 40))
+            live.add(req_id)
+            added[req_id] = (len(sim.steps), sim.now)
+        return sim.step()
+
+    for _ in range(150):
+        step()
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    switched = sim.now
+    sim.sched.swaps.switch(V1, "drain")
+    first_step: dict[str, int] = {}  # request -> the step it was first scheduled in
+    versions: dict[str, str] = {}  # request -> the version it started on
+    full = [False] * len(sim.steps)  # per step: its token budget or its batch was full
+    paced = []  # per step of the release: the held prompts' tokens in it
+    while len(sim.steps) < 300:
+        so = step()
+        for new in so.new_reqs:
+            first_step.setdefault(new.req_id, len(sim.steps) - 1)
+            versions[new.req_id] = new.weights_version
+        full.append(so.total_num_scheduled_tokens >= 512 or len(sim.sched.running) >= 32)
+        if so.swap_work is not None and so.swap_work.limit == "recompute":
+            paced.append(so.swap_work.num_tokens)
+    held = [r for r, (_, t) in added.items() if switched <= t < switched + 3.0]
+    after = [r for r, (_, t) in added.items() if t >= switched + 3.0 + 1.0]
+    assert len(held) > 4
+    assert len(after) > 10
+    assert {versions[r] for r in held + after} == {V1}
+    assert len(paced) > 4, "the held prompts were spread over several steps"
+    steady = sim.sched.pacer.steady_s(1)
+    assert max(paced) <= 0.2 * steady / sim.token_s + 4, "the held prompts start in the share"
+    # An arrival waits only for a step with room for it, as in a steady load.
+    late = {r: first_step[r] - added[r][0] for r in after
+            if r in first_step and not all(full[added[r][0]:first_step[r]])}  # fmt: skip
+    assert not late, f"arrivals waited behind the held prompts (steps late): {late}"
+
+
 class FedPacer:
     """A pacer fed finished steps directly: steady ones, then ones with swap work."""
 
