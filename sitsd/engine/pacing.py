@@ -36,8 +36,10 @@ the engine's time on average.
                take more than the allowance, never more than that; the requests a restart
                took back recompute that much a step (`recompute_tokens`); those a drain
                held back compute what fits in the share (`release_tokens`: they wait for a
-               first token, not between two). Until a swap's recompute has been measured,
-               its tokens are priced as the prompts that steady steps computed cost.
+               first token, not between two), never more than a steady step computed within
+               it (a GPU's price per token changes past some hundred tokens). Until a swap's
+               recompute has been measured, its tokens are priced as the prompts that steady
+               steps computed cost.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -63,6 +65,7 @@ _MIN_STEADY_SAMPLES = 3  # a kind of step is measured once it has this many
 _FIT_WINDOW = 16  # steps with swap work the cost is fitted on, per kind of work
 _FREE_EVERY = 8  # one step in this many runs without swap work
 _MIN_PER_TOKEN_S = 1e-7  # a cost per token below this is noise
+_UNPRICED_RELEASE = 16  # prompt tokens a step for requests a drain held, until a token is priced
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ class _Cost:
     @property
     def largest(self) -> int:
         return max(n for n, _ in self._samples)
+
+    def largest_within(self, bound_s: float) -> int:
+        """The most tokens of a sample that cost at most `bound_s` (0: none did)."""
+        return max((n for n, e in self._samples if e <= bound_s), default=0)
 
     @property
     def cheapest(self) -> float:
@@ -283,16 +290,27 @@ class StepPacer:
     def release_tokens(self, budget: int) -> int:
         """Prompt tokens that requests a drain held back may compute in the step being
         scheduled: what fits in `share x steady` (they wait for a first token; the streams
-        running must not feel them), priced as `recompute_tokens` prices them; where even
-        one token would not fit, what one steady step of extra time buys."""
+        running must not feel them), priced as `recompute_tokens` prices them, and no more
+        than a steady step computed within the share; where even one token would not fit,
+        what one steady step of extra time buys. A few tokens a step until a token's price
+        is measured.
+
+        A price per token holds over the sizes it was measured on only: a GPU step is bound
+        by its pass over the weights up to some hundred tokens and by compute past them.
+        Steady steps' prompts priced a token near nothing on an H200, and held prompts of
+        194-1024 tokens made steps of 14-23 ms where steady ones take 5."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
         steady = self.steady_s(1)
         if steady is None or not self._join_cost().known:
-            return budget
+            return min(budget, _UNPRICED_RELEASE)
         fixed, per_token, _ = self._price(False)
-        fits = int((self.settings.share * steady - fixed) / per_token)
-        return fits if fits > 0 else self.recompute_tokens(budget)
+        share_s = self.settings.share * steady
+        fits = int((share_s - fixed) / per_token)
+        if fits <= 0:
+            return self.recompute_tokens(budget)
+        seen = self._prefill.largest_within(steady + share_s)
+        return min(fits, seen) if seen else fits
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

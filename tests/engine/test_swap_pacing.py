@@ -487,6 +487,37 @@ class FedPacer:
         start, self.clock = self.clock, self.clock + period
         self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
 
+    def prompt_step(self, period: float, prompt_tokens: int) -> None:
+        """A steady step of 32 decodes and one new request's prompt."""
+        scheduled = {f"d{i}": 1 for i in range(32)} | {"new": prompt_tokens}
+        sched_out = SchedulerOutput(num_scheduled_tokens=scheduled,
+                                    total_num_scheduled_tokens=sum(scheduled.values()),
+                                    swap_work=SwapWork(0, False, 1))  # fmt: skip
+        start, self.clock = self.clock, self.clock + period
+        self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
+
+
+def test_a_drain_releases_few_prompt_tokens_a_step_until_a_token_is_priced():
+    # The H200 push benchmark: with no price measured, a drain's held prompts took the whole
+    # budget, three steps of 1024 tokens at 22-23 ms where steady ones take 5.
+    fed = FedPacer()
+    assert 0 < fed.pacer.release_tokens(1024) <= 16
+
+
+def test_a_price_fitted_where_prompts_are_nearly_free_is_not_taken_past_the_sizes_measured():
+    # An H200 step is bound by its pass over 16 GB of weights up to some hundred tokens and
+    # by compute past them: steady steps' prompts of 20-150 tokens cost nearly nothing, and a
+    # price fitted on them let a drain's held prompts take 194-275 tokens a step (14 ms steps
+    # of 5). No more than a steady step computed within the share.
+    fed = FedPacer()
+    rng = random.Random(random.getrandbits(32))
+    for _ in range(4):
+        for n in (20, 45, 70, 100, 150):
+            fed.prompt_step(0.40 + rng.uniform(-0.004, 0.004) + 0.00001 * n, n)
+    fed.prompt_step(0.40 + 0.0035 * 250, 400)  # past the knee: 2.2x a steady step
+    released = fed.pacer.release_tokens(2048)
+    assert 100 <= released <= 150
+
 
 def test_pieces_measured_below_the_steady_median_do_not_make_tokens_look_cheaper():
     # A CPU run's joined pieces: 1.68 ms a token with a fitted fixed part of -50 ms (the steady
