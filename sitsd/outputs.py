@@ -110,6 +110,9 @@ class SchedulerOutput:
     # tokens by this step's, so `update_from_output` must not again.
     applied_ahead: bool = False
     swap_work: SwapWork | None = None  # for the pacing of a swap's work (not the runner's)
+    # The weights versions whose slots the step reads, its serving requests' and its swap
+    # work's (None: not known, any; a step cut short by a preemption).
+    weights_versions: frozenset[str] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -200,13 +200,24 @@ class EngineCore:
                     deltas += self._step.finish_ahead()  # a commit goes between finished steps
                     self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
-                    if message.finishes_ahead:  # the call may run the model
+                    if self._waits_for_ahead(message):
                         deltas += self._step.finish_ahead()
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
             pass
         return deltas
+
+    def _waits_for_ahead(self, message: EngineCall) -> bool:
+        """The call must wait for the step launched ahead (`EngineCall.waits_for`)."""
+        if message.waits_for == "any":
+            return True
+        if message.waits_for == "none":
+            return False
+        slots = self.runner.slots
+        index = slots.standby
+        version = slots.versions[index] if index is not None else None
+        return version is not None and self._step.ahead_reads(version)
 
     def _call(self, message: EngineCall) -> None:
         try:

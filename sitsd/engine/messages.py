@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from sitsd.types import EndReason, SamplingParams, Tier
 
@@ -80,16 +80,23 @@ class SwapCommand:
     in_place: InPlaceCopy | None = None
 
 
+# Which step launched ahead an `EngineCall` waits for: "any" (the call may run the model, or
+# change what any step reads), "standby" (it takes the standby slot's version away and runs
+# nothing: only a step that reads that version), "none" (nothing a launched step reads: it
+# queues work for the next steps, or marks a slot no step can read as filled).
+AheadWait = Literal["any", "standby", "none"]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCall:
     """Run `fn()` on the engine thread between two steps; then `reply(result, error)`.
 
     For short work that must not race the step loop (the swap controller's slot operations,
-    queueing a canary prompt). It delays the next step by as long as it takes; a step launched
-    ahead is finished first unless `finishes_ahead` is False (work that runs nothing on the
-    model, such as queueing a prompt for the next steps).
+    queueing a canary prompt). It delays the next step by as long as it takes. A step launched
+    ahead is finished first as `waits_for` says: finishing it leaves the device idle while the
+    host schedules the next (a step's host time, ~4 ms on an H200 with 32 streams).
     """
 
     fn: Callable[[], object]
     reply: Callable[[object, BaseException | None], None]
-    finishes_ahead: bool = True
+    waits_for: AheadWait = "any"

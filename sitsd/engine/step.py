@@ -140,6 +140,10 @@ class InTurnStep:
     def finish_ahead(self) -> list[RequestDelta]:
         return []
 
+    def ahead_reads(self, version: str) -> bool:
+        """A step launched ahead reads `version`'s weights (never: none is, in turn)."""
+        return False
+
     # ------------------------------------------------- the parts (`AheadStep` uses them too)
 
     def schedule(self) -> tuple[SchedulerOutput, float]:
@@ -239,6 +243,15 @@ class AheadStep:
         if launched is None:
             parts.scheduler.drop_ahead()
         return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s)
+
+    def ahead_reads(self, version: str) -> bool:
+        """The step launched ahead reads `version`'s weights (a step whose versions were not
+        all scheduled, as after a preemption, may read any)."""
+        ahead = self._ahead
+        if ahead is None:
+            return False
+        read = ahead.sched_out.weights_versions
+        return read is None or version in read
 
     def finish_ahead(self) -> list[RequestDelta]:
         """Take the launched step's tokens now (before a swap, a call on the engine thread,

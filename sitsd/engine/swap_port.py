@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from sitsd.engine.core import EngineCore
-from sitsd.engine.messages import EngineCall, InPlaceCopy, SwapCommand, SwapEvent
+from sitsd.engine.messages import AheadWait, EngineCall, InPlaceCopy, SwapCommand, SwapEvent
 from sitsd.outputs import EngineStatus
 
 if TYPE_CHECKING:
@@ -87,10 +87,13 @@ class SwapPort:
         Raises:
             sitsd.engine.swap_controller.StandbyBusy: requests still run on its version.
         """
-        return await self._call(self._controller.reserve_standby)
+        return await self._call(self._controller.reserve_standby, waits_for="standby")
 
     async def fill(self, index: int, version: str) -> None:
-        await self._call(functools.partial(self._controller.fill, index, version))
+        """Slot `index` holds `version` now. A step in flight cannot read a slot being filled;
+        one of another precision captures graphs again, which runs the model."""
+        waits: AheadWait = "any" if self._slots.restructured(index) else "none"
+        await self._call(functools.partial(self._controller.fill, index, version), waits_for=waits)
 
     async def release(self, index: int) -> None:
         await self._call(functools.partial(self._controller.release, index))
@@ -114,7 +117,7 @@ class SwapPort:
 
         call = functools.partial(self._controller.prompt_logprobs, list(token_ids), version,
                                  on_done)  # fmt: skip
-        await self._call(call, finishes_ahead=False)  # queueing it runs nothing yet
+        await self._call(call, waits_for="none")  # queueing it runs nothing yet
         return await done
 
     def copy_into(
@@ -178,7 +181,7 @@ class SwapPort:
             if event.kind in ("committed", "failed"):
                 return
 
-    async def _call(self, fn: Callable[[], T], *, finishes_ahead: bool = True) -> T:
+    async def _call(self, fn: Callable[[], T], *, waits_for: AheadWait = "any") -> T:
         """Run `fn()` on the engine thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
@@ -187,7 +190,7 @@ class SwapPort:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, done, cast(T, result), exc)
 
-        self._core.submit(EngineCall(fn, reply, finishes_ahead))
+        self._core.submit(EngineCall(fn, reply, waits_for))
         return await done
 
 

@@ -249,6 +249,10 @@ class WeightSlots:
         `fill`)."""
         return self._described[index][0]
 
+    def restructured(self, index: int) -> bool:
+        """Whether slot `index`'s tensors moved since its graphs were captured."""
+        return index in self._restructured
+
     def take_restructured(self, index: int) -> bool:
         """Whether slot `index`'s tensors moved since its graphs were captured (cleared)."""
         moved = index in self._restructured

@@ -89,8 +89,11 @@ class FakeSlots:
     def nbytes(self, index: int) -> int:
         return 0
 
-    def take_restructured(self, index: int) -> bool:
+    def restructured(self, index: int) -> bool:
         return False  # a fake copy moves no tensor: no graph to capture again
+
+    def take_restructured(self, index: int) -> bool:
+        return False
 
     def load(self, version: str) -> None:
         """Test helper: put `version` in the standby slot, as staging would."""

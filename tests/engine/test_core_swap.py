@@ -235,6 +235,39 @@ def test_an_engine_call_runs_on_the_engine_thread_and_replies():
         core.stop()
 
 
+def test_a_call_on_the_standby_slot_finishes_the_step_ahead_only_if_that_step_reads_it():
+    # Finishing the step launched ahead leaves the device idle while the host schedules the
+    # next: on an H200, steps of 9-13 ms (0 ms waiting for the device) at the start of every
+    # weight push, where steady ones take 5. A call that takes the standby slot's version
+    # away waits only for a step that reads that version.
+    core, runner, _ = make_core("ahead", slow_s=0.002)
+
+    def in_flight(waits_for) -> bool:
+        """Whether the step launched ahead was still in flight when the call ran."""
+        replies = queue.Queue()
+        core.submit(EngineCall(lambda: any(runner.unseen.values()),
+                               lambda result, exc: replies.put((result, exc)),
+                               waits_for))  # fmt: skip
+        result, exc = replies.get(timeout=10)
+        assert exc is None
+        return result
+
+    try:
+        add(core, "old", b"abcdefgh", 100_000)
+        assert wait_for(lambda: len(runner.tokens.get("old", ())) > 10)
+        runner.slots.load(V1)  # the standby slot: no step reads it
+        assert in_flight("standby")  # the step ahead reads V0 only: it runs on
+        assert not in_flight("any")
+        events = Events()
+        core.submit(SwapCommand(V1, "drain", events))
+        assert events.until_done()[-1].kind == "committed"
+        # "old" drains on V0, in the standby slot now: the step ahead reads it.
+        assert not in_flight("standby")
+        assert in_flight("none")
+    finally:
+        core.stop()
+
+
 @pytest.mark.parametrize("mode", [True, "ahead"], ids=["in-turn", "ahead"])
 def test_each_step_record_holds_how_long_the_engine_waited_for_the_device(mode):
     # A runner whose launched steps take `device_s` to deliver their tokens: the engine thread
