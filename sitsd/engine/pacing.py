@@ -31,7 +31,9 @@ the engine's time on average.
                step that grew past the share comes at most once in `spaced_every` steps: on
                a GPU a piece alone is a whole pass over the other slot's weights, and one
                such step in five (what the share alone would space them by) shows in every
-               inter-token P99; one in 128 shows in none.
+               inter-token P99; one in 128 shows in none. Both tests (a piece fits the
+               share; a step grew past it) allow for what steady steps of the kind run over
+               their median one time in ten: a busy machine's slow step is not the work's.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
                took back recompute that much a step (`recompute_tokens`); those a drain
@@ -247,7 +249,9 @@ class StepPacer:
         # would price the smallest piece below what every piece so far has cost (a whole
         # pass over the other slot's weights for a handful of tokens, on a GPU).
         smallest = fixed + per_token if resolved else max(per_token, cost.cheapest)
-        if smallest <= share_s:  # fits in every step; at most twice what was measured so far
+        # What steady steps run over their median now and then is not the work's cost.
+        if smallest <= share_s + self._spread(num_serving_versions):  # fits in every step;
+            # at most twice what was measured so far
             tokens = max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
             return Allowance(tokens, "share", per_token)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
@@ -357,7 +361,10 @@ class StepPacer:
         if steady is None:
             return
         extra = period - steady
-        if extra > self.settings.share * steady:
+        # Past the share, and past what steady steps of its kind take now and then: a busy
+        # machine's slow step is not the work's (a CPU's 1-2.6 s steps spaced a canary that
+        # fitted the share 128 steps apart: 178 s for 11 steps' work).
+        if extra > self.settings.share * steady + self._spread(work.num_serving_versions):
             self._since_past_share = 0
         self._cost[work.alone].add(work.num_tokens, extra)
         # Signed: a step's noise either way averages out (charging only the slow ones would
@@ -367,6 +374,11 @@ class StepPacer:
         self._earn(steady)
 
     # ------------------------------------------------------------------------------ internal
+
+    def _spread(self, num_serving_versions: int) -> float:
+        """How far above their median one steady step in ten of that kind runs."""
+        periods = sorted(self._steady[num_serving_versions])
+        return periods[int(0.9 * (len(periods) - 1))] - statistics.median(periods)
 
     def _earn(self, steady: float | None) -> None:
         """Each busy step earns the share of its kind's steady time (None: not measured),

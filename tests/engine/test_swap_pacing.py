@@ -38,7 +38,7 @@ class SimEngine:
     """
 
     def __init__(self, share=0.2, base_s=0.1, token_s=0.002, weights_s=0.0, deadline_s=60.0,
-                 fixed_tokens=0, deadline_steps=2000, drain_hold_s=0.0):  # fmt: skip
+                 fixed_tokens=0, deadline_steps=2000, drain_hold_s=0.0, noise_s=0.0):  # fmt: skip
         self.now = 0.0
         self.base_s, self.token_s, self.weights_s = base_s, token_s, weights_s
         self.kv = KVCacheManager(4096, BLOCK)
@@ -56,6 +56,8 @@ class SimEngine:
         self.finished = set()
         # Seconds something else adds to the step of the swap's Nth piece (from 0).
         self.stalls: dict[int, float] = {}
+        self.noise_s = noise_s  # each step takes up to this much longer, at random
+        self.noise = random.Random(random.getrandbits(32))
         self.num_pieces = 0  # steps with swap work so far
 
     def add(self, req_id, prompt_len, max_tokens):
@@ -82,6 +84,7 @@ class SimEngine:
             self.num_pieces += 1
         # What the swap's work added: the step with it, less the step without it.
         added = period - self.base_s - self.cost(so, serving) if swap_ids else 0.0
+        period += self.noise.uniform(0.0, self.noise_s)  # a busy machine's, not the work's
         self.now += period
         updates = self.sched.update_from_output(so, out)
         self.sched.pacer.step_ended(StepRecord(so, updates, start, self.now), self.now)
@@ -140,6 +143,20 @@ def test_a_canary_that_fits_the_share_adds_at_most_the_share_to_every_step():
     # One token's cost of rounding: the allowance is a whole number of tokens.
     assert max(added) <= 0.2 * steady + sim.token_s + 1e-9
     assert len(added) >= len(steps) / 2, "it went in most steps, not spaced out"
+
+
+def test_a_canary_that_fits_the_share_on_a_noisy_machine_is_not_spaced_out():
+    # A CPU at 128 streams, steps 1-2.6 s: a piece whose step was slow for reasons of its own
+    # counted as one that grew past the share, and the canary's next pieces waited 128 steps
+    # (a canary of 178 s, 139 steps, where another run's took 16 s, 11). Past the share means
+    # past the steady steps' own spread too.
+    sim = SimEngine(share=0.2, weights_s=0.005, noise_s=0.1)
+    sim.runner.slots.load(V1)
+    sim.steady(num_requests=8)
+    steps = run_canary(sim, probe_prompts(sim.rng, 6))
+    idle = [len(list(run)) for without, run in itertools.groupby(n == 0 for _, n, *_ in steps)
+            if without]  # fmt: skip
+    assert max(idle, default=0) < 16, f"the canary waited {max(idle)} steps"
 
 
 def test_a_canary_on_a_slot_whose_pass_exceeds_the_share_is_spaced_and_never_triples_a_step():
