@@ -26,7 +26,10 @@ decision: `sitsd.model.ops`, `sitsd.model.linear`, `sitsd.model.routing`.
 Imported by its bare name `kernels` (the repository root is on `sys.path` whenever Python runs
 from a checkout: `python -m bench.bench_cpu`, `python -m pytest`, a REPL), this directory would
 shadow the `kernels` distribution that transformers imports; it hands that name over to the
-installed distribution instead (`_hand_over_bare_name`). sitsd itself never imports `kernels`.
+installed distribution instead (`_hand_over_bare_name`), or, where none is installed, stays
+what it was: transformers 4 imports whatever `kernels` it finds to read its version and lets an
+error out of that import stop `from transformers import LlamaConfig`. sitsd itself never
+imports `kernels`.
 """
 
 from __future__ import annotations
@@ -43,16 +46,12 @@ from typing import Any
 def _hand_over_bare_name() -> None:
     """Replace this module under the name `kernels` with the installed distribution of that
     name, found on `sys.path` without this directory's parent (Python keeps what a module puts
-    in `sys.modules` under its own name as the result of the import)."""
+    in `sys.modules` under its own name as the result of the import); none: leave it be."""
     root = Path(__file__).resolve().parent.parent
     others = [p for p in sys.path if Path(p or ".").resolve() != root]
     spec = PathFinder.find_spec("kernels", others)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(
-            "no module named 'kernels' outside this repository: sitsd's kernels are imported as "
-            "sitsd.kernels",
-            name="kernels",
-        )
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)

@@ -93,18 +93,20 @@ def test_from_the_checkout_the_bare_name_kernels_is_the_installed_distribution()
         assert not Path(location).resolve().is_relative_to(REPO_ROOT / "kernels")
 
 
-def test_from_the_checkout_without_the_distribution_the_bare_name_is_not_found():
+def test_from_the_checkout_without_the_distribution_the_bare_name_imports_as_before():
+    # transformers 4 imports a `kernels` it finds to read its version, and an error from that
+    # import stopped `from transformers import LlamaConfig` (every GPU test that compares with
+    # transformers failed on the device, which has no `kernels` distribution).
     result = _run_in_checkout(
         """
-        import importlib.machinery, sys
+        import sys
         # Hide every installed `kernels`: only the checkout's directory is left to find.
         sys.path[:] = [p for p in sys.path if p in ("", ".") or "site-packages" not in p]
-        try:
-            import kernels
-        except ModuleNotFoundError as exc:
-            print(exc.name, "|", exc)
+        import kernels
+        print(kernels.__file__, getattr(kernels, "__version__", "N/A"))
         """
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("kernels | no module named 'kernels' outside this repository")
-    assert "sitsd.kernels" in result.stdout
+    location, version = result.stdout.split()
+    assert Path(location).resolve() == REPO_ROOT / "kernels" / "__init__.py"
+    assert version == "N/A"
