@@ -295,14 +295,14 @@ class StepPacer:
         """Prompt tokens that requests a drain held back may compute in the step being
         scheduled: what fits in `share x steady` (they wait for a first token; the streams
         running must not feel them), priced as `recompute_tokens` prices them, and no more
-        than a steady step computed within the share; where even one token would not fit,
-        what one steady step of extra time buys. A few tokens a step until a token's price
-        is measured.
+        than a step measured within the share computed (a few where none did); where even one
+        token would not fit, what one steady step of extra time buys. A few tokens a step
+        until a token's price is measured.
 
         A price per token holds over the sizes it was measured on only: a GPU step is bound
         by its pass over the weights up to some hundred tokens and by compute past them.
         Steady steps' prompts priced a token near nothing on an H200, and held prompts of
-        194-1024 tokens made steps of 14-23 ms where steady ones take 5."""
+        194-1024 tokens made steps of 12-23 ms where steady ones take 5."""
         if self.settings.fixed_tokens:
             return self.settings.fixed_tokens
         steady = self.steady_s(1)
@@ -313,8 +313,12 @@ class StepPacer:
         fits = int((share_s - fixed) / per_token)
         if fits <= 0:
             return self.recompute_tokens(budget)
-        seen = self._prefill.largest_within(steady + share_s)
-        return min(fits, seen) if seen else fits
+        # Of the sizes measured (steady steps' prompts, joined swap work), those whose steps
+        # kept within the share and the steady steps' own spread; none did: a few tokens.
+        within = share_s + self._spread(1)
+        seen = max(self._prefill.largest_within(steady + within),
+                   self._cost[False].largest_within(within))  # fmt: skip
+        return min(fits, seen or _UNPRICED_RELEASE)
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

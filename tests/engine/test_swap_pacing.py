@@ -536,6 +536,15 @@ def test_a_price_fitted_where_prompts_are_nearly_free_is_not_taken_past_the_size
     assert 100 <= released <= 150
 
 
+def test_where_no_step_measured_kept_within_the_share_a_drain_releases_a_few_tokens_a_step():
+    # The H200 swap benchmark: steady steps' prompts (100-300 tokens) each took a step past
+    # the share, and the drain's held prompts came 461 tokens a step (14-21 ms, steady 5).
+    fed = FedPacer()
+    for n in (100, 200, 300):  # one step in ten
+        fed.prompt_step(0.40 + 0.0000005 * n + 0.15, n)
+    assert 0 < fed.pacer.release_tokens(2048) <= 16
+
+
 def test_pieces_measured_below_the_steady_median_do_not_make_tokens_look_cheaper():
     # A CPU run's joined pieces: 1.68 ms a token with a fitted fixed part of -50 ms (the steady
     # median held prompts that the small pieces' steps did not carry). Priced through the
