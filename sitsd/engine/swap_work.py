@@ -56,7 +56,7 @@ class SwapWorkPhase:
         limit = paced.limit if used else ("recompute" if recomputed else "")
         out.swap_work = SwapWork(used + recomputed, alone and used > 0, len(serving), limit,
                                  paced.per_token_s if used else 0.0)  # fmt: skip
-        out.weights_versions = frozenset(serving | versions if used else serving)
+        out.weights_versions = frozenset(serving | versions) if used else frozenset(serving)
 
     def _schedule(
         self, out: SchedulerOutput, versions: set[str], alone: bool, num_serving: int
