@@ -223,17 +223,14 @@ class StepPacer:
             return None
         return statistics.median(periods)
 
-    def allowance(self, num_serving_versions: int, alone: bool) -> int:
-        """Tokens of swap work the step being scheduled may take (0: none in this one).
+    def pace(self, num_serving_versions: int, alone: bool) -> Allowance:
+        """The tokens of swap work the step being scheduled may take (0: none in this one),
+        and what set them (for the step's record).
 
         Args:
             num_serving_versions: weights versions the step's serving requests run on.
             alone: the work would run on a slot that serves nothing in this step.
         """
-        return self.pace(num_serving_versions, alone).tokens
-
-    def pace(self, num_serving_versions: int, alone: bool) -> Allowance:
-        """`allowance`, with what set it (for the step's record)."""
         settings = self.settings
         if settings.fixed_tokens:
             return Allowance(settings.fixed_tokens, "fixed")

@@ -107,6 +107,30 @@ class SimEngine:
         return statistics.median(p for p, *_ in self.steps[-20:])
 
 
+class ChurningLoad:
+    """32 streams on `sim`, as on a CPU: eight long requests that outlast any swap, and
+    requests that finish and are replaced by new ones with prompts of 30-170 tokens."""
+
+    def __init__(self, sim: SimEngine, max_tokens: tuple[int, int]) -> None:
+        self.sim = sim
+        self.max_tokens = max_tokens  # of the replacing requests: randrange's bounds
+        for i in range(8):
+            sim.add(f"long{i}", sim.rng.randrange(30, 170), 100_000)
+        self.live = {f"long{i}" for i in range(8)}
+        self.added: dict[str, tuple[int, float]] = {}  # request -> (its first step, when)
+
+    def step(self) -> SchedulerOutput:
+        """Replace the requests that finished, then run a step."""
+        sim, live = self.sim, self.live
+        live.difference_update(sim.finished)
+        while len(live) < 32:
+            req_id = f"c{len(sim.steps)}-{len(live)}"
+            sim.add(req_id, sim.rng.randrange(30, 170), sim.rng.randrange(*self.max_tokens))
+            live.add(req_id)
+            self.added[req_id] = (len(sim.steps), sim.now)
+        return sim.step()
+
+
 def probe_prompts(rng, num, length=(8, 40)):
     return [[rng.randrange(3, 900) for _ in range(rng.randrange(*length))] for _ in range(num)]
 
@@ -299,18 +323,11 @@ def test_a_migration_under_a_churning_load_adds_at_most_the_share_to_a_step():
     # and they doubled step after step (to 7-11x the share); priced at least as the prompts
     # of steady steps cost, no piece takes more than the share.
     sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, deadline_s=1e6)
-    for i in range(8):  # requests that outlast the migration: it must move them
-        sim.add(f"long{i}", sim.rng.randrange(30, 170), 100_000)
-    live = {f"long{i}" for i in range(8)}
+    load = ChurningLoad(sim, max_tokens=(20, 120))  # its long requests: the migration moves
 
     def step():
-        live.difference_update(sim.finished)
-        while len(live) < 32:
-            req_id = f"c{len(sim.steps)}-{len(live)}"
-            sim.add(req_id, sim.rng.randrange(30, 170), sim.rng.randrange(20, 120))
-            live.add(req_id)
         steady = {k: sim.sched.pacer.steady_s(k) for k in (1, 2)}
-        sim.step()
+        load.step()
         return steady
 
     for _ in range(150):
@@ -441,20 +458,8 @@ def test_arrivals_go_ahead_of_the_prompts_a_drain_held_while_it_paces_them():
     # steady P99). They are a steady load's arrivals: admitted as they come, as in steady
     # steps, while the held prompts start within the share.
     sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, deadline_s=1e6, drain_hold_s=3.0)
-    for i in range(8):  # they outlast the hold: it lasts its whole three seconds
-        sim.add(f"long{i}", sim.rng.randrange(30, 170), 100_000)
-    live = {f"long{i}" for i in range(8)}
-    added: dict[str, tuple[int, float]] = {}  # request -> (the step it came in, when)
-
-    def step() -> SchedulerOutput:
-        live.difference_update(sim.finished)
-        while len(live) < 32:
-            req_id = f"c{len(sim.steps)}-{len(live)}"
-            sim.add(req_id, sim.rng.randrange(30, 170), sim.rng.randrange(5, 40))
-            live.add(req_id)
-            added[req_id] = (len(sim.steps), sim.now)
-        return sim.step()
-
+    load = ChurningLoad(sim, max_tokens=(5, 40))  # its long requests outlast the 3 s hold
+    added, step = load.added, load.step
     for _ in range(150):
         step()
     sim.runner.slots.load(V1)
@@ -521,13 +526,12 @@ def test_a_drain_releases_few_prompt_tokens_a_step_until_a_token_is_priced():
     assert 0 < fed.pacer.release_tokens(1024) <= 16
 
 
-def test_a_price_fitted_where_prompts_are_nearly_free_is_not_taken_past_the_sizes_measured():
+def test_a_price_fitted_where_prompts_are_nearly_free_is_not_taken_past_the_sizes_measured(rng):
     # An H200 step is bound by its pass over 16 GB of weights up to some hundred tokens and
     # by compute past them: steady steps' prompts of 20-150 tokens cost nearly nothing, and a
     # price fitted on them let a drain's held prompts take 194-275 tokens a step (14 ms steps
     # of 5). No more than a steady step computed within the share.
     fed = FedPacer()
-    rng = random.Random(random.getrandbits(32))
     for _ in range(4):
         for n in (20, 45, 70, 100, 150):
             fed.prompt_step(0.40 + rng.uniform(-0.004, 0.004) + 0.00001 * n, n)
@@ -565,4 +569,4 @@ def test_pieces_alone_whose_fixed_part_fits_below_zero_keep_the_price_that_lets_
     fed = FedPacer()
     for n in (2, 3, 2, 3, 2, 3):
         fed.step(0.40 + (0.01 if n == 2 else 0.09), n, alone=True)
-    assert fed.pacer.allowance(1, alone=True) == 4
+    assert fed.pacer.pace(1, alone=True).tokens == 4
