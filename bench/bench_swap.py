@@ -11,8 +11,8 @@
    seconds of load, `Admin.Deploy` of the other version under a fresh id (so every swap stages:
    verify, validate, stage, canary), a second of load, `Admin.Swap` with the policy, the load
    until the swap's effect is over (migrate: its commit, once the shadows caught up; drain: the
-   last request that ran on the old weights ends; restart: every request in flight has its
-   next token), then `--after` seconds more.
+   last request that ran on the old weights ends; restart: every request in flight has a
+   token from the new weights, or ended), then `--after` seconds more.
 4. Report, from the clients' token arrival times, for every phase of every swap: the
    inter-token latency P50 / P99 / max and their ratios to that swap's steady P99; the swap's
    wall time (deploy to the end of its effect) and serving pause; the largest gaps with the
@@ -31,8 +31,9 @@ rejection, then after). Every deploy's canary KL is printed beside its bound.
 Phases, in order: steady, verify, validate, stage (the copy into the standby slot), canary,
 staged (the second between deploy and swap); then migrate (the swap call to its commit) | commit
 and drain (requests that started on the old weights finishing there) | restart (requests in
-flight recomputed until each has its next token); then after. A token belongs to the phase its
-arrival falls in. Never part of the test run; on the CPU about 10 minutes per stream count.
+flight taken back and recomputed until each has a token from the new weights); then after. A
+token belongs to the phase its arrival falls in. Never part of the test run; on the CPU about
+10 minutes per stream count.
 
     .venv/bin/python -m bench.bench_swap [--clients 32,128] [--policies migrate,drain,restart]
     python3 -m bench.bench_swap --device cuda --work-dir /scratch/swap   # the GPU machine
@@ -171,9 +172,11 @@ def effect_end(load: StreamLoad, policy: str, swap: float, committed: float,
             old = [s for s in streams if s.first_token is not None and s.first_token < committed]
             if all(s.ended is not None for s in old):
                 return max([committed, *(s.ended for s in old if s.ended is not None)])
-        else:  # restart: each request in flight at the swap has its next token
+        else:  # restart: each request in flight at the swap has a token from the new weights
             inflight = [s for s in streams if s.started < swap]
-            after = [next((t for t in s.times if t > committed), s.ended) for s in inflight]
+            # A first token after the commit is the new weights' (no token yet: no old KV).
+            after = [s.first_token if s.first_token is not None and s.first_token > committed
+                     else s.switched or s.ended for s in inflight]  # fmt: skip
             if all(t is not None for t in after):
                 return max([committed, *(t for t in after if t is not None)])
         time.sleep(0.2)

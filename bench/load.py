@@ -40,6 +40,9 @@ class Stream:
     ended: float | None = None  # None while it runs
     failed: bool = False  # it ended with an RPC error
     first_token: float | None = None  # its first token's arrival (kept when `times` is cut)
+    # The arrival of its first token from another weights version than its first token's
+    # (None: all from one), kept when `times` is cut.
+    switched: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,11 +142,15 @@ async def _clients(spec: LoadSpec, streams: list[Stream], stopping: threading.Ev
                 token_ids=pb.TokenIds(ids=rng.choice(spec.prompts)), ignore_eos=True,
                 sampling=sampling,
             )  # fmt: skip
+            first_version = None
             try:
                 async for response in stub.Generate(request, timeout=spec.timeout_s):
                     stream.times += [now()] * len(response.token_ids)
                     if stream.first_token is None and stream.times:
                         stream.first_token = stream.times[0]
+                        first_version = response.weights_version
+                    elif stream.switched is None and response.weights_version != first_version:
+                        stream.switched = stream.times[-1]
             except grpc.aio.AioRpcError:
                 stream.failed = True
             stream.ended = now()
@@ -155,4 +162,5 @@ async def _clients(spec: LoadSpec, streams: list[Stream], stopping: threading.Ev
 
 def _copy(stream: Stream, times_from: float) -> Stream:
     times = [t for t in stream.times if t >= times_from] if times_from else list(stream.times)
-    return Stream(stream.started, times, stream.ended, stream.failed, stream.first_token)
+    return Stream(stream.started, times, stream.ended, stream.failed, stream.first_token,
+                  stream.switched)  # fmt: skip

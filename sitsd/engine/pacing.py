@@ -36,10 +36,13 @@ the engine's time on average.
                their median one time in ten: a busy machine's slow step is not the work's.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
-               took back recompute that much a step (`recompute_tokens`); those a drain
-               held back compute what fits in the share (`release_tokens`: they wait for a
-               first token, not between two), never more than a steady step computed within
-               it (a GPU's price per token changes past some hundred tokens). Until a swap's
+               took back all at once recompute that much a step (`recompute_tokens`); those
+               a drain held back compute what fits in the share (`release_tokens`: they wait
+               for a first token, not between two), never more than a steady step computed
+               within it (a GPU's price per token changes past some hundred tokens); those a
+               restart takes back a few at a time, that or as many prompt tokens as a steady
+               step computed within the steady steps' spread (`restart_tokens`: a whole
+               context in one step, so that the stream waits one step). Until a swap's
                recompute has been measured, its tokens are priced as the prompts that steady
                steps computed cost.
 
@@ -316,6 +319,21 @@ class StepPacer:
         seen = max(self._prefill.largest_within(steady + within),
                    self._cost[False].largest_within(within))  # fmt: skip
         return min(fits, seen or _UNPRICED_RELEASE)
+
+    def restart_tokens(self, budget: int) -> int:
+        """Tokens that requests a restart takes back a few at a time may recompute in the
+        step being scheduled: what `release_tokens` gives, or more where a steady step
+        computed more prompt tokens than that and kept within the steady steps' spread (one
+        in ten runs that far over their median). Each such request recomputes its whole
+        context in one step where it can, so that its stream waits one step: a restart of
+        one request then costs a step what a new request's prompt costs it in steady serving,
+        which the steady inter-token latencies already hold."""
+        release = self.release_tokens(budget)
+        steady = self.steady_s(1)
+        if self.settings.fixed_tokens or steady is None:
+            return release
+        seen = self._prefill.largest_within(steady + self._spread(1))
+        return max(release, min(seen, budget))
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

@@ -16,7 +16,8 @@ to the queue keeping its place). `schedule()` runs the step's phases:
     4. swap work a swap's work, in what the step has left and the pacer allows: migration
                  shadows, then canary probes (`sitsd.engine.swap_work`); requests a swap
                  restarted recompute in phases 2 and 3, within the pacer's recompute tokens
-                 (`swaps.start_step`, in phase 1)
+                 (`swaps.start_step`, in phase 1, which also takes back the next requests a
+                 restart takes a few at a time)
 
 Its composed parts decide, it moves: the scheduling policy (`sitsd.engine.policy`: FCFS, or
 the SLA tiers of `sitsd.engine.tier_policy`) answers order, caps, chunk sizes, admission and
@@ -194,7 +195,7 @@ class Scheduler:
             self._apply_ahead(ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
-        self.swaps.start_step(self._swap_room())  # 1: what a swap held back, paced
+        self.swaps.start_step(self._swap_room(), out, in_turn=ahead is None)  # 1: a swap's, paced
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -269,13 +270,18 @@ class Scheduler:
 
     def _swap_room(self) -> int:
         """Tokens that requests a swap held back may compute in the step being scheduled
-        (the pacer is asked only while there are some): those a restart took back, what
-        one steady step of extra time buys (their streams wait for it); those a drain held,
-        what fits in the share (they wait for a first token, the streams running must not
-        feel them)."""
+        (the pacer is asked only while there are some): those a restart took back all at
+        once, what one steady step of extra time buys (their streams wait for it); those a
+        drain held, what fits in the share (they wait for a first token, the streams running
+        must not feel them); those a restart takes back a few at a time, what a steady step's
+        prompts may be (each stream waits one step, the others must not feel it)."""
         swaps, pacer, budget = self.swaps, self.pacer, self.config.max_num_batched_tokens
         room = pacer.recompute_tokens(budget) if swaps.recomputing else budget
-        return min(room, pacer.release_tokens(budget)) if swaps.releasing else room
+        if swaps.releasing:
+            room = min(room, pacer.release_tokens(budget))
+        if swaps.restarting:
+            room = min(room, pacer.restart_tokens(budget))
+        return room
 
     def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
         """Tokens `request` may compute in this step before the policy's say: what it has
@@ -353,6 +359,7 @@ class Scheduler:
         migrating_to = self.swaps.drop_shadow(request, out)
         if migrating_to is not None:
             request.weights_version = migrating_to  # recomputed on the new weights
+        self.swaps.taken_back(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.push_preempted(request)

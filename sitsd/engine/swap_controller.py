@@ -16,8 +16,9 @@ A commit, between two steps:
 
     two slots: activate the standby slot holding the version (an index flip: no copy)
     one slot:  copy the version over the only slot in place (the command's `InPlaceCopy`)
-    then:      `SwapPolicies.switch(version, policy)`: new requests run on the version;
-               in-flight ones drain, restart or migrate
+    then:      `SwapPolicies.switch(version, policy, keeps_old)`: new requests run on the
+               version; in-flight ones drain, restart (a few a step while the old weights
+               stay in their slot, all at once after a copy in place) or migrate
 
 and reports `SwapEvent`s through the command's `on_event`: "migrating" (with progress after
 each step) while shadows catch up, then "committed" (or "failed"). A migration commits at the
@@ -26,8 +27,9 @@ carries the flip's own time and the serving pause: the gap between the end of th
 before the flip and the start of the first step after it (flip included), and, to compare it
 with, the median gap between two busy steps before it. The controller is a step hook
 (`sitsd.engine.step.StepHooks`) to measure those, and tells the step function when steps must
-run one at a time (`one_step_at_a_time`): the step that measures a pause, and a migration's
-last two steps (the shadows' catch-up and the flip); the rest of a migration runs ahead.
+run one at a time (`one_step_at_a_time`): the step that measures a pause, a migration's
+last two steps (the shadows' catch-up and the flip), and the steps in which a restart takes
+requests back; the rest of a migration runs ahead.
 
 Which version to stage, validate and commit, and when, is `sitsd.weights.swap`'s business.
 """
@@ -115,11 +117,12 @@ class SwapController:
         """Steps must not run ahead: a commit waits for the next step to measure its pause,
         or a migration's shadows are close enough to catch up and flip (shadows compute only
         tokens the host knows, which a step ahead is always one past: `Migration`). The rest
-        of a migration runs ahead."""
-        migration = self._scheduler.swaps.migration
-        if migration is None:
-            return self._inflight is not None
-        return migration.nearly_ready
+        of a migration runs ahead. So do the steps in which a restart takes requests back
+        (a request's token from a step ahead would come back tagged with its new version)."""
+        swaps = self._scheduler.swaps
+        if swaps.migration is None:
+            return self._inflight is not None or swaps.rolling
+        return swaps.migration.nearly_ready
 
     # ------------------------------------------------------------------ the port's calls
 
@@ -189,7 +192,8 @@ class SwapController:
             elif slots.index_of(command.version) is None:
                 raise ValueError(f"version {command.version} is not in a weight slot")
             slots.activate(command.version)
-            switch = self._scheduler.swaps.switch(command.version, policy)
+            keeps_old = command.in_place is None
+            switch = self._scheduler.swaps.switch(command.version, policy, keeps_old)
         except Exception as exc:
             log.exception("commit of %s failed", command.version)
             self._fail(command, f"{type(exc).__name__}: {exc}")

@@ -8,8 +8,11 @@ writer of request state: every move below goes through its primitives (`sitsd.en
     follow the policy (`drain`: stay on their version, and requests on the new one wait up
     to `drain_hold_s` for them to finish, `holds`, so that no step reads both versions'
     weights, then start at the pace of the share; `restart`: preempted and recomputed on the
-    new one, at most the pacer's recompute tokens a step, `start_step`, in their queue
-    order; `migrate`: each gets a shadow, `sitsd.engine.migration`);
+    new one in their batch order, a few a step (`start_step`), each once the step's room
+    holds its whole context, so that its stream waits about one step, as for a new
+    request's prompt, and the others decode on the old version meanwhile; all at once,
+    at most the pacer's recompute tokens a step, where the old weights are gone (a swap in
+    place); `migrate`: each gets a shadow, `sitsd.engine.migration`);
   - `flip_if_ready` (first in a step run in turn): once every shadow has caught up, each
     migrating request takes its shadow's blocks and version, and its old blocks are freed;
   - `schedule_shadows` (last in a step, after admission): shadow chunks under the step's
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from sitsd.config import SWAP_POLICIES
 from sitsd.engine.batch import Batch
 from sitsd.engine.migration import Migration
-from sitsd.engine.request import Request
+from sitsd.engine.request import Request, RequestStatus
 from sitsd.outputs import MigratedRequest, SchedulerOutput
 
 
@@ -77,9 +80,16 @@ class SwapPolicies:
         self._recompute: dict[str, int] = {}
         self._room = 0  # restart recompute tokens the step being scheduled may still take
         self.num_recomputed = 0  # restart recompute tokens scheduled in that step
+        # Running requests a restart has still to take back, in batch order, by req_id: the
+        # version each restarts on. They decode on their old version (whose slot stays in
+        # use: `num_on_version`) until `start_step` takes them, in steps scheduled in turn.
+        self._rolling: dict[str, str] = {}
+        self._rolled: set[str] = set()  # those of `_recompute` taken from `_rolling`
 
-    def switch(self, version: str, policy: str) -> VersionSwitch:
-        """New requests run on `version` from now on; in-flight ones follow `policy`.
+    def switch(self, version: str, policy: str, keeps_old: bool = True) -> VersionSwitch:
+        """New requests run on `version` from now on; in-flight ones follow `policy`
+        (`keeps_old` False: their version's weights are gone, so a restart takes every one
+        back at once).
 
         Raises:
             ValueError: an unknown policy.
@@ -98,6 +108,8 @@ class SwapPolicies:
         migration = Migration(from_version or "", version, batch.now(),
                               self.migration_deadline_steps, self.migration_deadline_s)  # fmt: skip
         num_restarted = 0
+        self._rolling.clear()  # this policy decides for those a restart had still to take
+        rolling: list[str] = []
         # From the end of the batch: each one taken back goes to the head of the queue, so
         # the restarted keep their order there.
         for request in reversed(list(batch.running)):
@@ -105,11 +117,15 @@ class SwapPolicies:
                 continue
             if policy == "migrate" and request.num_output_tokens:
                 migration.add(request, migration.started)
+            elif policy == "restart" and keeps_old and request.num_output_tokens:
+                rolling.append(request.req_id)  # taken back in the steps to come
+                num_restarted += 1
             else:  # restart, or nothing sampled yet: recompute from scratch on the new weights
                 self._recompute[request.req_id] = request.num_computed_tokens
                 batch.take_back(request, None)
                 request.weights_version = version
                 num_restarted += 1
+        self._rolling = dict.fromkeys(reversed(rolling), version)  # in batch order
         if migration.shadows:
             self.migration = migration
         holds = policy == "drain" and self.drain_hold_s > 0
@@ -127,17 +143,52 @@ class SwapPolicies:
 
     # ------------------------------------------------------------------------------- phases
 
-    def start_step(self, room: int) -> None:
+    def start_step(self, room: int, out: SchedulerOutput, in_turn: bool) -> None:
         """Before the step's requests are scheduled: restarted requests, and those a drain
         held back once its hold ends, may compute `room` tokens in it, together, in their
-        queue order (the rest wait for the next steps)."""
+        queue order (the rest wait for the next steps); in a step scheduled in turn
+        (`in_turn`: every running request's tokens are known to the host), a restart takes
+        back the next requests it has still to (`_roll`)."""
         requests = self._batch.requests
         for req_id in [r for r, n in self._recompute.items()
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
             del self._recompute[req_id]  # caught up, or finished
             self._released.discard(req_id)
+            self._rolled.discard(req_id)
         self._room, self.num_recomputed = room, 0
         self._holding = self._drain_holds()
+        if self._rolling and in_turn:
+            self._roll(out)
+
+    def _roll(self, out: SchedulerOutput) -> None:
+        """Take back the next requests a restart has still to, in batch order, while the
+        step's room holds each one's whole context beside what others still recompute: its
+        stream then waits one step, as a new request waits for its prompt. Where nothing
+        recomputes, the next one goes whatever its size (its context takes several steps)."""
+        batch = self._batch
+        requests = batch.requests
+        left = self._room - sum(max(0, n + 1 - requests[r].num_computed_tokens)
+                                for r, n in self._recompute.items())  # fmt: skip
+        for req_id, version in list(self._rolling.items()):
+            request = requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                del self._rolling[req_id]  # finished
+                continue
+            if request.num_tokens > left and self._recompute:
+                return
+            del self._rolling[req_id]
+            self._recompute[req_id] = request.num_computed_tokens
+            self._rolled.add(req_id)
+            batch.take_back(request, out)
+            request.weights_version = version
+            left -= request.num_tokens
+
+    def taken_back(self, request: Request) -> None:
+        """`request` leaves the batch to be recomputed (blocks ran out, a tier, a swap): one
+        a restart had still to take back is recomputed on the version it restarts on."""
+        version = self._rolling.pop(request.req_id, None)
+        if version is not None:
+            request.weights_version = version
 
     def holds(self, request: Request) -> bool:
         """`request` must not be admitted in this step: a drain is holding new requests back
@@ -149,9 +200,10 @@ class SwapPolicies:
         )
 
     def paced_out(self, request: Request) -> bool:
-        """`request` is one a drain held back, and this step's room for their prompts is
-        spent: it waits for the next step."""
-        return request.req_id in self._released and self._room <= 0
+        """`request` is one a drain held back, or one a restart took back a few at a time,
+        and this step's room for them is spent: it waits for the next step."""
+        held = request.req_id in self._released or request.req_id in self._rolled
+        return held and self._room <= 0
 
     def _drain_holds(self) -> bool:
         """A drain still holds: requests run on another version, and it began less than
@@ -178,8 +230,20 @@ class SwapPolicies:
 
     @property
     def recomputing(self) -> bool:
-        """Requests a restart took back may still be recomputing (their streams wait)."""
-        return len(self._recompute) > len(self._released)
+        """Requests a restart took back all at once may still be recomputing (their streams
+        wait for all of them)."""
+        return len(self._recompute) > len(self._released) + len(self._rolled)
+
+    @property
+    def restarting(self) -> bool:
+        """A restart takes its requests back a few a step: some are left to take, or some
+        it took are still recomputing (the other streams must not feel them)."""
+        return bool(self._rolling) or bool(self._rolled)
+
+    @property
+    def rolling(self) -> bool:
+        """A restart has requests still to take back (in steps scheduled in turn)."""
+        return bool(self._rolling)
 
     @property
     def releasing(self) -> bool:

@@ -214,10 +214,10 @@ class StandbyStager:
                 held, num = busy.version, busy.num_requests
             if loop.time() > deadline:
                 raise SwapRefusedError(
-                    f"the standby slot still serves {num} requests on version {held} (drain); "
-                    "try again when they have finished"
+                    f"the standby slot still serves {num} requests on version {held} (a drain, "
+                    "or a restart taking them back); try again when they have left it"
                 )
-            message = f"waiting for {num} requests on {held} to finish (drain)"
+            message = f"waiting for {num} requests on {held} to leave its slot"
             progress(SwapProgress("stage", version, message=message))
             await asyncio.sleep(_SLOT_POLL_S)
 

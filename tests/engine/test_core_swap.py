@@ -86,16 +86,32 @@ def add(core, req_id, prompt, max_tokens):
     core.submit(AddRequest(req_id, list(prompt), params, None, None, time.monotonic()))
 
 
-def migrate_while_streaming(core, runner, prompts, max_tokens, min_tokens) -> Events:
+def migrate_while_streaming(core, runner, prompts, max_tokens, min_tokens,
+                            policy="migrate") -> Events:  # fmt: skip
     """Stream `prompts` (`max_tokens` each); once every one has more than `min_tokens` tokens,
-    load V1 into the standby slot and commit it with `migrate`; the commit's events."""
+    load V1 into the standby slot and commit it with `policy`; the commit's events."""
     for r, p in prompts.items():
         add(core, r, p, max_tokens)
     assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > min_tokens for r in prompts))
     runner.slots.load(V1)
     events = Events()
-    core.submit(SwapCommand(V1, "migrate", events))
+    core.submit(SwapCommand(V1, policy, events))
     return events
+
+
+def assert_tokens_carry_their_versions(deltas, prompts):
+    """Every streamed token is what the version its delta names computes, and each stream
+    switches from V0 to V1 once."""
+    for r, p in prompts.items():
+        prev = p[-1]
+        versions = []
+        for d in deltas[r]:
+            for token in d.new_token_ids:
+                assert token == next_token(prev, d.weights_version, 256), (r, len(versions))
+                prev = token
+                versions.append(d.weights_version)
+        cut = versions.index(V1)
+        assert versions == [V0] * cut + [V1] * (len(versions) - cut)
 
 
 def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_tokens(overlaps):
@@ -110,16 +126,7 @@ def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_t
         assert done[-1].pause_s >= done[-1].flip_s > 0
         assert 0 < done[-1].typical_gap_s < 0.1  # busy steps ran before the commit
         deltas = sink.until_finished(set(prompts))
-        for r, p in prompts.items():
-            prev = p[-1]
-            versions = []
-            for d in deltas[r]:
-                for token in d.new_token_ids:
-                    assert token == next_token(prev, d.weights_version, 256)
-                    prev = token
-                    versions.append(d.weights_version)
-            cut = versions.index(V1)
-            assert versions == [V0] * cut + [V1] * (len(versions) - cut)
+        assert_tokens_carry_their_versions(deltas, prompts)
         assert wait_for(lambda: core.status().num_blocks_used == 0)
         status = core.status()
         assert (status.weights_version, status.slot_versions, status.swapping) == (
@@ -127,6 +134,27 @@ def test_migrate_commit_reports_progress_and_deltas_carry_the_version_of_their_t
             (V0, V1),
             False,
         )
+    finally:
+        core.stop()
+
+
+def test_a_restart_takes_requests_back_a_few_a_step_and_deltas_carry_their_versions(overlaps):
+    # Scheduled ahead, a request's token from the step launched ahead would come back after
+    # it was taken back, tagged with its new version: requests are taken back in turn.
+    core, runner, sink = make_core(overlaps, slow_s=0.002, fixed_tokens=8)
+    try:
+        prompts = {f"r{i}": bytes(range(10 + i, 30 + i)) for i in range(3)}
+        events = migrate_while_streaming(core, runner, prompts, 60, 22, policy="restart")
+        done = events.until_done()
+        committed = done[-1]
+        assert (committed.kind, committed.policy, committed.num_restarted) == (
+            "committed",
+            "restart",
+            3,
+        )
+        deltas = sink.until_finished(set(prompts))
+        assert_tokens_carry_their_versions(deltas, prompts)
+        assert wait_for(lambda: core.status().num_blocks_used == 0)
     finally:
         core.stop()
 

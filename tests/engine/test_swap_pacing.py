@@ -59,6 +59,7 @@ class SimEngine:
         self.noise_s = noise_s  # each step takes up to this much longer, at random
         self.noise = random.Random(random.getrandbits(32))
         self.num_pieces = 0  # steps with swap work so far
+        self.token_times: dict[str, list[float]] = {}  # request -> when each token came
 
     def add(self, req_id, prompt_len, max_tokens):
         prompt = [self.rng.randrange(3, 900) for _ in range(prompt_len)]
@@ -94,9 +95,16 @@ class SimEngine:
         self.alone.append(so.swap_work is not None and so.swap_work.alone)
         self.works.append(so.swap_work)
         for u in updates:
+            if u.new_token_ids:
+                self.token_times.setdefault(u.request.req_id, []).append(self.now)
             if u.finish_reason is not None:
                 self.finished.add(u.request.req_id)
         return so
+
+    def gaps(self, since: float, until: float) -> list[float]:
+        """Inter-token gaps of every stream that ended in (since, until]."""
+        return [b - a for times in self.token_times.values()
+                for a, b in itertools.pairwise(times) if since < b <= until]  # fmt: skip
 
     def steady(self, num_requests, max_tokens=100_000, num_steps=40):
         """Long requests decoding: every step costs the same."""
@@ -383,10 +391,11 @@ def test_steps_a_canary_makes_longer_than_the_share_are_too_rare_for_the_p99():
     assert max(periods) <= 3 * steady + sim.token_s + 1e-9, "a step at most triples"
 
 
-def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_doubles():
-    # 8 requests of 60-100 tokens: all at once, their recompute would be a step of ~640 tokens
-    # (the 512 budget: over five steady steps). The canary before the swap measured what
-    # tokens joining the batch cost.
+def test_a_restart_in_place_recomputes_its_requests_in_their_order_and_no_step_more_than_doubles():
+    # A swap in place (one weight slot) takes every request back at once: the old weights are
+    # gone. 8 requests of 60-100 tokens: all at once, their recompute would be a step of ~640
+    # tokens (the 512 budget: over five steady steps). The canary before the swap measured
+    # what tokens joining the batch cost.
     sim = SimEngine(share=0.2)
     for i in range(8):
         sim.add(f"r{i}", sim.rng.randrange(40, 80), 100_000)
@@ -397,7 +406,7 @@ def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_
     run_canary(sim, probe_prompts(sim.rng, 2))
     computed = {r: sim.sched.requests[r].num_computed_tokens for r in sim.sched.requests}
     sim.runner.slots.activate(V1)
-    switch = sim.sched.swaps.switch(V1, "restart")
+    switch = sim.sched.swaps.switch(V1, "restart", keeps_old=False)
     assert switch.num_restarted == 8
     first = len(sim.steps)
     resumed: dict[str, int] = {}  # req_id -> the step in which it sampled again
@@ -415,6 +424,39 @@ def test_a_restart_recomputes_its_requests_in_their_order_and_no_step_more_than_
     order = [resumed[f"r{i}"] for i in range(8)]
     assert order == sorted(order), "restarted requests resume in their queue order"
     assert all(sim.runner.versions[f"r{i}"] == V1 for i in range(8)), "none lost, all on V1"
+
+
+def p99(values):
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
+
+
+def test_a_restart_under_a_churning_load_keeps_every_stream_within_the_steady_gaps():
+    # CPU run D, 32 streams: a restart took every request back at once, and the last stream
+    # waited for all of their contexts' recompute (inter-token P99 15.4x steady; 10-15x
+    # here). Taken back in batch order as each whole context fits a steady step's prompts,
+    # a stream waits about one step, as it does for a new request's prompt.
+    sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, deadline_s=1e6)
+    load = ChurningLoad(sim, max_tokens=(5, 40))  # its long requests outlast the restart
+    for _ in range(150):
+        load.step()
+    measured = sum(p for p, *_ in sim.steps[:50])  # the steady window: after the start-up
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    switched = sim.now
+    switch = sim.sched.swaps.switch(V1, "restart")
+    assert switch.num_restarted >= 8
+    first = len(sim.steps)
+    while sim.sched.swaps.restarting or sim.sched.swaps.recomputing:
+        load.step()
+        assert len(sim.steps) - first < 1000, "the restart never took them all back"
+    steady, during = sim.gaps(measured, switched), sim.gaps(switched, sim.now)
+    # The CPU targets of a swap's phases: P99 within 1.5x steady's, the longest within 4x.
+    assert p99(during) <= 1.5 * p99(steady)
+    assert max(during) <= 4 * p99(steady)
+    for i in range(8):  # the long requests: old tokens, then new ones, none lost
+        assert sim.runner.versions[f"long{i}"] == V1
+        assert sim.sched.requests[f"long{i}"].weights_version == V1
 
 
 def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prompts():

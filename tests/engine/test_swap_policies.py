@@ -170,9 +170,9 @@ def test_drain_keeps_a_preempted_old_request_on_the_old_version():
     e.assert_all_free()
 
 
-def test_restart_recomputes_in_flight_requests_on_the_new_version():
-    e = Engine()
-    prompts = {f"r{i}": prompt() for i in range(4)}
+def test_restart_takes_requests_back_a_few_a_step_in_order_onto_the_new_version():
+    e = Engine(migrate=48)  # each step may recompute 48 tokens of the restarted contexts
+    prompts = {f"r{i}": prompt(random.randrange(20, 30)) for i in range(4)}
     for r, p in prompts.items():
         e.add(r, p)
     for _ in range(5):
@@ -180,12 +180,68 @@ def test_restart_recomputes_in_flight_requests_on_the_new_version():
     before = {r: len(t) for r, t in e.tokens.items()}
     switch = e.swap(V1, "restart")
     assert switch.num_restarted == 4
+    taken = []  # per step: the requests it took back
+    while e.sched.swaps.rolling:
+        contexts = {r: e.sched.requests[r].num_tokens for r in prompts if r in e.sched.requests}
+        so = e.step()
+        taken.append([r for r in prompts if r in so.preempted_req_ids])
+        # Each one's whole context fits the step's room: its stream waits one step.
+        assert sum(contexts[r] for r in taken[-1]) <= 48
+        assert len(taken) < 100, "the restart never took them all back"
+    assert [r for step in taken for r in step] == list(prompts), "in batch order, each once"
+    assert sum(1 for step in taken if step) > 1, "a few a step, not all at once"
+    e.run()
+    for r, p in prompts.items():
+        versions = [v for _, v in e.tokens[r]]
+        cut = versions.index(V1)
+        assert cut >= before[r]
+        assert versions == [V0] * cut + [V1] * (20 - cut)
+        consistent(e.tokens[r], p)
+    e.assert_all_free()
+
+
+def test_a_restart_whose_old_weights_are_gone_takes_every_request_back_at_once():
+    e = Engine()
+    prompts = {f"r{i}": prompt() for i in range(4)}
+    for r, p in prompts.items():
+        e.add(r, p)
+    for _ in range(5):
+        e.step()
+    before = {r: len(t) for r, t in e.tokens.items()}
+    e.runner.slots.load(V1)
+    e.runner.slots.activate(V1)
+    switch = e.sched.swaps.switch(V1, "restart", keeps_old=False)
+    assert switch.num_restarted == 4
     so = e.step()
     assert set(so.preempted_req_ids) == set(prompts)
     e.run()
     for r, p in prompts.items():
         versions = [v for _, v in e.tokens[r]]
         assert versions == [V0] * before[r] + [V1] * (20 - before[r])
+        consistent(e.tokens[r], p)
+    e.assert_all_free()
+
+
+def test_a_request_a_restart_had_still_to_take_back_is_recomputed_on_the_new_version():
+    # The room (10 tokens a step) holds no whole context: the silver request recomputes over
+    # two steps, and the bronze ones wait their turn on the old version. A gold arrival
+    # preempts one of them: it must come back on the new version, not finish on the old.
+    e = Engine(policy="tiers", max_num_seqs=3, migrate=10)
+    prompts = {"a": prompt(12), "b": prompt(20), "c": prompt(20)}
+    for r, p in prompts.items():
+        e.add(r, p, max_tokens=40, tier=Tier.SILVER if r == "a" else Tier.BRONZE)
+    for _ in range(3):
+        e.step()
+    e.swap(V1, "restart")
+    e.step()
+    e.add("gold", prompt(5), max_tokens=5, tier=Tier.GOLD)
+    so = e.step()
+    assert [p.reason.value for p in so.preemptions] == ["tier"]
+    e.run()
+    for r, p in prompts.items():
+        versions = [v for _, v in e.tokens[r]]
+        cut = versions.index(V1)
+        assert versions == [V0] * cut + [V1] * (40 - cut), r
         consistent(e.tokens[r], p)
     e.assert_all_free()
 
@@ -296,7 +352,7 @@ def test_a_hundred_swaps_under_load_leak_no_block_and_no_slot(rng, policy):
         e.step()
         target = versions[swaps % 2]
         in_use = e.sched.swaps.num_on_version(e.runner.slots.standby_version or "")
-        if e.sched.swaps.migration is None and (in_use == 0 or policy != "drain"):
+        if e.sched.swaps.migration is None and (in_use == 0 or policy == "migrate"):
             e.swap(target, policy)
             swaps += 1
     e.run()
