@@ -97,6 +97,12 @@ class PacingSettings:
     # After a drain commit, new requests wait up to this long for the old version's requests
     # to finish (`sitsd.engine.swap_policies`): a step serving both reads both weight sets.
     drain_hold_s: float = 2.0
+    # A request a restart takes back a few a step recomputes its context in at most this many
+    # steps, past the share where it must (`sitsd.engine.swap_policies`): its stream waits
+    # that many steps, the longest gap of the swap, where each step growing by half a
+    # context is one gap in many (a CPU at 128 streams: contexts recomputed over ~10 steps
+    # within the share made gaps of 16 s, 6.5x the steady P99).
+    restart_steps: int = 2
 
 
 class FinishedStep(Protocol):

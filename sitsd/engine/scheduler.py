@@ -117,7 +117,8 @@ class Scheduler:
         pacing = pacing or PacingSettings()
         self.pacer = StepPacer(pacing)
         self.swaps = SwapPolicies(self, pacing.migration_deadline_steps,
-                                  pacing.migration_deadline_s, pacing.drain_hold_s)  # fmt: skip
+                                  pacing.migration_deadline_s, pacing.drain_hold_s,
+                                  pacing.restart_steps)  # fmt: skip
         self.probes = Probes(self)
         self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}

@@ -55,6 +55,7 @@ class SwapPolicies:
         migration_deadline_steps: int,
         migration_deadline_s: float = 0.0,
         drain_hold_s: float = 0.0,
+        restart_steps: int = 2,
     ) -> None:
         """Args:
         batch: the scheduler whose requests this part switches.
@@ -63,11 +64,14 @@ class SwapPolicies:
         migration_deadline_s: ...or within this many seconds, where > 0.
         drain_hold_s: after a drain commit, requests on the new version wait up to this long
             for the old version's requests to finish.
+        restart_steps: a request a restart takes back a few a step recomputes its context in
+            at most this many steps (its stream waits that long).
         """
         self._batch = batch
         self.migration_deadline_steps = migration_deadline_steps
         self.migration_deadline_s = migration_deadline_s
         self.drain_hold_s = drain_hold_s
+        self.restart_steps = restart_steps
         self._drain: tuple[str, float] | None = None  # (new version, when) of a drain holding
         self._holding = False  # this step, requests on the drain's new version wait
         # Those of `_recompute` that a drain held back: released when the hold ends, they
@@ -84,7 +88,9 @@ class SwapPolicies:
         # version each restarts on. They decode on their old version (whose slot stays in
         # use: `num_on_version`) until `start_step` takes them, in steps scheduled in turn.
         self._rolling: dict[str, str] = {}
-        self._rolled: set[str] = set()  # those of `_recompute` taken from `_rolling`
+        # Those of `_recompute` taken from `_rolling`, by req_id: the tokens a step each needs
+        # to recompute its context in `restart_steps` steps (the room is raised to that).
+        self._rolled: dict[str, int] = {}
 
     def switch(self, version: str, policy: str, keeps_old: bool = True) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`
@@ -154,8 +160,9 @@ class SwapPolicies:
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
             del self._recompute[req_id]  # caught up, or finished
             self._released.discard(req_id)
-            self._rolled.discard(req_id)
-        self._room, self.num_recomputed = room, 0
+            self._rolled.pop(req_id, None)
+        self._room = max(room, *self._rolled.values()) if self._rolled else room
+        self.num_recomputed = 0
         self._holding = self._drain_holds()
         if self._rolling and in_turn:
             self._roll(out)
@@ -164,7 +171,9 @@ class SwapPolicies:
         """Take back the next requests a restart has still to, in batch order, while the
         step's room holds each one's whole context beside what others still recompute: its
         stream then waits one step, as a new request waits for its prompt. Where nothing
-        recomputes, the next one goes whatever its size (its context takes several steps)."""
+        recomputes, the next one goes whatever its size, and the room grows to what its
+        context needs to be recomputed in `restart_steps` steps: a stream waiting many steps
+        would be the longest gap of all, where a step a little longer is one of many."""
         batch = self._batch
         requests = batch.requests
         left = self._room - sum(max(0, n + 1 - requests[r].num_computed_tokens)
@@ -178,7 +187,8 @@ class SwapPolicies:
                 return
             del self._rolling[req_id]
             self._recompute[req_id] = request.num_computed_tokens
-            self._rolled.add(req_id)
+            self._rolled[req_id] = -(-request.num_tokens // self.restart_steps)
+            self._room = max(self._room, self._rolled[req_id])
             batch.take_back(request, out)
             request.weights_version = version
             left -= request.num_tokens

@@ -54,6 +54,10 @@ QUESTIONS = [
     "Give me a recipe for pancakes.",
     "What do cats and dogs have in common?",
 ]
+# The daemon under test stages v2 before the load starts: pacing the copy against streams that
+# do not run yet only makes the test slower (the first fill of the standby slot faults its
+# pages in, 5-10x slower on a machine whose other daemons hold memory: 40 s instead of 5).
+UNPACED_STAGING = ("--staging-share", "1")
 POLICIES = {
     "migrate": admin_pb2.SWAP_POLICY_MIGRATE,
     "drain": admin_pb2.SWAP_POLICY_DRAIN,
@@ -169,7 +173,7 @@ def prefix_split(record: Record) -> tuple[list[int], list[int]]:
 def test_a_swap_under_load_fails_no_request_and_every_token_is_its_versions(
     fresh, versions, prompts, tmp_path, policy
 ):
-    daemon = DaemonProcess(tmp_path, "--model", str(versions / "v1"), *FLAGS)
+    daemon = DaemonProcess(tmp_path, "--model", str(versions / "v1"), *FLAGS, *UNPACED_STAGING)
     try:
         daemon.wait_until_serving()
         records, committed, committed_at = swap_under_load(daemon, versions, prompts, policy)

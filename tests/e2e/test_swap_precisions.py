@@ -24,7 +24,7 @@ from sitsd.weights.export import perturbed, write_version
 from sitsd.weights.manifest import write_manifest
 from tests.e2e.daemon_process import DaemonProcess, process_env
 from tests.e2e.load import Record, StreamLoad
-from tests.e2e.test_hot_swap_load import FLAGS, generate_all
+from tests.e2e.test_hot_swap_load import FLAGS, UNPACED_STAGING, generate_all
 from tests.e2e.test_hot_swap_load import prompts as prompts  # a fixture
 from tests.observability.tools import wait_for
 
@@ -76,7 +76,7 @@ def segments(record: Record) -> list[tuple[str, list[int]]]:
 def test_the_16_bit_and_int4_versions_swap_both_ways_under_load_with_no_failed_request(
     fresh, versions, prompts, tmp_path
 ):
-    daemon = DaemonProcess(tmp_path, "--model", str(versions / "bf16"), *FLAGS)
+    daemon = DaemonProcess(tmp_path, "--model", str(versions / "bf16"), *FLAGS, *UNPACED_STAGING)
     stub_of = admin_pb2_grpc.AdminStub
     try:
         daemon.wait_until_serving()

@@ -459,6 +459,32 @@ def test_a_restart_under_a_churning_load_keeps_every_stream_within_the_steady_ga
         assert sim.sched.requests[f"long{i}"].weights_version == V1
 
 
+def test_a_restarted_context_larger_than_the_room_is_recomputed_in_two_steps():
+    # CPU run K, 128 streams: contexts of ~250 tokens recomputed 24 tokens a step (the share)
+    # left their streams without a token for ~10 steps (16 s, 6.5x the steady P99). Here 8
+    # contexts of 300-400 tokens against a room of a few dozen: each one's stream waits at
+    # most two steps, and a step grows by at most half a context.
+    sim = SimEngine(share=0.2)
+    for i in range(8):
+        sim.add(f"r{i}", sim.rng.randrange(300, 400), 100_000)
+    for _ in range(40):
+        sim.step()
+    sim.runner.slots.load(V1)
+    sim.runner.slots.activate(V1)
+    switched, first = sim.now, len(sim.steps)
+    assert sim.sched.swaps.switch(V1, "restart").num_restarted == 8
+    while sim.sched.swaps.restarting:
+        sim.step()
+        assert len(sim.steps) - first < 500, "the restart never took them all back"
+    recomputed = [w.num_tokens for w in sim.works[first:] if w is not None]
+    assert sum(1 for n in recomputed if n) >= 8, "a few a step, not all at once"
+    # Half a context at most (they grew while they waited their turn).
+    assert max(recomputed) <= (max(r.num_tokens for r in sim.sched.requests.values()) + 1) // 2
+    longest = max(p for p, *_ in sim.steps[first:])
+    assert max(sim.gaps(switched, sim.now)) <= 2 * longest + 1e-9
+    assert all(sim.runner.versions[f"r{i}"] == V1 for i in range(8))
+
+
 def test_requests_a_drain_held_back_start_within_the_share_priced_by_steady_prompts():
     # No canary ran, so nothing measured what tokens joining the batch cost: the prompts of
     # requests arriving in steady steps do. Held for the whole hold, 12 prompts of 40 tokens
