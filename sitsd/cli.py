@@ -330,7 +330,8 @@ def _add_weights_flags(group: argparse._ArgumentGroup) -> None:
         choices=SWAP_POLICIES,
         help="what a commit does with requests in flight: migrate (recompute their KV under "
         "the new weights while they decode, then flip), drain (finish on the old weights), "
-        "restart (recompute them on the new ones) (default: %(default)s)",
+        "restart (take them back a few a step and recompute them on the new ones) "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--swap-step-share",
