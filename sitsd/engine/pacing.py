@@ -333,7 +333,8 @@ class StepPacer:
         in ten runs that far over their median). Each such request recomputes its whole
         context in one step where it can, so that its stream waits one step: a restart of
         one request then costs a step what a new request's prompt costs it in steady serving,
-        which the steady inter-token latencies already hold."""
+        which the steady inter-token latencies already hold. (A context larger than this is
+        given `restart_steps` steps instead, by the swap policies.)"""
         release = self.release_tokens(budget)
         steady = self.steady_s(1)
         if self.settings.fixed_tokens or steady is None:
