@@ -106,10 +106,11 @@ class SimEngine:
         return [b - a for times in self.token_times.values()
                 for a, b in itertools.pairwise(times) if since < b <= until]  # fmt: skip
 
-    def steady(self, num_requests, max_tokens=100_000, num_steps=40):
-        """Long requests decoding: every step costs the same."""
+    def steady(self, num_requests, max_tokens=100_000, num_steps=40, prompt_len=(8, 40)):
+        """Long requests decoding (prompts of `prompt_len`, randrange's bounds): every step
+        costs the same."""
         for i in range(num_requests):
-            self.add(f"r{i}", self.rng.randrange(8, 40), max_tokens)
+            self.add(f"r{i}", self.rng.randrange(*prompt_len), max_tokens)
         for _ in range(num_steps):
             self.step()
         return statistics.median(p for p, *_ in self.steps[-20:])
@@ -468,10 +469,7 @@ def test_a_restarted_context_larger_than_the_room_is_recomputed_in_two_steps():
     # contexts of 300-400 tokens against a room of a few dozen: each one's stream waits at
     # most two steps, and a step grows by at most half a context.
     sim = SimEngine(share=0.2)
-    for i in range(8):
-        sim.add(f"r{i}", sim.rng.randrange(300, 400), 100_000)
-    for _ in range(40):
-        sim.step()
+    sim.steady(num_requests=8, prompt_len=(300, 400))
     sim.runner.slots.load(V1)
     sim.runner.slots.activate(V1)
     switched, first = sim.now, len(sim.steps)
