@@ -170,12 +170,7 @@ class EngineCore:
                 message = f"internal engine error: {type(exc).__name__}: {exc}"
                 deltas += self.output.finish_all(message)
                 self.scheduler.probes.fail_all(message)
-            # Snapshot before delivering, so a client that sees its last delta also sees the
-            # blocks it held returned.
-            self._status = self._snapshot()
-            self.observer.on_status(self._status)
-            self._queue = self.scheduler.queue_snapshot()
-            self._deliver(deltas)
+            self._publish(deltas)
         # Leaving: whatever is still live is aborted so no client waits forever.
         deltas = self.output.flush() + self._drain_inbox(block=False)
         deltas += self.output.finish_all("the engine stopped", EndReason.SHUTDOWN)
@@ -197,11 +192,13 @@ class EngineCore:
                     if delta is not None:
                         deltas.append(delta)
                 elif isinstance(message, SwapCommand):
-                    deltas += self._step.finish_ahead()  # a commit goes between finished steps
+                    # A commit goes between finished steps; the finished one's tokens go out
+                    # now, not after the next step.
+                    deltas = self._publish_now(deltas + self._step.finish_ahead())
                     self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
                     if self._waits_for_ahead(message):
-                        deltas += self._step.finish_ahead()
+                        deltas = self._publish_now(deltas + self._step.finish_ahead())
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -276,6 +273,20 @@ class EngineCore:
             finish(r, EndReason.SHED, why) for r, why in self.scheduler.overdue_requests(now)
         ]
         return [d for d in deltas if d is not None]
+
+    def _publish(self, deltas: list[RequestDelta]) -> None:
+        """Deliver `deltas` with the status and queue as they are now. Snapshot first, so a
+        client that sees its last delta also sees the blocks it held returned."""
+        self._status = self._snapshot()
+        self.observer.on_status(self._status)
+        self._queue = self.scheduler.queue_snapshot()
+        self._deliver(deltas)
+
+    def _publish_now(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Publish `deltas` (if any) before the loop's turn ends; nothing is left to deliver."""
+        if deltas:
+            self._publish(deltas)
+        return []
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         if not deltas:

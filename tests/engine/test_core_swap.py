@@ -38,9 +38,11 @@ class Steps(NullObserver):
 
 
 def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0,
-              observer=None, fixed_tokens: int = 8, num_blocks: int = 64):  # fmt: skip
+              observer=None, fixed_tokens: int = 8, num_blocks: int = 64,
+              sink_for=None):  # fmt: skip
     """`overlaps`: False (a runner that computes in launch), True (one that overlaps), or
-    "ahead" (it overlaps, and steps are scheduled ahead: asynchronous scheduling)."""
+    "ahead" (it overlaps, and steps are scheduled ahead: asynchronous scheduling).
+    `sink_for(runner)`: the sink to use (default: a `Collector`)."""
     tok = ByteTokenizer()
     ahead = overlaps == "ahead"
     runner = FakeRunner(BLOCK, vocab_size=256, overlaps=bool(overlaps), num_slots=num_slots)
@@ -52,7 +54,7 @@ def make_core(overlaps: bool | str, num_slots: int = 2, slow_s: float = 0.0,
                           async_scheduling=ahead)  # fmt: skip
     sched = Scheduler(cfg, kv, 256, pacing=PacingSettings(fixed_tokens=fixed_tokens))
     core = EngineCore(sched, runner, tok, "fake", observer=observer)
-    sink = Collector()
+    sink = sink_for(runner) if sink_for is not None else Collector()
     core.start(sink)
     return core, runner, sink
 
@@ -190,6 +192,99 @@ def test_a_migration_runs_its_steps_ahead_but_for_the_catch_up_and_the_flip(rng)
                 assert token == next_token(prev, d.weights_version, 256)
                 prev = token
         assert {d.weights_version for d in deltas[r] if d.new_token_ids} == {V0, V1}
+
+
+class TokenTimeline(Collector):
+    """A sink that checks, each time a step's tokens reach the engine thread, that every token
+    of the steps before it was delivered by then: no token waits for another step."""
+
+    def __init__(self, runner: FakeRunner):
+        super().__init__()
+        self.delivered: dict[str, int] = {}
+        self.computed: dict[str, int] = {}  # as of the last step's result
+        self.late: list[tuple[str, int, int]] = []  # (request, delivered, computed before)
+        launch = runner.launch
+
+        def launch_and_check(so):
+            done = launch(so)
+            result = done.result
+
+            def checked_result():
+                out = result()
+                for req_id, before in self.computed.items():
+                    if self.delivered.get(req_id, 0) < before:
+                        self.late.append((req_id, self.delivered.get(req_id, 0), before))
+                for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
+                    if tokens:
+                        self.computed[req_id] = self.computed.get(req_id, 0) + len(tokens)
+                return out
+
+            done.result = checked_result
+            return done
+
+        runner.launch = launch_and_check
+
+    def __call__(self, deltas):
+        for d in deltas:
+            self.delivered[d.req_id] = self.delivered.get(d.req_id, 0) + len(d.new_token_ids)
+        super().__call__(deltas)
+
+
+class CommitMark(Events):
+    """Events, and how many steps had run when the commit was reported (engine thread)."""
+
+    def __init__(self, steps: Steps):
+        super().__init__()
+        self.steps = steps
+        self.at_step: int | None = None
+
+    def __call__(self, event):
+        if event.kind == "committed":
+            self.at_step = len(self.steps.records)
+        super().__call__(event)
+
+
+@pytest.mark.parametrize("policy", ["drain", "restart-in-place"])
+def test_scheduled_ahead_a_commit_holds_back_no_token_and_the_steps_after_it_run_ahead(policy):
+    # The step launched ahead is finished for the commit: its tokens go out at once, not
+    # after the next step's (every stream's gap was two steps there). The step whose start
+    # measures the pause runs ahead, as every later one: only the one launched onto the idle
+    # device after the commit has no step scheduled over it (it ran in turn before, and the
+    # next one again found no step ahead: two gaps of host plus device time).
+    steps = Steps()
+    core, runner, sink = make_core("ahead", num_slots=1 if policy == "restart-in-place" else 2,
+                                   slow_s=0.002, observer=steps,
+                                   sink_for=TokenTimeline)  # fmt: skip
+    try:
+        prompts = {f"r{i}": bytes(range(10 + i, 30 + i)) for i in range(3)}
+        for r, p in prompts.items():
+            add(core, r, p, 60)
+        assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > len(p) + 15
+                                    for r, p in prompts.items()))  # fmt: skip
+        events = CommitMark(steps)
+        if policy == "drain":
+            runner.slots.load(V1)
+            core.submit(SwapCommand(V1, "drain", events))
+        else:
+            in_place = InPlaceCopy({"model.norm.weight": torch.ones(4)}, 1024)
+            core.submit(SwapCommand(V1, "restart", events, in_place=in_place))
+        done = events.until_done()
+        assert done[-1].kind == "committed"
+        deltas = sink.until_finished(set(prompts))
+    finally:
+        core.stop()
+    assert sink.late == []
+    assert events.at_step is not None
+    after = steps.records[events.at_step - 1 : -1]  # the step before the flip's; not the last
+    not_ahead = [r.index for r in after if not r.sched_out.applied_ahead]
+    assert len(after) > 10
+    assert len(not_ahead) <= 1, (not_ahead, len(after))
+    for r, p in prompts.items():
+        prev = p[-1]
+        for d in deltas[r]:
+            for token in d.new_token_ids:
+                assert token == next_token(prev, d.weights_version, 256)
+                prev = token
 
 
 def test_a_step_failing_mid_migration_ahead_fails_its_requests_and_leaks_no_block():
