@@ -133,6 +133,9 @@ class Scheduler:
         self._preemptions: list[Preemption] = []  # and why, for the next step's observers
         # Asynchronous scheduling: the last scheduled step whose output is not in yet.
         self._ahead: SchedulerOutput | None = None
+        # Requests taken back while that step samples their next token, by req_id: the
+        # version the token is computed on (a swap may have given the request another).
+        self._in_flight_versions: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------ requests
 
@@ -196,7 +199,7 @@ class Scheduler:
             self._apply_ahead(ahead)  # 0: the step still running counts as done
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
-        self.swaps.start_step(self._swap_room(), out, in_turn=ahead is None)  # 1: a swap's, paced
+        self.swaps.start_step(self._swap_room(), out)  # 1: a swap's work, paced
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -355,6 +358,8 @@ class Scheduler:
         self._take_back(request, out, Preemption(request.req_id, PreemptionReason.SWAP))
 
     def _take_back(self, request: Request, out: SchedulerOutput | None, record: Preemption) -> None:
+        if request.num_pending_outputs:  # the step launched ahead samples its next token
+            self._in_flight_versions[request.req_id] = request.weights_version
         self.running.remove(request)
         self.kv_cache.free(request)
         migrating_to = self.swaps.drop_shadow(request, out)
@@ -429,11 +434,14 @@ class Scheduler:
             elif request.last_token_time is not None:
                 self.tracker.record_itl(request.tier, now, now - request.last_token_time)
             request.last_token_time = now
-            version = request.weights_version
+            # A request taken back (a swap may give it a new version) while this step ran
+            # ahead: the token is still the version's that computed it.
+            version = self._in_flight_versions.pop(req_id, request.weights_version)
             if reason is not None:
                 self.finish_request(req_id, reason)
             accepted_logprobs = token_logprobs[: len(accepted)] if token_logprobs else None
             updates.append(TokenUpdate(request, accepted, reason, version, accepted_logprobs))
+        self._in_flight_versions.clear()  # all of this step's (none left by a failed one)
         return updates
 
     def _append_tokens(

@@ -28,8 +28,8 @@ before the flip and the start of the first step after it (flip included), and, t
 with, the median gap between two busy steps before it. The controller is a step hook
 (`sitsd.engine.step.StepHooks`) to measure those, and tells the step function when steps must
 run one at a time (`one_step_at_a_time`): a migration's last two steps (the shadows' catch-up
-and the flip), and the steps in which a restart takes requests back; the rest of a migration,
-and the step that measures a drain's or a restart's pause, run ahead.
+and the flip); the rest of a migration, a restart's steps and the step that measures a
+drain's or a restart's pause run ahead.
 
 Which version to stage, validate and commit, and when, is `sitsd.weights.swap`'s business.
 """
@@ -116,15 +116,13 @@ class SwapController:
     def one_step_at_a_time(self) -> bool:
         """Steps must not run ahead: a migration's shadows are close enough to catch up and
         flip (shadows compute only tokens the host knows, which a step ahead is always one
-        past: `Migration`), or a restart takes requests back (a request's token from a step
-        ahead would come back tagged with its new version). The rest of a migration runs
-        ahead, and so does the step after a drain's or a restart's flip, whose start measures
-        the pause (a step in turn there cost every stream a gap of host plus device time, and
-        the next step another while the steps found their overlap again)."""
-        swaps = self._scheduler.swaps
-        if swaps.migration is None:
-            return swaps.rolling
-        return swaps.migration.nearly_ready
+        past: `Migration`). The rest of a migration runs ahead, and so do a restart's steps
+        (a request taken back while the step ahead samples its token keeps that token, on
+        its old version) and the step after a drain's or a restart's flip, whose start
+        measures the pause (a step in turn there cost every stream a gap of host plus device
+        time, and the next step another while the steps found their overlap again)."""
+        migration = self._scheduler.swaps.migration
+        return migration is not None and migration.nearly_ready
 
     # ------------------------------------------------------------------ the port's calls
 

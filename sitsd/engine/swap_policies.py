@@ -86,11 +86,15 @@ class SwapPolicies:
         self.num_recomputed = 0  # restart recompute tokens scheduled in that step
         # Running requests a restart has still to take back, in batch order, by req_id: the
         # version each restarts on. They decode on their old version (whose slot stays in
-        # use: `num_on_version`) until `start_step` takes them, in steps scheduled in turn.
+        # use: `num_on_version`) until `start_step` takes them.
         self._rolling: dict[str, str] = {}
         # Those of `_recompute` taken from `_rolling`, by req_id: the tokens a step each needs
         # to recompute its context in `restart_steps` steps (the room is raised to that).
         self._rolled: dict[str, int] = {}
+        # Those of `_rolling` picked while the step launched ahead samples their next token:
+        # left out of the step being scheduled, taken back in the next (by then that token
+        # is the host's), by req_id: the version each restarts on.
+        self._leaving: dict[str, str] = {}
 
     def switch(self, version: str, policy: str, keeps_old: bool = True) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`
@@ -115,6 +119,7 @@ class SwapPolicies:
                               self.migration_deadline_steps, self.migration_deadline_s)  # fmt: skip
         num_restarted = 0
         self._rolling.clear()  # this policy decides for those a restart had still to take
+        self._leaving.clear()
         rolling: list[str] = []
         # From the end of the batch: each one taken back goes to the head of the queue, so
         # the restarted keep their order there.
@@ -149,12 +154,13 @@ class SwapPolicies:
 
     # ------------------------------------------------------------------------------- phases
 
-    def start_step(self, room: int, out: SchedulerOutput, in_turn: bool) -> None:
+    def start_step(self, room: int, out: SchedulerOutput) -> None:
         """Before the step's requests are scheduled: restarted requests, and those a drain
         held back once its hold ends, may compute `room` tokens in it, together, in their
-        queue order (the rest wait for the next steps); in a step scheduled in turn
-        (`in_turn`: every running request's tokens are known to the host), a restart takes
-        back the next requests it has still to (`_roll`)."""
+        queue order (the rest wait for the next steps), and a restart takes back the next
+        requests it has still to (`_roll`). A step may be scheduled while the one before runs
+        (asynchronous scheduling): a request picked then, whose next token that step is
+        sampling, sits this step out and is taken back in the next (`_leaving`)."""
         requests = self._batch.requests
         for req_id in [r for r, n in self._recompute.items()
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
@@ -164,7 +170,12 @@ class SwapPolicies:
         self._room = max(room, *self._rolled.values()) if self._rolled else room
         self.num_recomputed = 0
         self._holding = self._drain_holds()
-        if self._rolling and in_turn:
+        for req_id, version in list(self._leaving.items()):
+            del self._leaving[req_id]
+            request = requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self._take(request, version, out)
+        if self._rolling:
             self._roll(out)
 
     def _roll(self, out: SchedulerOutput) -> None:
@@ -183,20 +194,30 @@ class SwapPolicies:
             if request is None or request.status is not RequestStatus.RUNNING:
                 del self._rolling[req_id]  # finished
                 continue
-            if request.num_tokens > left and self._recompute:
+            if request.num_tokens > left and (self._recompute or self._leaving):
                 return
             del self._rolling[req_id]
-            self._recompute[req_id] = request.num_computed_tokens
-            self._rolled[req_id] = -(-request.num_tokens // self.restart_steps)
-            self._room = max(self._room, self._rolled[req_id])
-            batch.take_back(request, out)
-            request.weights_version = version
+            if request.num_pending_outputs:  # the step ahead samples its next token
+                self._leaving[req_id] = version
+            else:
+                self._take(request, version, out)
             left -= request.num_tokens
+
+    def _take(self, request: Request, version: str, out: SchedulerOutput) -> None:
+        """Take `request` back to be recomputed on `version`, its context within
+        `restart_steps` steps."""
+        req_id = request.req_id
+        self._recompute[req_id] = request.num_computed_tokens
+        self._rolled[req_id] = -(-request.num_tokens // self.restart_steps)
+        self._room = max(self._room, self._rolled[req_id])
+        self._batch.take_back(request, out)
+        request.weights_version = version
 
     def taken_back(self, request: Request) -> None:
         """`request` leaves the batch to be recomputed (blocks ran out, a tier, a swap): one
         a restart had still to take back is recomputed on the version it restarts on."""
-        version = self._rolling.pop(request.req_id, None)
+        req_id = request.req_id
+        version = self._rolling.pop(req_id, None) or self._leaving.pop(req_id, None)
         if version is not None:
             request.weights_version = version
 
@@ -248,12 +269,12 @@ class SwapPolicies:
     def restarting(self) -> bool:
         """A restart takes its requests back a few a step: some are left to take, or some
         it took are still recomputing (the other streams must not feel them)."""
-        return bool(self._rolling) or bool(self._rolled)
+        return bool(self._rolling) or bool(self._leaving) or bool(self._rolled)
 
     @property
     def rolling(self) -> bool:
-        """A restart has requests still to take back (in steps scheduled in turn)."""
-        return bool(self._rolling)
+        """A restart has requests still to take back."""
+        return bool(self._rolling) or bool(self._leaving)
 
     @property
     def releasing(self) -> bool:
@@ -263,8 +284,10 @@ class SwapPolicies:
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
-        restart took back, or computes the prompt a drain held back; None: neither (no limit
-        of this part's)."""
+        restart took back, or computes the prompt a drain held back (none while it waits to
+        be taken back); None: neither (no limit of this part's)."""
+        if request.req_id in self._leaving:
+            return 0
         if request.req_id not in self._recompute:
             return None
         return self._room

@@ -244,13 +244,16 @@ class CommitMark(Events):
         super().__call__(event)
 
 
-@pytest.mark.parametrize("policy", ["drain", "restart-in-place"])
+@pytest.mark.parametrize("policy", ["drain", "restart-in-place", "restart"])
 def test_scheduled_ahead_a_commit_holds_back_no_token_and_the_steps_after_it_run_ahead(policy):
     # The step launched ahead is finished for the commit: its tokens go out at once, not
     # after the next step's (every stream's gap was two steps there). The step whose start
     # measures the pause runs ahead, as every later one: only the one launched onto the idle
     # device after the commit has no step scheduled over it (it ran in turn before, and the
-    # next one again found no step ahead: two gaps of host plus device time).
+    # next one again found no step ahead: two gaps of host plus device time). A restart that
+    # takes requests back a few a step does so in steps scheduled ahead too (it ran them in
+    # turn: on a GPU, host and device time one after the other in every one of its steps),
+    # and every token still carries the version that computed it.
     steps = Steps()
     core, runner, sink = make_core("ahead", num_slots=1 if policy == "restart-in-place" else 2,
                                    slow_s=0.002, observer=steps,
@@ -262,9 +265,9 @@ def test_scheduled_ahead_a_commit_holds_back_no_token_and_the_steps_after_it_run
         assert wait_for(lambda: all(len(runner.tokens.get(r, ())) > len(p) + 15
                                     for r, p in prompts.items()))  # fmt: skip
         events = CommitMark(steps)
-        if policy == "drain":
+        if policy in ("drain", "restart"):
             runner.slots.load(V1)
-            core.submit(SwapCommand(V1, "drain", events))
+            core.submit(SwapCommand(V1, policy, events))
         else:
             in_place = InPlaceCopy({"model.norm.weight": torch.ones(4)}, 1024)
             core.submit(SwapCommand(V1, "restart", events, in_place=in_place))
@@ -285,6 +288,39 @@ def test_scheduled_ahead_a_commit_holds_back_no_token_and_the_steps_after_it_run
             for token in d.new_token_ids:
                 assert token == next_token(prev, d.weights_version, 256)
                 prev = token
+
+
+class Preemptions(NullObserver):
+    def __init__(self):
+        self.num = 0
+
+    def on_request_preempted(self, request, now, preemption):
+        self.num += 1
+
+
+@pytest.mark.parametrize("policy", ["migrate", "restart"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_preempted_while_its_token_is_in_flight_keeps_that_tokens_version(policy, seed):
+    # Scheduled ahead, with too few blocks for the requests and their shadows: requests are
+    # preempted while the step launched ahead samples their next token, and the swap gives
+    # them the new version as they go (a migrating one loses its shadow, one a restart had
+    # still to take back is recomputed on the new version). That token was computed on the
+    # old version and must say so (it said the new one: every seed of the migrate case).
+    rng = random.Random(seed)
+    preemptions = Preemptions()
+    core, runner, sink = make_core("ahead", slow_s=0.0005, num_blocks=48, fixed_tokens=12,
+                                   observer=preemptions)  # fmt: skip
+    try:
+        prompts = {f"r{i}": bytes(rng.randrange(1, 250) for _ in range(rng.randrange(10, 30)))
+                   for i in range(4)}  # fmt: skip
+        events = migrate_while_streaming(core, runner, prompts, 50, 8, policy=policy)
+        assert events.until_done()[-1].kind == "committed"
+        deltas = sink.until_finished(set(prompts))
+        assert_tokens_carry_their_versions(deltas, prompts)
+        assert wait_for(lambda: core.status().num_blocks_used == 0)
+    finally:
+        core.stop()
+    assert preemptions.num > 0, "the blocks were meant to run out"
 
 
 def test_a_step_failing_mid_migration_ahead_fails_its_requests_and_leaks_no_block():
