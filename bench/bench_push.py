@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_swap import stats
-from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms
+from bench.daemon import BenchDaemon, bucket_quantile, host_parts, parse_histograms
 from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
@@ -434,7 +434,8 @@ def ipc_timelines(log_text: str, streams: list[Stream], wall_minus_perf: float) 
             tokens, swap = entry.get("num_tokens", 0), entry.get("swap_work_tokens", 0)
             wait = entry.get("device_wait_ms", 0.0)
             stalls.append((at, f"step {entry['step_ms']:.1f} ms ({tokens} tokens, {swap} of a "
-                               f"swap's; {wait:.1f} ms waiting for the device)"))  # fmt: skip
+                               f"swap's; {wait:.1f} ms waiting for the device"
+                               f"{host_parts(entry)})"))  # fmt: skip
         elif "gil_wait_ms" in entry:
             stalls.append((at, f"interpreter held {entry['gil_wait_ms']:.1f} ms"))
         elif "lag_ms" in entry:

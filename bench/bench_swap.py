@@ -61,7 +61,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.daemon import BenchDaemon, bucket_quantile, parse_histograms, profiler_wrap
+from bench.daemon import (
+    BenchDaemon,
+    bucket_quantile,
+    host_parts,
+    parse_histograms,
+    profiler_wrap,
+)
 from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now, percentile
@@ -417,7 +423,7 @@ def daemon_account(
                     f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}"
                     f"{f' ({limit})' if limit else ''}, "
                     f"{entry['num_migrated']} migrated; {entry.get('device_wait_ms', 0):.0f} "
-                    f"ms waiting for the device)")  # fmt: skip
+                    f"ms waiting for the device{host_parts(entry)})")  # fmt: skip
             ms = entry["step_ms"]
         elif "gil_wait_ms" in entry:
             what, ms = f"interpreter held {entry['gil_wait_ms']:.0f} ms", entry["gil_wait_ms"]

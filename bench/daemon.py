@@ -190,6 +190,18 @@ def bucket_quantile(
     return next(le for le, count in counts if count >= q * total)
 
 
+def host_parts(entry: dict[str, object]) -> str:
+    """`, host: scheduling 1.2, launch 3.4, update 0.5, rest 0.8 ms`: how a slow step's host
+    time split, from the daemon's slow-step log entry (empty for a daemon that logs no split)."""
+    names = ("schedule_ms", "launch_ms", "update_ms", "other_host_ms")
+    numbers = [float(v) for v in (entry.get(n) for n in names) if isinstance(v, int | float)]
+    if len(numbers) != len(names):
+        return ""
+    schedule, launch, update, rest = numbers
+    return (f", host: scheduling {schedule:.1f}, launch {launch:.1f}, update {update:.1f}, "
+            f"rest {rest:.1f} ms")  # fmt: skip
+
+
 def profiler_wrap(out: Path) -> list[str]:
     """A py-spy command that records which threads of the daemon hold the interpreter, and
     where, into `out` (collapsed stacks; without pausing the daemon to sample it).

@@ -54,3 +54,14 @@ def test_a_tied_child_is_terminated_when_its_caller_is_sigkilled():
         benchmark.kill()
         if child and _running(child):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.usefixtures("bench_package")  # `bench` importable (tests/conftest.py)
+def test_a_slow_steps_host_split_is_read_from_the_daemons_log_entry():
+    from bench.daemon import host_parts
+
+    entry = {"step_ms": 14.0, "schedule_ms": 1.26, "launch_ms": 6.04, "update_ms": 0.5,
+             "other_host_ms": 2.0}  # fmt: skip
+    assert host_parts(entry) == ", host: scheduling 1.3, launch 6.0, update 0.5, rest 2.0 ms"
+    del entry["launch_ms"]  # a daemon from before the split
+    assert host_parts(entry) == ""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sitsd.engine.admission import QueuePlace, Refusal
@@ -37,6 +37,18 @@ from sitsd.engine.scheduler import TokenUpdate
 from sitsd.outputs import EngineStatus, Preemption, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HostTimes:
+    """Where the engine thread's time went in the turn that ended with a step's update, in
+    seconds: with asynchronous scheduling that turn scheduled and launched the next step; in
+    turn, the step itself. The rest of the turn (delivering deltas, the status snapshot, the
+    inbox) is what the step's period leaves over these and the wait for the device."""
+
+    schedule_s: float = 0.0  # `Scheduler.schedule()` of the step launched in the turn
+    launch_s: float = 0.0  # the runner's launch of it (on a CPU: computing it)
+    update_s: float = 0.0  # applying this step's tokens (`update_from_output`)
 
 
 @dataclass(slots=True)
@@ -51,6 +63,7 @@ class StepRecord:
     # Seconds the engine thread waited for the device's tokens of this step (0 on a CPU, where
     # the runner computes inside its launch): the rest of a step's period is the host's.
     wait_s: float = 0.0
+    host: HostTimes = field(default_factory=HostTimes)  # the host's share, by part
 
 
 class EngineObserver(Protocol):

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sitsd.engine.observer import EngineObserver, StepRecord
+from sitsd.engine.observer import EngineObserver, HostTimes, StepRecord
 from sitsd.engine.output import OutputProcessor
 from sitsd.engine.runner import ModelRunnerLike, PendingStepLike
 from sitsd.engine.scheduler import Scheduler
@@ -130,13 +130,15 @@ class InTurnStep:
         if sched_out.is_empty:
             return self.nothing_to_run()
         output = self.parts.output
+        scheduled = time.monotonic()
         try:
             pending = self.parts.runner.launch(sched_out)  # execute: only queued on a GPU
+            host = HostTimes(scheduled - started, time.monotonic() - scheduled)
             deltas = output.flush()  # the last step's tokens, while the device computes
             runner_out, wait_s = timed_result(pending)
         except Exception as exc:  # the batch fails, the engine keeps serving
             return self.fail(exc, list(sched_out.num_scheduled_tokens))
-        return deltas + self.update(sched_out, runner_out, started, self._defers, wait_s)
+        return deltas + self.update(sched_out, runner_out, started, self._defers, wait_s, host)
 
     def finish_ahead(self) -> list[RequestDelta]:
         return []
@@ -167,14 +169,19 @@ class InTurnStep:
         started: float,
         defer: bool,
         wait_s: float = 0.0,
+        host: HostTimes | None = None,
     ) -> list[RequestDelta]:
         """Apply a finished step's tokens; their deltas now, or deferred to the next launch.
-        `wait_s`: how long the engine thread waited for them."""
+        `wait_s`: how long the engine thread waited for them; `host`: the turn's scheduling
+        and launch, if it had any (the update's time is added here)."""
         parts = self.parts
         self.num_steps += 1
+        began = time.monotonic()
         updates = parts.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
-        record = StepRecord(sched_out, updates, started, end, self.num_steps, wait_s)
+        launched = host or HostTimes()
+        host = HostTimes(launched.schedule_s, launched.launch_s, end - began)
+        record = StepRecord(sched_out, updates, started, end, self.num_steps, wait_s, host)
         parts.hooks.step_ended(record, end)
         if defer and parts.scheduler.has_work():
             parts.output.defer(updates)
@@ -224,11 +231,13 @@ class AheadStep:
             return self._in_turn() if scheduler.has_work() else []
         in_turn, parts = self._in_turn, self._in_turn.parts
         sched_out, started = in_turn.schedule()  # counts the step still running as done
+        scheduled = time.monotonic()
         ahead, self._ahead = self._ahead, None
         launched = None
         try:
             if not sched_out.is_empty:
                 launched = _Launched(sched_out, parts.runner.launch(sched_out), started)
+            host = HostTimes(scheduled - started, time.monotonic() - scheduled)
             deltas = parts.output.flush()
             if ahead is None:  # the first step of a run: nothing to take yet
                 self._ahead = launched
@@ -244,7 +253,8 @@ class AheadStep:
         self._ahead = launched
         if launched is None:
             parts.scheduler.drop_ahead()
-        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s)
+        return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s,
+                                       host)  # fmt: skip
 
     def ahead_reads(self, version: str) -> bool:
         """The step launched ahead reads `version`'s weights (a step whose versions were not

@@ -3,10 +3,11 @@ once. `SlowStepLog` keeps the recent periods between busy steps (the inter-token
 asynchronous scheduling), and logs a warning for a step whose period is `factor` times their
 median and at least `min_s` (at most one per `warn_every_s`), with what the step carried
 (tokens, prompt chunks, versions, a swap's work, migrated or preempted requests) and how its
-period split between the engine thread's own work and its wait for the device, so a stall a
-benchmark sees can be told apart: a step that did more, or one that did the usual and took
-longer (on the host: a garbage collection, `sitsd.observability.gc_pauses`, or another thread
-holding the interpreter or a driver lock; or on the device: other work sharing it).
+period split between the engine thread's own work (scheduling, the runner's launch, the
+update, and the rest of the loop's turn) and its wait for the device, so a stall a benchmark
+sees can be told apart: a step that did more, or one that did the usual and took longer (on
+the host: a garbage collection, `sitsd.observability.gc_pauses`, or another thread holding the
+interpreter or a driver lock; or on the device: other work sharing it).
 
 When the telemetry observer calls it is `sitsd.observability.telemetry`'s business.
 """
@@ -83,10 +84,17 @@ class SlowStepLog:
             "scheduled_ahead": out.applied_ahead,
             "device_wait_ms": round(step.wait_s * 1e3, 2),
             "host_ms": round((period - step.wait_s) * 1e3, 2),
+            "schedule_ms": round(step.host.schedule_s * 1e3, 2),
+            "launch_ms": round(step.host.launch_s * 1e3, 2),
+            "update_ms": round(step.host.update_s * 1e3, 2),
         }
+        host = step.host
+        other_s = period - step.wait_s - host.schedule_s - host.launch_s - host.update_s
+        fields["other_host_ms"] = round(other_s * 1e3, 2)
         log.warning(
             "engine step %d took %.1f ms (%.1fx the recent median): %d requests, %d tokens, "
-            "%d of a swap's work%s; %.1f ms waiting for the device, %.1f ms on the host",
+            "%d of a swap's work%s; %.1f ms waiting for the device, %.1f ms on the host "
+            "(scheduling %.1f, launch %.1f, update %.1f, the rest %.1f)",
             step.index,
             period * 1e3,
             period / median,
@@ -96,6 +104,10 @@ class SlowStepLog:
             _limit_text(work),
             step.wait_s * 1e3,
             (period - step.wait_s) * 1e3,
+            host.schedule_s * 1e3,
+            host.launch_s * 1e3,
+            host.update_s * 1e3,
+            other_s * 1e3,
             extra=fields,
         )
 

@@ -431,13 +431,19 @@ def test_a_call_on_the_standby_slot_finishes_the_step_ahead_only_if_that_step_re
 def test_each_step_record_holds_how_long_the_engine_waited_for_the_device(mode):
     # A runner whose launched steps take `device_s` to deliver their tokens: the engine thread
     # waits that long in `result()` for each, and the record says so (the slow-step log splits
-    # a long step's period into that wait and the host's own work).
+    # a long step's period into that wait and the host's own work). Its launches take
+    # `launch_s` of the host's time, and its updates `update_s`: the record's host parts
+    # count them where they were spent.
     device_s = random.uniform(0.005, 0.015)
+    launch_s, update_s = random.uniform(0.002, 0.004), random.uniform(0.002, 0.004)
     steps = Steps()
     core, runner, sink = make_core(mode, observer=steps)
     launch = runner.launch
+    update = core.scheduler.update_from_output
+    core.scheduler.update_from_output = lambda so, out: (time.sleep(update_s), update(so, out))[1]
 
     def slow_device(so):
+        time.sleep(launch_s)
         done = launch(so)
         tokens_of = done.result
         done.result = lambda: (time.sleep(device_s), tokens_of())[1]
@@ -453,3 +459,9 @@ def test_each_step_record_holds_how_long_the_engine_waited_for_the_device(mode):
     assert len(busy) >= 12
     for r in busy:
         assert device_s <= r.wait_s <= r.end - r.start + device_s, (r.index, r.wait_s)
+        assert r.host.update_s >= update_s, (r.index, r.host)
+        assert r.host.schedule_s > 0
+    # In turn a record's launch is its own step's; scheduled ahead, the next one's (the last
+    # step's turn launched nothing).
+    launched = busy if mode is True else busy[:-1]
+    assert all(r.host.launch_s >= launch_s for r in launched), [r.host for r in launched]

@@ -6,20 +6,26 @@ import itertools
 import logging
 import random
 
-from sitsd.engine.observer import StepRecord
+from sitsd.engine.observer import HostTimes, StepRecord
 from sitsd.observability.slow_steps import SlowStepLog
 from sitsd.outputs import SchedulerOutput, SwapWork
 
 
 def step(
-    index: int, start: float, end: float, tokens: int = 8, swap: int = 0, wait: float = 0.0
+    index: int,
+    start: float,
+    end: float,
+    tokens: int = 8,
+    swap: int = 0,
+    wait: float = 0.0,
+    host: HostTimes | None = None,
 ) -> StepRecord:
     out = SchedulerOutput()
     for i in range(tokens):
         out.num_scheduled_tokens[f"r{i}"] = 1
     out.total_num_scheduled_tokens = tokens + swap
     out.swap_work = SwapWork(swap, swap > 0, 1, "spaced" if swap else "", 0.00125 if swap else 0)
-    return StepRecord(out, [], start, end, index, wait)
+    return StepRecord(out, [], start, end, index, wait, host or HostTimes())
 
 
 def busy_steps(log: SlowStepLog, periods: list[float], t: float = 0.0) -> float:
@@ -59,6 +65,26 @@ def test_a_slow_step_says_how_long_it_waited_for_the_device_and_how_long_the_hos
     assert abs(record.device_wait_ms - wait * 1e3) < 0.01
     assert abs(record.host_ms - (long - wait) * 1e3) < 0.01
     assert f"{wait * 1e3:.1f} ms waiting for the device" in record.getMessage()
+
+
+def test_a_slow_step_splits_the_hosts_time_into_scheduling_launch_update_and_the_rest(caplog):
+    slow = SlowStepLog(factor=2.0, min_s=0.01)
+    t = busy_steps(slow, [0.005] * 100)
+    wait = random.uniform(0.001, 0.005)
+    host = HostTimes(*(random.uniform(0.001, 0.004) for _ in range(3)))
+    rest = random.uniform(0.001, 0.02)
+    long = wait + host.schedule_s + host.launch_s + host.update_s + rest
+    with caplog.at_level(logging.WARNING, logger="sitsd.observability.slow_steps"):
+        slow.observe(step(101, t, t + long, wait=wait, host=host))
+    (record,) = caplog.records
+    assert abs(record.schedule_ms - host.schedule_s * 1e3) < 0.01
+    assert abs(record.launch_ms - host.launch_s * 1e3) < 0.01
+    assert abs(record.update_ms - host.update_s * 1e3) < 0.01
+    assert abs(record.other_host_ms - rest * 1e3) < 0.02
+    assert (
+        f"(scheduling {host.schedule_s * 1e3:.1f}, launch {host.launch_s * 1e3:.1f}, "
+        f"update {host.update_s * 1e3:.1f}, the rest {rest * 1e3:.1f})"
+    ) in record.getMessage()
 
 
 def test_steady_steps_and_a_step_after_idling_are_not_logged(caplog):
