@@ -78,11 +78,13 @@ def test_on_the_gpu_steps_launched_ahead_sample_what_steps_in_turn_do(temperatur
     assert all(len(t) == 20 for t in in_turn.values())
 
 
+@pytest.mark.parametrize("policy", ["migrate", "restart"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_migration_scheduled_ahead_computes_each_token_on_the_version_it_reports(device):
+def test_a_swap_scheduled_ahead_computes_each_token_on_the_version_it_reports(device, policy):
     # The real runner with steps launched ahead: shadows share their request's token list,
     # which holds a placeholder for the token the step ahead samples; a shadow must never read
-    # it. Each request's tokens before the flip are v1's greedy ones, after it v2's greedy
+    # it. A restart takes requests back a few a step, in steps scheduled ahead too. Each
+    # request's tokens before the switch are v1's greedy ones, after it v2's greedy
     # continuation of the same prefix.
     from sitsd.config import WeightsConfig
     from sitsd.engine.core import EngineCore
@@ -125,15 +127,19 @@ def test_a_migration_scheduled_ahead_computes_each_token_on_the_version_it_repor
         assert wait_for(lambda: sched.num_running == 3 and all(
             sched.requests[r].num_output_tokens > 12 for r in prompts))  # fmt: skip
         events = Events()
-        core.submit(SwapCommand("v2", "migrate", events))
+        core.submit(SwapCommand("v2", policy, events))
         assert events.until_done()[-1].kind == "committed"
         deltas = sink.until_finished(set(prompts))
     finally:
         core.stop()
-    shadows = [
-        s for s in steps.records if any("shadow" in r for r in s.sched_out.num_scheduled_tokens)
-    ]
-    assert sum(s.sched_out.applied_ahead for s in shadows) > 2, "shadow steps ran ahead"
+    if policy == "migrate":
+        shadows = [s for s in steps.records
+                   if any("shadow" in r for r in s.sched_out.num_scheduled_tokens)]  # fmt: skip
+        assert sum(s.sched_out.applied_ahead for s in shadows) > 2, "shadow steps ran ahead"
+    else:
+        taken = [set(s.sched_out.preempted_req_ids) for s in steps.records]
+        assert set().union(*taken) == set(prompts)
+        assert sum(1 for t in taken if t) > 1, "a few a step, not all at once"
     for r, p in prompts.items():
         tokens = [(t, d.weights_version) for d in deltas[r] for t in d.new_token_ids]
         old = [t for t, v in tokens if v == "v1"]
