@@ -60,9 +60,11 @@ class Batch(Protocol):
         ...
 
     def kept_out(self, request: Request) -> bool:
-        """A swap keeps `request` out of this step: a drain holds it, or it is one the drain
-        held and this step's share of their prompts is spent. The requests behind it may go
-        ahead (they are the arrivals of a steady load), and nothing is preempted for it."""
+        """`request` must wait for a later step: it was taken back while the step ahead
+        samples its token (readmitted now, it would start without that token), or a swap
+        keeps it out (a drain holds it, or it is one the drain held, or one a restart took
+        back, and this step's share of their prompts is spent). The requests behind it may
+        go ahead (they are the arrivals of a steady load), and nothing is preempted for it."""
         ...
 
     def preempt(

@@ -309,7 +309,13 @@ class Scheduler:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
     def kept_out(self, request: Request) -> bool:
-        return self.swaps.holds(request) or self.swaps.paced_out(request)
+        # A request taken back while the step ahead samples its token waits for that token:
+        # readmitted now, it would start without it.
+        return (
+            bool(request.num_pending_outputs)
+            or self.swaps.holds(request)
+            or self.swaps.paced_out(request)
+        )
 
     def try_admit(self, request: Request, out: SchedulerOutput) -> int | None:
         """Move a waiting request into the batch; None if its first chunk's blocks don't fit."""

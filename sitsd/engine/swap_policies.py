@@ -91,10 +91,6 @@ class SwapPolicies:
         # Those of `_recompute` taken from `_rolling`, by req_id: the tokens a step each needs
         # to recompute its context in `restart_steps` steps (the room is raised to that).
         self._rolled: dict[str, int] = {}
-        # Those of `_rolling` picked while the step launched ahead samples their next token:
-        # left out of the step being scheduled, taken back in the next (by then that token
-        # is the host's), by req_id: the version each restarts on.
-        self._leaving: dict[str, str] = {}
 
     def switch(self, version: str, policy: str, keeps_old: bool = True) -> VersionSwitch:
         """New requests run on `version` from now on; in-flight ones follow `policy`
@@ -119,7 +115,6 @@ class SwapPolicies:
                               self.migration_deadline_steps, self.migration_deadline_s)  # fmt: skip
         num_restarted = 0
         self._rolling.clear()  # this policy decides for those a restart had still to take
-        self._leaving.clear()
         rolling: list[str] = []
         # From the end of the batch: each one taken back goes to the head of the queue, so
         # the restarted keep their order there.
@@ -159,8 +154,9 @@ class SwapPolicies:
         held back once its hold ends, may compute `room` tokens in it, together, in their
         queue order (the rest wait for the next steps), and a restart takes back the next
         requests it has still to (`_roll`). A step may be scheduled while the one before runs
-        (asynchronous scheduling): a request picked then, whose next token that step is
-        sampling, sits this step out and is taken back in the next (`_leaving`)."""
+        (asynchronous scheduling): a request taken back then keeps the token that step
+        samples for it, on its old version, and is readmitted once the token is in
+        (`Scheduler.kept_out`)."""
         requests = self._batch.requests
         for req_id in [r for r, n in self._recompute.items()
                        if r not in requests or requests[r].num_computed_tokens >= n]:  # fmt: skip
@@ -170,11 +166,6 @@ class SwapPolicies:
         self._room = max(room, *self._rolled.values()) if self._rolled else room
         self.num_recomputed = 0
         self._holding = self._drain_holds()
-        for req_id, version in list(self._leaving.items()):
-            del self._leaving[req_id]
-            request = requests.get(req_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self._take(request, version, out)
         if self._rolling:
             self._roll(out)
 
@@ -194,30 +185,20 @@ class SwapPolicies:
             if request is None or request.status is not RequestStatus.RUNNING:
                 del self._rolling[req_id]  # finished
                 continue
-            if request.num_tokens > left and (self._recompute or self._leaving):
+            if request.num_tokens > left and self._recompute:
                 return
             del self._rolling[req_id]
-            if request.num_pending_outputs:  # the step ahead samples its next token
-                self._leaving[req_id] = version
-            else:
-                self._take(request, version, out)
+            self._recompute[req_id] = request.num_computed_tokens
+            self._rolled[req_id] = -(-request.num_tokens // self.restart_steps)
+            self._room = max(self._room, self._rolled[req_id])
+            batch.take_back(request, out)
+            request.weights_version = version
             left -= request.num_tokens
-
-    def _take(self, request: Request, version: str, out: SchedulerOutput) -> None:
-        """Take `request` back to be recomputed on `version`, its context within
-        `restart_steps` steps."""
-        req_id = request.req_id
-        self._recompute[req_id] = request.num_computed_tokens
-        self._rolled[req_id] = -(-request.num_tokens // self.restart_steps)
-        self._room = max(self._room, self._rolled[req_id])
-        self._batch.take_back(request, out)
-        request.weights_version = version
 
     def taken_back(self, request: Request) -> None:
         """`request` leaves the batch to be recomputed (blocks ran out, a tier, a swap): one
         a restart had still to take back is recomputed on the version it restarts on."""
-        req_id = request.req_id
-        version = self._rolling.pop(req_id, None) or self._leaving.pop(req_id, None)
+        version = self._rolling.pop(request.req_id, None)
         if version is not None:
             request.weights_version = version
 
@@ -269,12 +250,12 @@ class SwapPolicies:
     def restarting(self) -> bool:
         """A restart takes its requests back a few a step: some are left to take, or some
         it took are still recomputing (the other streams must not feel them)."""
-        return bool(self._rolling) or bool(self._leaving) or bool(self._rolled)
+        return bool(self._rolling) or bool(self._rolled)
 
     @property
     def rolling(self) -> bool:
         """A restart has requests still to take back."""
-        return bool(self._rolling) or bool(self._leaving)
+        return bool(self._rolling)
 
     @property
     def releasing(self) -> bool:
@@ -284,10 +265,8 @@ class SwapPolicies:
 
     def recompute_room(self, request: Request) -> int | None:
         """The most tokens `request` may compute in this step while it recomputes what a
-        restart took back, or computes the prompt a drain held back (none while it waits to
-        be taken back); None: neither (no limit of this part's)."""
-        if request.req_id in self._leaving:
-            return 0
+        restart took back, or computes the prompt a drain held back; None: neither (no limit
+        of this part's)."""
         if request.req_id not in self._recompute:
             return None
         return self._room
