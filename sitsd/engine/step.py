@@ -13,10 +13,10 @@ schedules and launches step N+1 before it takes step N's tokens, so the GPU neve
 the host's update and scheduling. The scheduler counts the running step's tokens as computed,
 the runner reads a token the running step is still sampling on the device, and a request that
 stops at EOS learns it one step late: the token the next step computed for it is dropped.
-When a swap needs it (`StepPacing.one_step_at_a_time`: a migration's catch-up and flip, a
-restart taking requests back) it finishes the step ahead, whose tokens go out at once (held
-until a step in turn had run, every stream's gap there was two steps), and runs in turn; swap
-commands and engine calls finish it first too (`finish_ahead`).
+When a swap needs it (`StepPacing.one_step_at_a_time`: a migration's catch-up and flip) it
+finishes the step ahead, whose tokens go out at once (held until a step in turn had run, every
+stream's gap there was two steps), and runs in turn; swap commands and engine calls finish it
+first too (`finish_ahead`).
 
 Both report to `StepHooks` at named points (the swap controller and the observer listen):
 `step_started` before scheduling, `scheduled` after, `step_ended` after the update (or after a
