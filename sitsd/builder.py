@@ -52,6 +52,7 @@ from sitsd.runtime.model_runner import ModelRunner
 from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
+from sitsd.weights.canary import warm_compare
 from sitsd.weights.versions import version_id_from
 
 log = logging.getLogger(__name__)
@@ -337,6 +338,9 @@ def build_runner(
     runner = ModelRunner(model, slots, kv_caches, builder)
     _stop_if_cancelled(cancel)
     _warm_up(runner, min(16, max_model_len - 1))
+    if device.type == "cuda":  # a canary's kernels, loaded before the first swap needs them
+        runner.warm_probe_logprobs()
+        warm_compare(device, arch.vocab_size)
     buckets: list[int] = []
     seconds = 0.0
     _stop_if_cancelled(cancel)

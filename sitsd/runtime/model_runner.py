@@ -25,6 +25,7 @@ over; the probe's blocks are the scheduler's, like any request's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +48,11 @@ from sitsd.types import TokenLogprob
 
 if TYPE_CHECKING:
     from sitsd.runtime.cuda_graphs import GraphPool
+
+# Row counts a canary chunk's logits are warmed at: one of each kind of launch the linear layer
+# routes to by rows (a few rows, a skinny GEMM, cuBLAS) and of each class Triton compiles a
+# row count into (1, a multiple of 16, any other).
+PROBE_WARM_ROWS = (1, 3, 16, 24, 64, 100, 256)
 
 
 class ModelRunner:
@@ -172,6 +178,21 @@ class ModelRunner:
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(sched_out).result()
+
+    @torch.inference_mode()
+    def warm_probe_logprobs(self, rows: Sequence[int] = PROBE_WARM_ROWS) -> None:
+        """Run what a canary probe's chunk adds to a step (the logits of its hidden states,
+        outside the step's graph, and their log-softmax) once per row count in `rows`, on
+        the active slot, so that its kernels are compiled and their modules loaded before
+        serving: CUDA loads a kernel's module at its first launch, and on an H200 the first
+        canary of every benchmark run held a serving step 40-100 ms on the host (later
+        canaries, none). Keeps nothing."""
+        weights, hidden_size = self.weights, self.model.arch.hidden_size
+        for n in rows:
+            hidden = torch.zeros(n, hidden_size, dtype=self.slots.dtype, device=self.device)
+            torch.log_softmax(self.model.compute_logits(weights, hidden), -1).split([n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def take_prompt_logprobs(self, req_id: str) -> torch.Tensor:
         """The log-probabilities of every position canary probe `req_id` computed, in order

@@ -110,6 +110,15 @@ class CanaryResult:
 
 
 @torch.inference_mode()
+def warm_compare(device: torch.device, vocab_size: int) -> CanaryScore:
+    """Run `compare` once, on uniform log-probabilities of a two-token prompt, so that its
+    kernels' modules are loaded before the first canary (CUDA loads a kernel's module at its
+    first launch, holding a lock the engine's launches wait on). The score: KL 0, each
+    version's NLL log(vocab_size)."""
+    logprobs = torch.full((2, vocab_size), -math.log(vocab_size), device=device)
+    return compare(logprobs, logprobs, [0, 0])
+
+
 def compare(active: torch.Tensor, new: torch.Tensor, prompt: list[int]) -> CanaryScore:
     """One prompt's score from its log-probabilities under both versions ([n, vocab] each)."""
     n = len(prompt)

@@ -83,3 +83,24 @@ def test_probes_in_steps_with_decoding_requests_equal_transformers_log_softmax(r
     for (prompt, version), logprobs in zip(probes, got):
         want = transformers_logprobs(1 if version == "v1" else 2, prompt)
         torch.testing.assert_close(logprobs, want, atol=atol, rtol=0)
+
+
+def test_warming_a_canarys_kernels_keeps_nothing_and_changes_no_probe():
+    # The daemon runs a canary chunk's logits and the comparison once at start-up on a GPU
+    # (their kernels' modules load at the first launch); the runner must keep nothing of it,
+    # and a probe afterwards must score as on a runner never warmed.
+    import math
+
+    from sitsd.weights.canary import warm_compare
+
+    prompt = [5, 9, 2, 7, 11, 3, 8, 4, 6, 10]
+    cold, arch = runner_with_two_versions()
+    warm, _ = runner_with_two_versions()
+    warm.warm_probe_logprobs()
+    assert warm._probe_logprobs == {}
+    score = warm_compare(warm.device, arch.vocab_size)
+    assert score.kl == 0.0
+    assert score.nll_active == score.nll_new == pytest.approx(math.log(arch.vocab_size))
+    _, (expected,), _ = serve(cold, {}, [(prompt, "v2")])
+    _, (got,), _ = serve(warm, {}, [(prompt, "v2")])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
