@@ -194,11 +194,13 @@ class EngineCore:
                 elif isinstance(message, SwapCommand):
                     # A commit goes between finished steps; the finished one's tokens go out
                     # now, not after the next step.
-                    deltas = self._publish_now(deltas + self._step.finish_ahead())
+                    self._publish(deltas + self._step.finish_ahead())
+                    deltas = []
                     self.swaps.handle(message)
                 elif isinstance(message, EngineCall):
                     if self._waits_for_ahead(message):
-                        deltas = self._publish_now(deltas + self._step.finish_ahead())
+                        self._publish(deltas + self._step.finish_ahead())
+                        deltas = []
                     self._call(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -281,12 +283,6 @@ class EngineCore:
         self.observer.on_status(self._status)
         self._queue = self.scheduler.queue_snapshot()
         self._deliver(deltas)
-
-    def _publish_now(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Publish `deltas` (if any) before the loop's turn ends; nothing is left to deliver."""
-        if deltas:
-            self._publish(deltas)
-        return []
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         if not deltas:

@@ -190,7 +190,7 @@ class ModelRunner:
         weights, hidden_size = self.weights, self.model.arch.hidden_size
         for n in rows:
             hidden = torch.zeros(n, hidden_size, dtype=self.slots.dtype, device=self.device)
-            torch.log_softmax(self.model.compute_logits(weights, hidden), -1).split([n])
+            torch.log_softmax(self.model.compute_logits(weights, hidden), -1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
