@@ -14,9 +14,8 @@ the host's update and scheduling. The scheduler counts the running step's tokens
 the runner reads a token the running step is still sampling on the device, and a request that
 stops at EOS learns it one step late: the token the next step computed for it is dropped.
 When a swap needs it (`StepPacing.one_step_at_a_time`: a migration's catch-up and flip) it
-finishes the step ahead, whose tokens go out at once (held until a step in turn had run, every
-stream's gap there was two steps), and runs in turn; swap commands and engine calls finish it
-first too (`finish_ahead`).
+finishes the step ahead, whose tokens go out at once, and runs in turn; swap commands and
+engine calls finish it first too (`finish_ahead`).
 
 Both report to `StepHooks` at named points (the swap controller and the observer listen):
 `step_started` before scheduling, `scheduled` after, `step_ended` after the update (or after a
@@ -133,12 +132,13 @@ class InTurnStep:
         scheduled = time.monotonic()
         try:
             pending = self.parts.runner.launch(sched_out)  # execute: only queued on a GPU
-            host = HostTimes(scheduled - started, time.monotonic() - scheduled)
+            launch_s = time.monotonic() - scheduled
             deltas = output.flush()  # the last step's tokens, while the device computes
             runner_out, wait_s = timed_result(pending)
         except Exception as exc:  # the batch fails, the engine keeps serving
             return self.fail(exc, list(sched_out.num_scheduled_tokens))
-        return deltas + self.update(sched_out, runner_out, started, self._defers, wait_s, host)
+        return deltas + self.update(sched_out, runner_out, started, self._defers, wait_s,
+                                    scheduled - started, launch_s)  # fmt: skip
 
     def finish_ahead(self) -> list[RequestDelta]:
         return []
@@ -169,18 +169,18 @@ class InTurnStep:
         started: float,
         defer: bool,
         wait_s: float = 0.0,
-        host: HostTimes | None = None,
+        schedule_s: float = 0.0,
+        launch_s: float = 0.0,
     ) -> list[RequestDelta]:
         """Apply a finished step's tokens; their deltas now, or deferred to the next launch.
-        `wait_s`: how long the engine thread waited for them; `host`: the turn's scheduling
-        and launch, if it had any (the update's time is added here)."""
+        `wait_s`: how long the engine thread waited for them; `schedule_s`, `launch_s`: the
+        turn's scheduling and launch, if it had any (`HostTimes`, with the update's time)."""
         parts = self.parts
         self.num_steps += 1
         began = time.monotonic()
         updates = parts.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
-        launched = host or HostTimes()
-        host = HostTimes(launched.schedule_s, launched.launch_s, end - began)
+        host = HostTimes(schedule_s, launch_s, end - began)
         record = StepRecord(sched_out, updates, started, end, self.num_steps, wait_s, host)
         parts.hooks.step_ended(record, end)
         if defer and parts.scheduler.has_work():
@@ -237,7 +237,7 @@ class AheadStep:
         try:
             if not sched_out.is_empty:
                 launched = _Launched(sched_out, parts.runner.launch(sched_out), started)
-            host = HostTimes(scheduled - started, time.monotonic() - scheduled)
+            launch_s = time.monotonic() - scheduled
             deltas = parts.output.flush()
             if ahead is None:  # the first step of a run: nothing to take yet
                 self._ahead = launched
@@ -254,7 +254,7 @@ class AheadStep:
         if launched is None:
             parts.scheduler.drop_ahead()
         return deltas + in_turn.update(ahead.sched_out, runner_out, ahead.started, False, wait_s,
-                                       host)  # fmt: skip
+                                       scheduled - started, launch_s)  # fmt: skip
 
     def ahead_reads(self, version: str) -> bool:
         """The step launched ahead reads `version`'s weights (a step whose versions were not

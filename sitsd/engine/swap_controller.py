@@ -119,8 +119,7 @@ class SwapController:
         past: `Migration`). The rest of a migration runs ahead, and so do a restart's steps
         (a request taken back while the step ahead samples its token keeps that token, on
         its old version) and the step after a drain's or a restart's flip, whose start
-        measures the pause (a step in turn there cost every stream a gap of host plus device
-        time, and the next step another while the steps found their overlap again)."""
+        measures the pause."""
         migration = self._scheduler.swaps.migration
         return migration is not None and migration.nearly_ready
 
