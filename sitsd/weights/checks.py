@@ -37,7 +37,14 @@ from sitsd.quant.source import QuantSource
 from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 from sitsd.types import TokenizerLike
 from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
-from sitsd.weights.manifest import IncompleteVersion, Manifest, ManifestError, verify_version_dir
+from sitsd.weights.finite_scan import FiniteScan
+from sitsd.weights.manifest import (
+    IncompleteVersion,
+    Manifest,
+    ManifestError,
+    check_complete,
+    check_hashes,
+)
 from sitsd.weights.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -67,6 +74,9 @@ class LoadedVersion:
 
     checkpoint: Checkpoint
     manifest: Manifest | None  # None for the start-up model, which may have none
+    # Tensors whose values the verification's read tested in the serving dtype: whether all
+    # are finite (`FiniteScan`); `validate` checks the others.
+    finite: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +104,7 @@ def load_version(
     on_progress: Progress | None = None,
     hash_workers: int = 1,
     tokenizer: Tokenizer | None = None,
+    dtype: torch.dtype | None = None,
 ) -> LoadedVersion:
     """Verify a version directory against its manifest and open its checkpoint.
 
@@ -104,6 +115,8 @@ def load_version(
         hash_workers: files hashed at once.
         tokenizer: the serving one, taken when the version's tokenizer files are its own
             (`load_checkpoint`).
+        dtype: the serving dtype: the hashing's read also tests the values it can
+            (`FiniteScan`; `LoadedVersion.finite`, which `validate` reads).
 
     Raises:
         VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
@@ -112,9 +125,11 @@ def load_version(
     if not path.is_dir():
         raise VersionRejected(f"{path} is not a directory (a version is a directory)")
     try:
-        manifest = verify_version_dir(
-            path, root=root, on_progress=on_progress, workers=hash_workers
-        )
+        manifest = check_complete(path, root=root)
+        scan = None
+        if dtype is not None:
+            scan = FiniteScan([path / entry.name for entry in manifest.files], dtype)
+        check_hashes(path, manifest, on_progress=on_progress, workers=hash_workers, also=scan)
     except IncompleteVersion as exc:
         raise VersionRejected(f"incomplete: {exc}") from None
     except ManifestError as exc:
@@ -123,7 +138,7 @@ def load_version(
         checkpoint = load_checkpoint(path, tokenizer=tokenizer)
     except CheckpointError as exc:
         raise VersionRejected(str(exc)) from None
-    return LoadedVersion(checkpoint, manifest)
+    return LoadedVersion(checkpoint, manifest, scan.finite() if scan is not None else {})
 
 
 def validate(
@@ -159,9 +174,13 @@ def validate(
     except WeightsError as exc:
         raise VersionRejected(str(exc)) from None
     expected = expected_tensors(serving.arch, ckpt.tensors, ckpt.quant)
+    dense = [name for name, shape in expected.items() if shape is not None]
+    for name in dense:
+        if not loaded.finite.get(name, True):
+            raise nonfinite(name, serving.dtype)
     check_finite(
         ckpt.tensors,
-        [name for name, shape in expected.items() if shape is not None],
+        [name for name in dense if name not in loaded.finite],
         serving,
         chunk_bytes=chunk_bytes,
         on_progress=on_progress,
@@ -228,8 +247,16 @@ def check_finite(
                 if on_progress is not None:
                     on_progress(done, total)
             if not bool(torch.stack(finite).all()):  # host sync, this thread
-                dtype = str(serving.dtype).removeprefix("torch.")
-                raise VersionRejected(f"{name} holds NaN or Inf values (in {dtype})")
+                raise nonfinite(name, serving.dtype)
+
+
+def nonfinite(name: str, dtype: torch.dtype) -> VersionRejected:
+    """The rejection of a version whose tensor `name` holds NaN or Inf in `dtype`."""
+    return VersionRejected(f"{name} holds NaN or Inf values (in {_dtype_name(dtype)})")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def as_used(arch: LlamaArch) -> LlamaArch:

@@ -21,10 +21,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from sitsd.weights.checkpoint import PICKLE_SUFFIXES
 
@@ -80,19 +81,51 @@ def version_files(directory: Path) -> list[Path]:
     return found
 
 
-def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """Hex sha256 of a file, read in chunks (hashlib releases the GIL on large updates)."""
+class AlsoRead(Protocol):
+    """Work on a file's bytes as they are hashed (`sha256_file`'s `also`): one read serves both.
+    Its calls come from the thread hashing that file."""
+
+    def cuts(self, path: Path) -> Sequence[int]:
+        """Offsets of `path` that no piece passed to `read` may straddle, ascending."""
+        ...
+
+    def read(self, path: Path, offset: int, piece: memoryview) -> None:
+        """The bytes of `path` at `offset`, just read (valid during the call only)."""
+        ...
+
+
+def sha256_file(
+    path: Path, on_bytes: Callable[[int], None] | None = None, also: AlsoRead | None = None
+) -> str:
+    """Hex sha256 of a file, read in chunks into one buffer (hashlib releases the GIL on large
+    updates); each chunk also goes to `also`, cut at its offsets."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+    buffer = bytearray(_HASH_CHUNK)
+    cuts = [*also.cuts(path)] if also is not None else []
+    with path.open("rb", buffering=0) as f:
+        offset, cut = 0, 0
+        while True:
+            while cut < len(cuts) and cuts[cut] <= offset:
+                cut += 1
+            size = min(_HASH_CHUNK, cuts[cut] - offset) if cut < len(cuts) else _HASH_CHUNK
+            view = memoryview(buffer)[:size]
+            n = f.readinto(view)
+            if not n:
+                break
+            digest.update(view[:n])
+            if also is not None:
+                also.read(path, offset, view[:n])
+            offset += n
             if on_bytes is not None:
-                on_bytes(len(chunk))
+                on_bytes(n)
     return digest.hexdigest()
 
 
 def sha256_files(
-    paths: list[Path], on_progress: Progress | None = None, workers: int = 1
+    paths: list[Path],
+    on_progress: Progress | None = None,
+    workers: int = 1,
+    also: AlsoRead | None = None,
 ) -> list[str]:
     """Hex sha256 of each file, `workers` files at a time (threads: hashlib releases the GIL);
     `on_progress` gets (bytes hashed, bytes total) from whichever thread hashed them."""
@@ -105,10 +138,13 @@ def sha256_files(
             if on_progress is not None:
                 on_progress(done, total)
 
+    def one(path: Path) -> str:
+        return sha256_file(path, advance, also)
+
     if workers <= 1 or len(paths) <= 1:
-        return [sha256_file(p, advance) for p in paths]
+        return [one(p) for p in paths]
     with ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="sha256") as pool:
-        return list(pool.map(lambda p: sha256_file(p, advance), paths))
+        return list(pool.map(one, paths))
 
 
 def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
@@ -241,14 +277,31 @@ def verify_version_dir(
         ManifestError: the version is wrong and stays wrong (see the module docstring).
     """
     manifest = check_complete(directory, root=root)
+    check_hashes(directory, manifest, on_progress=on_progress, workers=workers)
+    return manifest
+
+
+def check_hashes(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    on_progress: Progress | None = None,
+    workers: int = 1,
+    also: AlsoRead | None = None,
+) -> None:
+    """Hash every file `manifest` lists (`check_complete` has passed) against its sha256; the
+    bytes also go to `also` as they are read.
+
+    Raises:
+        ManifestError: a checksum mismatch, naming the file.
+    """
     paths = [directory / entry.name for entry in manifest.files]
-    digests = sha256_files(paths, on_progress, workers)
+    digests = sha256_files(paths, on_progress, workers, also)
     for entry, digest in zip(manifest.files, digests, strict=True):
         if digest != entry.sha256:
             raise ManifestError(
                 f"checksum mismatch: {entry.name} does not match the sha256 in {MANIFEST_NAME}"
             )
-    return manifest
 
 
 def _check_contents(directory: Path, manifest: Manifest, root: Path | None) -> None:

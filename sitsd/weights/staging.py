@@ -2,7 +2,8 @@
 
 `StandbyStager.stage(record)` takes a registered version to "ready to commit":
 
-    verify + load  the manifest against every file, then the checkpoint     stager thread
+    verify + load  the manifest against every file (and, in the same read,
+                   the values it can test: `finite_scan`), the checkpoint   stager thread
     validate       against the serving model (`checks.validate`)           stager thread
     stage          reserve the standby slot (once no request runs on it:
                    a drain may still hold it), copy into it                 stager thread
@@ -95,6 +96,8 @@ class StandbyStager:
         with trace.stage("verify"):
             loaded = await run_off_engine(lambda: self._load(record, loop, progress))
         with trace.stage("validate"):
+            # Its bytes are what the hashing's read could not test (often none): say it began.
+            progress(SwapProgress("validate", record.version, message="against the serving model"))
             on_bytes = ByteProgress(
                 loop, progress, "validate", record.version, pace=self._host_pacer()
             )
@@ -175,7 +178,8 @@ class StandbyStager:
         # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees.
         workers = _HASH_WORKERS if pacer.share >= 1.0 else 1
         loaded = load_version(path, root=root, on_progress=on_bytes, hash_workers=workers,
-                              tokenizer=self.serving.tokenizer)  # fmt: skip
+                              tokenizer=self.serving.tokenizer,
+                              dtype=self.serving.dtype)  # fmt: skip
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
             raise VersionRejected("manifest.json changed since the version was registered")
