@@ -15,8 +15,10 @@ streams), where the link alone would take well under a second. The parts, over t
     upload        `PinnedUpload.upload` over every tensor chunk (the staging copy's loop)
 
 The serving loop is `bench.probe_ipc`'s (a CUDA graph of one decode step's matmuls at 32 rows,
-a little Python, a host sync); beside it each part reports its own rate and the loop's longest
-period against its median alone.
+then a host sync) with an engine's host work between the launch and the sync: `--host-ms` of
+Python in twenty pieces, each followed by a small torch call (each lets go of the interpreter,
+as the engine's calls into torch do, and must get it back). Beside it each part reports its
+own rate and the loop's periods meanwhile, against its median alone.
 
     python3 -m bench.probe_staging --dir /tmp/swap/v1 --gib 4
 """
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.probe_ipc import Timeline, serve
+from bench.probe_ipc import Timeline, _decode
 from sitsd.runtime.weight_slots import PinnedUpload
 
 MIB = 2**20
@@ -145,6 +147,39 @@ def upload(maps: dict[Path, torch.Tensor], extents: Extents, chunk: int, dst: to
     stream.synchronize()
 
 
+def serve(stop: threading.Event, timeline: Timeline, host_s: float) -> None:
+    """Decode steps of Llama-3-8B shapes at 32 rows from a CUDA graph, each after a small
+    upload and with `host_s` of Python in twenty pieces, each ending in a call into torch."""
+    torch.cuda.set_device(0)
+    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)] * 32
+    weights = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.01 for k, n in shapes]
+    x = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda")
+    small = torch.zeros(64)
+    inputs = torch.zeros(16384, pin_memory=True)  # a step's uploads (ids, positions, tables)
+    dev_inputs = torch.zeros(16384, device="cuda")
+    stream = torch.cuda.Stream()
+    piece_s = host_s / 20
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            _decode(x, weights)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            _decode(x, weights)
+        last = time.perf_counter()
+        while not stop.is_set():
+            dev_inputs.copy_(inputs, non_blocking=True)  # waits behind an upload on the link?
+            graph.replay()
+            for _ in range(20):
+                until = time.thread_time() + piece_s
+                while time.thread_time() < until:  # the interpreter, busy
+                    pass
+                small.add_(1.0)  # lets go of the interpreter, then takes it back
+            stream.synchronize()
+            end = time.perf_counter()
+            timeline.periods.append((last, end))
+            last = end
+
+
 def write_version(directory: Path, gib: float) -> None:
     from safetensors.torch import save_file
 
@@ -160,6 +195,7 @@ def main() -> None:
     parser.add_argument("--dir", default="", help="a version directory (default: write one)")
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--chunks-mib", default="8,64")
+    parser.add_argument("--host-ms", type=float, default=3.0, help="the loop's Python per step")
     args = parser.parse_args()
     directory = Path(args.dir) if args.dir else Path("/tmp/probe-staging")
     if not args.dir:
@@ -195,7 +231,7 @@ def main() -> None:
 
     parts("alone:", None)
     stop, timeline = threading.Event(), Timeline()
-    server = threading.Thread(target=serve, args=(stop, timeline), daemon=True)
+    server = threading.Thread(target=serve, args=(stop, timeline, args.host_ms / 1e3), daemon=True)
     server.start()
     while len(timeline.periods) < 300:
         time.sleep(0.05)
