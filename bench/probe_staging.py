@@ -137,8 +137,10 @@ def h2d(nbytes: int, chunk: int, pinned: torch.Tensor, dst: torch.Tensor) -> flo
     return begin.elapsed_time(end) / 1e3
 
 
-def upload(maps: dict[Path, torch.Tensor], extents: Extents, chunk: int, dst: torch.Tensor) -> None:
-    uploads = PinnedUpload(dst.device, chunk)
+def upload(
+    maps: dict[Path, torch.Tensor], extents: Extents, chunk: int, dst: torch.Tensor,
+    uploads: PinnedUpload,
+) -> None:  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for file, offset, length in pieces(extents, chunk):
@@ -194,7 +196,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="", help="a version directory (default: write one)")
     parser.add_argument("--gib", type=float, default=4.0)
-    parser.add_argument("--chunks-mib", default="8,64")
+    parser.add_argument("--chunks-mib", default="8,32,64")
     parser.add_argument("--host-ms", type=float, default=3.0, help="the loop's Python per step")
     args = parser.parse_args()
     directory = Path(args.dir) if args.dir else Path("/tmp/probe-staging")
@@ -207,6 +209,7 @@ def main() -> None:
     maps = {f: torch.from_file(str(f), shared=False, size=f.stat().st_size, dtype=torch.uint8)
             for f in files}  # fmt: skip
     chunks = [int(c) * MIB for c in args.chunks_mib.split(",")]
+    torch.set_num_threads(1)  # as the daemon's stager thread (`run_off_engine`)
     torch.cuda.set_device(0)
     pinned = torch.empty(max(chunks), dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(max(chunks), dtype=torch.uint8, device="cuda")
@@ -227,7 +230,9 @@ def main() -> None:
             seconds = h2d(nbytes, chunk, pinned, dst)
             print(f"  {'h2d ' + str(mib) + ' MiB (device)':28s} {nbytes / seconds / 1e9:7.2f} "
                   f"GB/s  ({seconds:6.2f} s)", flush=True)  # fmt: skip
-            timed(f"upload {mib} MiB", nbytes, partial(upload, maps, extents, chunk, dst), tl)
+            uploads = PinnedUpload(dst.device, chunk)  # made outside the timing, as the daemon's
+            work = partial(upload, maps, extents, chunk, dst, uploads)
+            timed(f"upload {mib} MiB", nbytes, work, tl)
 
     parts("alone:", None)
     stop, timeline = threading.Event(), Timeline()

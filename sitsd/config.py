@@ -245,8 +245,7 @@ class WeightsConfig:
     # Mean KL(active || new) per prompt token, in nats, above which a version is rejected.
     canary_max_kl: float = 0.5
     canary_max_tokens: int = 256  # canary prompts are cut to this many tokens
-    # Staging copies and checks move at most this much at once (4 MiB on a CPU device; the
-    # copy to a GPU 8 MiB).
+    # Staging copies and checks move at most this much at once (4 MiB on a CPU device).
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Of what it shares with serving, the most staging uses (it sleeps between chunks): on a
     # CPU device one core; on a GPU the host-to-device link (the host's checks then run

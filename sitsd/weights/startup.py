@@ -41,9 +41,11 @@ log = logging.getLogger("sitsd.swap")
 # On a CPU device staging shares the cores with the engine's OpenMP team: small pieces, and
 # at most a tenth of one core (bench/bench_swap.py measured what more costs).
 _CPU_CHUNK_BYTES = 4 * 2**20
-# A copy to a GPU in pieces that hold the host-to-device link ~0.2 ms each: an engine step's
-# own uploads wait behind one at most.
-_GPU_COPY_CHUNK_BYTES = 8 * 2**20
+# A copy to a GPU in pieces of the pinned buffers' size (~1.2 ms of an H100's link each): each
+# piece is a few calls into torch, and each call waits for the interpreter that the engine's
+# and the event loop's threads hold most of the time, so fewer pieces copy faster (8 MiB
+# pieces staged 16 GB at 0.7-1.6 GB/s on an H200 under load; `bench.probe_staging`).
+_GPU_COPY_CHUNK_BYTES = 64 * 2**20
 _STAGING_SHARE = 0.1  # of a core, on a CPU device
 # Of the host-to-device link, on a GPU: 16 GB in ~7 s on an H200 (a tenth took 17.6 s, the
 # streams' ITL P99 1.08x of steady while it ran: the link has room to spare).
