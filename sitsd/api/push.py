@@ -159,9 +159,7 @@ def header_of(message: admin_pb2.PushHeader) -> tuple[PushHeader, PushPlan]:
         commit=not message.stage_only,
         origin=message.origin,
     )
-    specs = tuple(
-        TensorSpec(t.name, t.dtype, tuple(int(n) for n in t.shape)) for t in message.tensors
-    )
+    specs = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in message.tensors)
     return header, PushPlan(specs, partial=message.partial)
 
 

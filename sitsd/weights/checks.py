@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from sitsd.model.arch import LlamaArch
-from sitsd.model.llama import WeightsError, check_tensors, expected_tensors
+from sitsd.model.llama import WeightsError, check_tensors, expected_shapes, expected_tensors
 from sitsd.model.weights import slot_fields
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.source import QuantSource
@@ -66,6 +67,12 @@ class ServingModel:
     # The serving tokenizer itself, for versions whose tokenizer files are the same (None:
     # not one built from files this way).
     tokenizer: Tokenizer | None = None
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the serving model by Hugging Face name, with its shape (made once:
+        each push checks its table against it)."""
+        return expected_shapes(self.arch)
 
 
 @dataclass

@@ -17,13 +17,13 @@ versions read from files.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from sitsd.model.llama import expected_shapes
 from sitsd.weights.checks import ServingModel, VersionRejected
 from sitsd.weights.progress import ProgressSink
 
@@ -62,16 +62,19 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PushPlan:
-    """What a push carries: its tensors in the order they come, and whether it is partial."""
+    """What a push carries: its tensors in the order they come, and whether it is partial.
+
+    Its names and bytes are computed once (~300 tensors of an 8B model): the interpreter a push
+    holds at its start is taken from the engine's steps."""
 
     tensors: tuple[TensorSpec, ...]
     partial: bool = False  # tensors not named are copied from the active version
 
-    @property
+    @functools.cached_property
     def names(self) -> list[str]:
         return [t.name for t in self.tensors]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
@@ -84,7 +87,7 @@ def check_plan(plan: PushPlan, serving: ServingModel) -> None:
     """
     if not plan.tensors:
         raise VersionRejected("the push names no tensor")
-    expected = expected_shapes(serving.arch)
+    expected = serving.shapes
     seen: set[str] = set()
     for spec in plan.tensors:
         if spec.name in seen:
