@@ -15,6 +15,7 @@ When to run it is `sitsd.weights.staging`'s business.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -120,11 +121,25 @@ def warm_compare(device: torch.device, vocab_size: int) -> CanaryScore:
 
 
 def compare(active: torch.Tensor, new: torch.Tensor, prompt: list[int]) -> CanaryScore:
-    """One prompt's score from its log-probabilities under both versions ([n, vocab] each)."""
+    """One prompt's score from its log-probabilities under both versions ([n, vocab] each).
+
+    On a GPU it runs on a side stream of its own, ordered after what the engine has queued.
+    On the engine's stream (the default one, which a thread uses unless told otherwise) its
+    upload of the prompt's ids, a synchronous copy from pageable memory, waited for every step
+    queued ahead of it, and the engine's next launch into that stream could wait behind it:
+    the suspect for the 20-23 ms step an H100 had in each swap's canary with nothing of the
+    canary in it and all of its host time in the launch (not measured since)."""
     n = len(prompt)
-    kl = (active.exp() * (active - new)).sum(-1).mean()
-    targets = torch.tensor(prompt[1:], device=active.device).unsqueeze(-1)  # [n - 1, 1]
-    nll_active = -active[: n - 1].gather(-1, targets).mean()
-    nll_new = -new[: n - 1].gather(-1, targets).mean()
-    # Host syncs: once per canary prompt, on a staging thread (never the engine's or the loop's).
-    return CanaryScore(kl.item(), nll_active.item(), nll_new.item(), n)
+    side = torch.cuda.Stream(active.device) if active.device.type == "cuda" else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        targets = torch.tensor(prompt[1:], device=active.device).unsqueeze(-1)  # [n - 1, 1]
+        if side is not None:  # the log-probabilities come from the engine's stream
+            side.wait_stream(torch.cuda.default_stream(active.device))
+            active.record_stream(side)
+            new.record_stream(side)
+        kl = (active.exp() * (active - new)).sum(-1).mean()
+        nll_active = -active[: n - 1].gather(-1, targets).mean()
+        nll_new = -new[: n - 1].gather(-1, targets).mean()
+        # One host sync per canary prompt, on a staging thread (never the engine's or the loop's).
+        values = torch.stack([kl, nll_active, nll_new]).tolist()
+    return CanaryScore(values[0], values[1], values[2], n)
