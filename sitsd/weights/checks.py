@@ -112,6 +112,7 @@ def load_version(
     hash_workers: int = 1,
     tokenizer: Tokenizer | None = None,
     dtype: torch.dtype | None = None,
+    chunk_bytes: int = 0,
 ) -> LoadedVersion:
     """Verify a version directory against its manifest and open its checkpoint.
 
@@ -124,6 +125,7 @@ def load_version(
             (`load_checkpoint`).
         dtype: the serving dtype: the hashing's read also tests the values it can
             (`FiniteScan`; `LoadedVersion.finite`, which `validate` reads).
+        chunk_bytes: the pieces the files are read in (0: `manifest.sha256_file`'s default).
 
     Raises:
         VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
@@ -136,7 +138,8 @@ def load_version(
         scan = None
         if dtype is not None:
             scan = FiniteScan([path / entry.name for entry in manifest.files], dtype)
-        check_hashes(path, manifest, on_progress=on_progress, workers=hash_workers, also=scan)
+        check_hashes(path, manifest, on_progress=on_progress, workers=hash_workers, also=scan,
+                     chunk_bytes=chunk_bytes)  # fmt: skip
     except IncompleteVersion as exc:
         raise VersionRejected(f"incomplete: {exc}") from None
     except ManifestError as exc:

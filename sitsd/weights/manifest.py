@@ -95,19 +95,24 @@ class AlsoRead(Protocol):
 
 
 def sha256_file(
-    path: Path, on_bytes: Callable[[int], None] | None = None, also: AlsoRead | None = None
+    path: Path,
+    on_bytes: Callable[[int], None] | None = None,
+    also: AlsoRead | None = None,
+    chunk_bytes: int = 0,
 ) -> str:
-    """Hex sha256 of a file, read in chunks into one buffer (hashlib releases the GIL on large
-    updates); each chunk also goes to `also`, cut at its offsets."""
+    """Hex sha256 of a file, read in chunks of `chunk_bytes` (0: 4 MiB) into one buffer
+    (hashlib releases the GIL on large updates); each chunk also goes to `also`, cut at its
+    offsets."""
+    chunk = chunk_bytes or _HASH_CHUNK
     digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
+    buffer = bytearray(chunk)
     cuts = [*also.cuts(path)] if also is not None else []
     with path.open("rb", buffering=0) as f:
         offset, cut = 0, 0
         while True:
             while cut < len(cuts) and cuts[cut] <= offset:
                 cut += 1
-            size = min(_HASH_CHUNK, cuts[cut] - offset) if cut < len(cuts) else _HASH_CHUNK
+            size = min(chunk, cuts[cut] - offset) if cut < len(cuts) else chunk
             view = memoryview(buffer)[:size]
             n = f.readinto(view)
             if not n:
@@ -126,6 +131,7 @@ def sha256_files(
     on_progress: Progress | None = None,
     workers: int = 1,
     also: AlsoRead | None = None,
+    chunk_bytes: int = 0,
 ) -> list[str]:
     """Hex sha256 of each file, `workers` files at a time (threads: hashlib releases the GIL);
     `on_progress` gets (bytes hashed, bytes total) from whichever thread hashed them."""
@@ -139,7 +145,7 @@ def sha256_files(
                 on_progress(done, total)
 
     def one(path: Path) -> str:
-        return sha256_file(path, advance, also)
+        return sha256_file(path, advance, also, chunk_bytes)
 
     if workers <= 1 or len(paths) <= 1:
         return [one(p) for p in paths]
@@ -288,15 +294,16 @@ def check_hashes(
     on_progress: Progress | None = None,
     workers: int = 1,
     also: AlsoRead | None = None,
+    chunk_bytes: int = 0,
 ) -> None:
-    """Hash every file `manifest` lists (`check_complete` has passed) against its sha256; the
-    bytes also go to `also` as they are read.
+    """Hash every file `manifest` lists (`check_complete` has passed) against its sha256, read
+    in chunks of `chunk_bytes` (0: 4 MiB); the bytes also go to `also` as they are read.
 
     Raises:
         ManifestError: a checksum mismatch, naming the file.
     """
     paths = [directory / entry.name for entry in manifest.files]
-    digests = sha256_files(paths, on_progress, workers, also)
+    digests = sha256_files(paths, on_progress, workers, also, chunk_bytes)
     for entry, digest in zip(manifest.files, digests, strict=True):
         if digest != entry.sha256:
             raise ManifestError(

@@ -54,6 +54,11 @@ log = logging.getLogger("sitsd.swap")
 
 _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
 _HASH_WORKERS = 4  # files of a version hashed at once when hashing is not paced (GPU)
+# The pieces those workers read in: each piece is a few calls that give up the interpreter and
+# wait to get it back from the engine's and the event loop's threads (the same reason as the
+# copy's 64 MiB pieces, `startup._GPU_COPY_CHUNK_BYTES`); a paced stager (a CPU device) reads
+# the manifest's default 4 MiB, each piece a pause of the engine's cores.
+_GPU_HASH_CHUNK_BYTES = 16 * 2**20
 # Canary prompt tokens whose log-probabilities ([tokens, vocab] float32) are held at once.
 _CANARY_TOKENS_IN_FLIGHT = 512
 
@@ -176,10 +181,11 @@ class StandbyStager:
         pacer = self._host_pacer()
         on_bytes = ByteProgress(loop, progress, "verify", record.version, pace=pacer)
         # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees.
-        workers = _HASH_WORKERS if pacer.share >= 1.0 else 1
-        loaded = load_version(path, root=root, on_progress=on_bytes, hash_workers=workers,
-                              tokenizer=self.serving.tokenizer,
-                              dtype=self.serving.dtype)  # fmt: skip
+        unpaced = pacer.share >= 1.0
+        loaded = load_version(path, root=root, on_progress=on_bytes,
+                              hash_workers=_HASH_WORKERS if unpaced else 1,
+                              tokenizer=self.serving.tokenizer, dtype=self.serving.dtype,
+                              chunk_bytes=_GPU_HASH_CHUNK_BYTES if unpaced else 0)  # fmt: skip
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
             raise VersionRejected("manifest.json changed since the version was registered")
