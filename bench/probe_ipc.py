@@ -63,19 +63,27 @@ class Timeline:
     lags: list[tuple[float, float]] = field(default_factory=list)  # (woke, lateness)
 
 
-def serve(stop: threading.Event, timeline: Timeline) -> None:
-    """Decode steps of Llama-3-8B shapes at 32 rows, replayed from a CUDA graph."""
-    torch.cuda.set_device(0)
+def decode_step_graph(stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """A CUDA graph of one decode step's matmuls in Llama-3-8B shapes at 32 rows, captured on
+    `stream`; and the tensors it reads (keep them while it replays)."""
     shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)] * 32
     weights = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.01 for k, n in shapes]
     x = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(2):
             _decode(x, weights)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             _decode(x, weights)
+    return graph, [x, *weights]
+
+
+def serve(stop: threading.Event, timeline: Timeline) -> None:
+    """Decode steps of Llama-3-8B shapes at 32 rows, replayed from a CUDA graph."""
+    torch.cuda.set_device(0)
+    stream = torch.cuda.Stream()
+    graph, _tensors = decode_step_graph(stream)
+    with torch.cuda.stream(stream):
         last = time.perf_counter()
         while not stop.is_set():
             graph.replay()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.probe_ipc import Timeline, _decode
+from bench.probe_ipc import Timeline, decode_step_graph
 from sitsd.runtime.weight_slots import PinnedUpload
 
 MIB = 2**20
@@ -153,20 +153,13 @@ def serve(stop: threading.Event, timeline: Timeline, host_s: float) -> None:
     """Decode steps of Llama-3-8B shapes at 32 rows from a CUDA graph, each after a small
     upload and with `host_s` of Python in twenty pieces, each ending in a call into torch."""
     torch.cuda.set_device(0)
-    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)] * 32
-    weights = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.01 for k, n in shapes]
-    x = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda")
     small = torch.zeros(64)
     inputs = torch.zeros(16384, pin_memory=True)  # a step's uploads (ids, positions, tables)
     dev_inputs = torch.zeros(16384, device="cuda")
     stream = torch.cuda.Stream()
     piece_s = host_s / 20
+    graph, _tensors = decode_step_graph(stream)
     with torch.cuda.stream(stream):
-        for _ in range(2):
-            _decode(x, weights)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            _decode(x, weights)
         last = time.perf_counter()
         while not stop.is_set():
             dev_inputs.copy_(inputs, non_blocking=True)  # waits behind an upload on the link?
