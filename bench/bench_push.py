@@ -68,7 +68,7 @@ from bench.load import LoadSpec, Stream, StreamLoad, arrival_gaps, arrivals
 from bench.shapes import LLAMA3_8B, SMOLLM2
 from bench.timing import now
 from sitsd.client import PushResult, WeightGroup, WeightsClient
-from sitsd.client.tensors import flat_copy
+from sitsd.client.tensors import flat_views
 from sitsd.client.weights import DEFAULT_CHUNK_BYTES
 
 TRANSPORTS = ("grpc", "ipc", "dist")
@@ -97,16 +97,36 @@ def write_v1(work: Path, device: str) -> Path:
     return directory
 
 
-def trainer_tensors(v1: Path, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """v1's tensors with 1% relative noise, on `device` (the trainer's update)."""
+def trainer_tensors(
+    v1: Path, device: torch.device, seed: int, flat: bool = False
+) -> dict[str, torch.Tensor]:
+    """v1's tensors with 1% relative noise, on `device` (the trainer's update); `flat`: as
+    views of one buffer (`flat_views`), each written in place, so the update never takes its
+    size twice (an 80 GB card holds the daemon, 16 GB of update, and little more)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    shards = sorted(v1.glob("*.safetensors"))
+    into: dict[str, torch.Tensor] = {}
+    if flat:
+        metas = []
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    t = f.get_slice(name)
+                    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(
+                        t.get_dtype(), torch.float32
+                    )
+                    metas.append((name, torch.empty(t.get_shape(), dtype=dtype, device="meta")))
+        into = dict(flat_views(metas, device))
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for shard in sorted(v1.glob("*.safetensors")):
+    for shard in shards:
         for name, t in load_file(str(shard), device=str(device)).items():
             noise = torch.empty(t.shape, device=device).normal_(0.0, 0.01, generator=gen)
-            out[name] = (t.float() * (1 + noise)).to(t.dtype)
+            noisy = (t.float() * (1 + noise)).to(t.dtype)
+            out[name] = into[name].copy_(noisy) if flat else noisy
+            del noise, noisy
     return out
 
 
@@ -199,9 +219,10 @@ class Trainer:
     ) -> None:
         self.client = WeightsClient(daemon.address, token=daemon.token())
         gpu = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        self.tensors = {"ipc": trainer_tensors(v1, gpu, seed) if device == "cuda" else {}}
-        if ipc_flatten:  # the trainer's tensors live in one flat buffer (see the docstring)
-            self.tensors["ipc"] = dict(flat_copy(list(self.tensors["ipc"].items())))
+        # With `ipc_flatten` the trainer's tensors live in one flat buffer (see the docstring).
+        on_gpu = device == "cuda"
+        self.tensors = {"ipc": trainer_tensors(v1, gpu, seed, flat=ipc_flatten) if on_gpu else {}}
+        if on_gpu:
             torch.cuda.empty_cache()
         self.tensors["grpc"] = {n: t.cpu() for n, t in self.tensors["ipc"].items()} or (
             trainer_tensors(v1, torch.device("cpu"), seed)

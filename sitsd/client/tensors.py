@@ -164,14 +164,26 @@ def flat_copy(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
     """
     if not tensors:
         return []
+    views = flat_views(tensors, tensors[0][1].device)
+    torch._foreach_copy_([v for _, v in views], [t for _, t in tensors])  # one call, not 291
+    return views
+
+
+def flat_views(
+    tensors: list[tuple[str, torch.Tensor]], device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Views of one new flat buffer on `device` with the shapes and dtypes of `tensors` (which
+    may be meta tensors: nothing is read from them), each at a multiple of `ALIGN` bytes, as
+    (name, view) pairs in the same order; what they hold is undefined until written."""
+    if not tensors:
+        return []
     padded = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in tensors)
     layout = bucket_layout(tensors, padded)  # one bucket: every tensor fits at its offset
-    buffer = torch.empty(layout.bucket_bytes[0], dtype=torch.uint8, device=tensors[0][1].device)
+    buffer = torch.empty(layout.bucket_bytes[0], dtype=torch.uint8, device=device)
     views = []
     for (name, t), (_, offset) in zip(tensors, layout.placements, strict=True):
         size = t.numel() * t.element_size()
         views.append((name, buffer[offset : offset + size].view(t.dtype).view(t.shape)))
-    torch._foreach_copy_([v for _, v in views], [t for _, t in tensors])  # one call, not 291
     return views
 
 

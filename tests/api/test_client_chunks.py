@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from sitsd.api.v1 import admin_pb2
-from sitsd.client.tensors import ALIGN, chunk_messages, flat_copy
+from sitsd.client.tensors import ALIGN, chunk_messages, flat_copy, flat_views
 
 
 def test_chunk_messages_parse_as_update_weights_requests_carrying_the_tensor_whole(rng):
@@ -49,3 +51,19 @@ def test_a_flat_copy_holds_every_tensor_as_an_aligned_view_of_one_buffer(rng):
         assert torch.equal(v, t)
         assert (v.data_ptr() - base) % ALIGN == 0
         assert v.data_ptr() != t.data_ptr()  # a copy: the trainer may change its own
+
+
+def test_flat_views_of_meta_tensors_lay_out_one_buffer_without_reading_them(rng):
+    shapes = [(rng.randrange(1, 40), rng.randrange(1, 40)) for _ in range(rng.randrange(2, 12))]
+    dtypes = [rng.choice((torch.float32, torch.bfloat16, torch.float16)) for _ in shapes]
+    metas = [(f"t{i}", torch.empty(s, dtype=d, device="meta"))
+             for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]  # fmt: skip
+    views = flat_views(metas, torch.device("cpu"))
+    assert [(n, v.shape, v.dtype, v.device.type) for n, v in views] == [
+        (n, m.shape, m.dtype, "cpu") for n, m in metas
+    ]
+    assert len({v.untyped_storage().data_ptr() for _, v in views}) == 1
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for _, v in views)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no overlap
+    base = views[0][1].untyped_storage().data_ptr()
+    assert all((v.data_ptr() - base) % ALIGN == 0 for _, v in views)
