@@ -1,12 +1,13 @@
 """How long an engine-like step waits for the GIL next to a thread running Python, by switch
 interval. The step makes 40 calls that release the GIL (20 small matmuls, 20 `sleep(0)`, as
-a step's torch calls and device waits do); a second thread runs a pure-Python loop, as the
-stager, the canary's comparison or a /metrics scrape does between two of its waits. Each time
-the step asks for the GIL back, it waits until the busy thread has run for the switch
-interval: the step's median and maximum time, alone and next to the busy thread, at Python's
-default 5 ms and at the daemon's `--gil-switch-interval` default.
+a step's torch calls and device waits do), with `--python-ms` of pure Python spread between
+them (the scheduler's and the update's share of a step); a second thread runs a pure-Python
+loop, as the stager, the canary's comparison or a /metrics scrape does between two of its
+waits. Each time the step asks for the GIL back, it waits until the busy thread has run for
+the switch interval: the step's median and maximum time, alone and next to the busy thread,
+at Python's default 5 ms and at the daemon's `--gil-switch-interval` default.
 
-    python -m bench.gil_switch [--steps 50] [--intervals 0.005,0.0005]
+    python -m bench.gil_switch [--steps 50] [--intervals 0.005,0.0005] [--python-ms 1.5]
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import time
 import torch
 
 
-def step(a: torch.Tensor) -> float:
+def step(a: torch.Tensor, python_s: float = 0.0) -> float:
     started = time.perf_counter()
     for _ in range(20):
+        until = time.thread_time() + python_s / 20
+        while time.thread_time() < until:  # the step's own Python
+            pass
         torch.mm(a, a)  # releases the GIL
         time.sleep(0)  # as a wait for the device does
     return time.perf_counter() - started
@@ -39,20 +43,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--intervals", default="0.005,0.0005", help="switch intervals, seconds")
+    parser.add_argument("--python-ms", type=float, default=0.0, help="the step's own Python")
     args = parser.parse_args()
     torch.set_num_threads(1)
     a = torch.randn(64, 64)
+    python_s = args.python_ms / 1e3
     before = sys.getswitchinterval()
     print("switch interval | step alone (median) | next to a busy thread: median / max (ms)")
     try:
         for interval in (float(x) for x in args.intervals.split(",")):
             sys.setswitchinterval(interval)
-            alone = statistics.median(step(a) for _ in range(args.steps))
+            alone = statistics.median(step(a, python_s) for _ in range(args.steps))
             stop = threading.Event()
             thread = threading.Thread(target=busy, args=(stop,))
             thread.start()
             try:
-                times = [step(a) for _ in range(args.steps)]
+                times = [step(a, python_s) for _ in range(args.steps)]
             finally:
                 stop.set()
                 thread.join()

@@ -139,8 +139,11 @@ def test_gguf_q4_k_modules_equal_ggufs_dequantization(seed):
     weights = build_weights(arch, raw, "cpu", torch.float32, source=source)
 
     ids = random_prompt(arch.vocab_size)
+    # 1.5x the 16-bit tolerances: the reference rounds each dequantized weight to bfloat16,
+    # and through two layers 256 wide its error passed the element bound at a near-zero logit
+    # for 1 seed in 40 (1.05x; the relative norm at half its bound).
     assert_close(prompt_logits(arch, weights, ids), dequantized_logits(arch, dense, ids),
-                 torch.bfloat16)  # fmt: skip
+                 torch.bfloat16, scale=1.5)  # fmt: skip
 
 
 def build_shapes(arch):
