@@ -32,11 +32,25 @@ def step(a: torch.Tensor, python_s: float = 0.0) -> float:
     return time.perf_counter() - started
 
 
-def busy(stop: threading.Event) -> None:
-    x = 0
+def busy(stop: threading.Event, rounds: list[int]) -> None:
+    """Rounds of pure Python until `stop`; their count is appended to `rounds`."""
+    x, count = 0, 0
     while not stop.is_set():
         for i in range(1000):
             x += i
+        count += 1
+    rounds.append(count)
+
+
+def busy_rate(seconds: float) -> float:
+    """The busy loop's rounds per second with the interpreter to itself."""
+    stop, rounds = threading.Event(), []
+    thread = threading.Thread(target=busy, args=(stop, rounds))
+    thread.start()
+    time.sleep(seconds)
+    stop.set()
+    thread.join()
+    return rounds[0] / seconds
 
 
 def main() -> None:
@@ -49,21 +63,25 @@ def main() -> None:
     a = torch.randn(64, 64)
     python_s = args.python_ms / 1e3
     before = sys.getswitchinterval()
-    print("switch interval | step alone (median) | next to a busy thread: median / max (ms)")
+    print("switch interval | step alone (median) | next to a busy thread: median / max (ms)"
+          " | the busy thread's rate beside the steps")  # fmt: skip
     try:
         for interval in (float(x) for x in args.intervals.split(",")):
             sys.setswitchinterval(interval)
             alone = statistics.median(step(a, python_s) for _ in range(args.steps))
-            stop = threading.Event()
-            thread = threading.Thread(target=busy, args=(stop,))
+            stop, rounds = threading.Event(), []
+            thread = threading.Thread(target=busy, args=(stop, rounds))
+            started = time.perf_counter()
             thread.start()
             try:
                 times = [step(a, python_s) for _ in range(args.steps)]
             finally:
                 stop.set()
                 thread.join()
+            rate = rounds[0] / (time.perf_counter() - started) / busy_rate(0.5)
             print(f"{interval * 1e3:8.2f} ms      | {alone * 1e3:10.2f} ms       | "
-                  f"{statistics.median(times) * 1e3:.2f} / {max(times) * 1e3:.2f}")  # fmt: skip
+                  f"{statistics.median(times) * 1e3:.2f} / {max(times) * 1e3:.2f}"
+                  f"        | {rate:.2f} of alone")  # fmt: skip
     finally:
         sys.setswitchinterval(before)
 

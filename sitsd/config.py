@@ -177,8 +177,8 @@ class ServerConfig:
     port: int = 50051  # gRPC port; 0 = pick a free one (printed at start-up)
     shutdown_grace_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     # The interpreter's GIL switch interval: how long a thread running Python keeps the GIL
-    # from one that asks for it (the engine's thread, after each wait for the device).
-    gil_switch_interval_s: float = 0.0005
+    # from one that asks for it (the engine's thread, after each of its calls into torch).
+    gil_switch_interval_s: float = 0.0001
     admin_token_file: str = ""  # file holding the bearer token Admin RPCs require
     # Directory for daemon state (the generated admin token); `sitsd.cli` resolves "" to
     # $SITSD_STATE_DIR or ~/.local/state/sitsd.

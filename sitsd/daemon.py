@@ -144,8 +144,11 @@ def set_gil_switch_interval(seconds: float) -> None:
     that releases it; when another thread is running Python then (the stager between two
     copies, the canary's comparison, the event loop streaming tokens, a /metrics scrape), the
     engine waits up to this interval to get it back, at every such point of the step. At
-    Python's 5 ms a step of 40 such points went from 1.7 ms to 49 ms (median) next to one busy
-    Python thread; at 0.5 ms to 14 ms (`python -m bench.gil_switch`).
+    Python's 5 ms a step of 40 such points went from 2 ms to 208 ms (median) next to one busy
+    Python thread; at 0.5 ms to 26 ms, at 0.1 ms to 9.4 ms, the busy thread keeping 0.8 of its
+    pace (`python -m bench.gil_switch`). On a GPU each swap's verification and validation
+    began with a step of 10-36 ms whose host time went to the runner's launch, its calls into
+    torch (an H100), and each IPC push with a 12-13 ms host step (an H200).
     """
     sys.setswitchinterval(seconds)
 
