@@ -66,7 +66,11 @@ def test_linear_layers_get_pdl_where_it_pays(monkeypatch, switch):
         assert_close(tuned.linear(x, w), F.linear(x, w), torch.bfloat16)
     gate_up = torch.randn(1, 2 * K, device=DEVICE).bfloat16()
     want = F.linear(silu_and_mul_ref(gate_up), w)
-    assert_close(tuned.swiglu_linear(gate_up, w), want, torch.bfloat16)
+    # On the CPU the interpreter truncates the prologue's two roundings to bfloat16 (the GPU
+    # rounds to nearest, as the reference does): one seed in ~60 took the relative norm of these
+    # 40 outputs past the bound (1.07x).
+    scale = 1.5 if DEVICE == "cpu" else 1.0
+    assert_close(tuned.swiglu_linear(gate_up, w), want, torch.bfloat16, scale=scale)
     assert launches == [
         ("gemv", 1, switch), ("gemv", 2, switch), ("gemv", 8, False), ("skinny", 24, False),
         ("skinny", 32, switch), ("gemv", 1, switch),
