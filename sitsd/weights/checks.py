@@ -1,7 +1,8 @@
 """Checking a weights version: read its checkpoint, then check it against the serving model.
 
-`load_version(path)` verifies the manifest (sizes and sha256 of every file) and opens the
-checkpoint (safetensors are memory-mapped: nothing is read until copied; pickles are refused).
+`load_version(path)` verifies the manifest (sizes and sha256 of every file; given the serving
+dtype, the same read tests the values it can, `finite_scan`) and opens the checkpoint
+(safetensors are memory-mapped: nothing is read until copied; pickles are refused).
 `validate(loaded, serving)` checks, before any weight slot is touched, that the version can
 replace the serving one: the same architecture (every `LlamaArch` field but `extra`, floats as
 the kernels read them: `as_used`), the same
@@ -9,7 +10,8 @@ tokenizer (vocabulary and end-of-generation ids: requests in flight keep their d
 a version whose tokenizer files are the serving one's takes the serving tokenizer at load,
 with nothing to parse or compare),
 every dense tensor's name, shape and floating dtype, and finite values in the serving dtype
-(read in chunks, so memory stays bounded; on CUDA on a side stream), and every module the
+(those the verification's read did not test are read here in chunks, so memory stays bounded;
+on CUDA on a side stream), and every module the
 checkpoint stores quantized converted on the serving device with its format's checks (shapes
 against the config, scales finite and non-zero: the message names the tensor). A failure raises
 `VersionRejected` with the reason. Copying into the standby slot and the canary are
@@ -187,7 +189,7 @@ def validate(
     dense = [name for name, shape in expected.items() if shape is not None]
     for name in dense:
         if not loaded.finite.get(name, True):
-            raise nonfinite(name, serving.dtype)
+            raise _nonfinite(name, serving.dtype)
     check_finite(
         ckpt.tensors,
         [name for name in dense if name not in loaded.finite],
@@ -257,16 +259,14 @@ def check_finite(
                 if on_progress is not None:
                     on_progress(done, total)
             if not bool(torch.stack(finite).all()):  # host sync, this thread
-                raise nonfinite(name, serving.dtype)
+                raise _nonfinite(name, serving.dtype)
 
 
-def nonfinite(name: str, dtype: torch.dtype) -> VersionRejected:
+def _nonfinite(name: str, dtype: torch.dtype) -> VersionRejected:
     """The rejection of a version whose tensor `name` holds NaN or Inf in `dtype`."""
-    return VersionRejected(f"{name} holds NaN or Inf values (in {_dtype_name(dtype)})")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return VersionRejected(
+        f"{name} holds NaN or Inf values (in {str(dtype).removeprefix('torch.')})"
+    )
 
 
 def as_used(arch: LlamaArch) -> LlamaArch:
