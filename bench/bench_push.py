@@ -103,30 +103,19 @@ def trainer_tensors(
     """v1's tensors with 1% relative noise, on `device` (the trainer's update); `flat`: as
     views of one buffer (`flat_views`), each written in place, so the update never takes its
     size twice (an 80 GB card holds the daemon, 16 GB of update, and little more)."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    shards = sorted(v1.glob("*.safetensors"))
-    into: dict[str, torch.Tensor] = {}
-    if flat:
-        metas = []
-        for shard in shards:
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    t = f.get_slice(name)
-                    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(
-                        t.get_dtype(), torch.float32
-                    )
-                    metas.append((name, torch.empty(t.get_shape(), dtype=dtype, device="meta")))
-        into = dict(flat_views(metas, device))
+    v1_tensors: dict[str, torch.Tensor] = {}  # memory-mapped: read as each is moved
+    for shard in sorted(v1.glob("*.safetensors")):
+        v1_tensors |= load_file(str(shard))
+    into = dict(flat_views(list(v1_tensors.items()), device)) if flat else {}
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for shard in shards:
-        for name, t in load_file(str(shard), device=str(device)).items():
-            noise = torch.empty(t.shape, device=device).normal_(0.0, 0.01, generator=gen)
-            noisy = (t.float() * (1 + noise)).to(t.dtype)
-            out[name] = into[name].copy_(noisy) if flat else noisy
-            del noise, noisy
+    for name, t in v1_tensors.items():
+        t = t.to(device)
+        noise = torch.empty(t.shape, device=device).normal_(0.0, 0.01, generator=gen)
+        noisy = (t.float() * (1 + noise)).to(t.dtype)
+        out[name] = into[name].copy_(noisy) if flat else noisy
     return out
 
 

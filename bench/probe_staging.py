@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +38,7 @@ import torch
 
 from bench.probe_ipc import Timeline, decode_step_graph
 from sitsd.runtime.weight_slots import PinnedUpload
+from sitsd.weights.finite_scan import safetensors_header
 
 MIB = 2**20
 
@@ -49,12 +48,9 @@ def tensor_extents(directory: Path, limit: int) -> list[tuple[Path, int, int]]:
     out: list[tuple[Path, int, int]] = []
     total = 0
     for file in sorted(directory.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
+        data, header = safetensors_header(file)
         for begin, end in sorted(v["data_offsets"] for v in header.values()):
-            out.append((file, 8 + size + begin, end - begin))
+            out.append((file, data + begin, end - begin))
             total += end - begin
             if total >= limit:
                 return out

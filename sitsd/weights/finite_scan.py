@@ -22,6 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -98,6 +99,30 @@ class FiniteScan:
         }
 
 
+class TensorEntry(TypedDict):
+    """One tensor of a safetensors header (what the file says; unchecked)."""
+
+    dtype: str  # e.g. BF16
+    shape: list[int]
+    data_offsets: list[int]  # [begin, end) from the start of the data
+
+
+def safetensors_header(path: Path) -> tuple[int, dict[str, TensorEntry]]:
+    """A safetensors file's header: the offset where its data begins, and each tensor's entry
+    (`dtype`, `shape`, `data_offsets` from that offset; `__metadata__` left out).
+
+    Raises:
+        OSError, ValueError (its JSON), struct.error: not a readable safetensors header.
+    """
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > _MAX_HEADER:
+            raise ValueError(f"{path}: a header of {size} bytes")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, cast(dict[str, TensorEntry], header)
+
+
 def _decidable(path: Path, dtype: torch.dtype) -> list[_Tensor]:
     """The tensors of a safetensors file whose finiteness in `dtype` their stored bits decide,
     by offset; none for another file or one whose header does not parse (its loading says
@@ -105,14 +130,10 @@ def _decidable(path: Path, dtype: torch.dtype) -> list[_Tensor]:
     if path.suffix != ".safetensors":
         return []
     try:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > _MAX_HEADER:
-                return []
-            header = json.loads(f.read(size))
+        data, header = safetensors_header(path)
         out = []
         for name, info in header.items():
-            if name == "__metadata__" or info.get("dtype") not in _EXPONENT:
+            if info.get("dtype") not in _EXPONENT:
                 continue
             stored = _DTYPE[info["dtype"]]
             if stored != dtype and (stored, dtype) not in _WIDENING:
@@ -121,8 +142,8 @@ def _decidable(path: Path, dtype: torch.dtype) -> list[_Tensor]:
             begin, end = (int(x) for x in info["data_offsets"])
             if (end - begin) % np.dtype(uint).itemsize or not 0 <= begin <= end:
                 continue
-            out.append(_Tensor(name, 8 + size + begin, 8 + size + end, uint, exponent))
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+            out.append(_Tensor(name, data + begin, data + end, uint, exponent))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
         return []
     out.sort(key=lambda t: t.start)
     return out

@@ -56,7 +56,7 @@ _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still
 _HASH_WORKERS = 4  # files of a version hashed at once when hashing is not paced (GPU)
 # The pieces those workers read in: each piece is a few calls that give up the interpreter and
 # wait to get it back from the engine's and the event loop's threads (the same reason as the
-# copy's 64 MiB pieces, `startup._GPU_COPY_CHUNK_BYTES`); a paced stager (a CPU device) reads
+# copy's 64 MiB pieces, `config.DEFAULT_CHUNK_BYTES`); a paced stager (a CPU device) reads
 # the manifest's default 4 MiB, each piece a pause of the engine's cores.
 _GPU_HASH_CHUNK_BYTES = 16 * 2**20
 # Canary prompt tokens whose log-probabilities ([tokens, vocab] float32) are held at once.
@@ -67,8 +67,7 @@ _CANARY_TOKENS_IN_FLIGHT = 512
 class StagingSettings:
     """Limits of staging (from `WeightsConfig` and `SwapConfig`)."""
 
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the most a check moves at once
-    copy_chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the most the copy into the slot moves at once
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the most a check or the copy moves at once
     # Of what it shares with serving, the most staging uses (it sleeps between chunks; see the
     # module docstring); 1 = as fast as it can.
     share: float = 1.0
@@ -197,7 +196,7 @@ class StandbyStager:
         index = await self._reserve_standby(version, progress)
         loop = asyncio.get_running_loop()
         on_bytes = ByteProgress(loop, progress, "stage", version, pace=self._copy_pacer())
-        tensors, chunk = loaded.checkpoint.tensors, self.settings.copy_chunk_bytes
+        tensors, chunk = loaded.checkpoint.tensors, self.settings.chunk_bytes
         source = loaded.checkpoint.quant
         with trace.stage("stage"):
             await run_off_engine(

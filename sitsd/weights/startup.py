@@ -41,11 +41,6 @@ log = logging.getLogger("sitsd.swap")
 # On a CPU device staging shares the cores with the engine's OpenMP team: small pieces, and
 # at most a tenth of one core (bench/bench_swap.py measured what more costs).
 _CPU_CHUNK_BYTES = 4 * 2**20
-# A copy to a GPU in pieces of the pinned buffers' size (~1.2 ms of an H100's link each): each
-# piece is a few calls into torch, and each call waits for the interpreter that the engine's
-# and the event loop's threads hold most of the time, so fewer pieces copy faster (8 MiB
-# pieces staged 16 GB at 0.7-1.6 GB/s on an H200 under load; `bench.probe_staging`).
-_GPU_COPY_CHUNK_BYTES = 64 * 2**20
 _STAGING_SHARE = 0.1  # of a core, on a CPU device
 # Of the host-to-device link, on a GPU: 16 GB in ~7 s on an H200 (a tenth took 17.6 s, the
 # streams' ITL P99 1.08x of steady while it ran: the link has room to spare).
@@ -167,7 +162,6 @@ def create_swap_manager(
     chunk = min(wcfg.chunk_bytes, _CPU_CHUNK_BYTES) if on_cpu else wcfg.chunk_bytes
     staging = StagingSettings(
         chunk_bytes=chunk,
-        copy_chunk_bytes=chunk if on_cpu else min(chunk, _GPU_COPY_CHUNK_BYTES),
         share=wcfg.staging_share or (_STAGING_SHARE if on_cpu else _GPU_STAGING_SHARE),
         to_gpu=not on_cpu,
         slot_wait_s=config.swap.slot_wait_s,

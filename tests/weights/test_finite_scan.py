@@ -3,6 +3,7 @@ validation reads again only what that read could not decide."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sitsd.weights import load_checkpoint, manifest
+from sitsd.weights import checks, load_checkpoint, manifest
 from sitsd.weights.checks import (
     VersionRejected,
     load_version,
@@ -20,7 +21,7 @@ from sitsd.weights.checks import (
 )
 from sitsd.weights.finite_scan import FiniteScan
 from sitsd.weights.manifest import sha256_file
-from tests.weights.tiny_versions import write_version
+from tests.weights.tiny_versions import edit_tensors, write_version
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Stored in the first, finite in the second exactly when finite in the first.
@@ -120,8 +121,6 @@ def test_a_truncated_tensor_is_left_undecided(tmp_path):
 
 def _checked_names(monkeypatch) -> list[list[str]]:
     """The names each call of `check_finite` (validation's own read) was given."""
-    import sitsd.weights.checks as checks
-
     calls: list[list[str]] = []
     real = checks.check_finite
 
@@ -157,10 +156,8 @@ def test_validation_reads_only_the_values_the_hashing_read_could_not_decide(
 
 def test_a_value_finite_as_stored_that_overflows_the_serving_dtype_is_still_rejected(tmp_path):
     path = write_version(tmp_path / "v2")
-    from tests.weights.tiny_versions import _edit_tensors  # the version's one file, rewritten
-
     gate = "model.layers.1.mlp.gate_proj.weight"
-    _edit_tensors(path, lambda t: t[gate].view(-1).__setitem__(3, 1e6))  # float16 max: 65504
+    edit_tensors(path, lambda t: t[gate].view(-1).__setitem__(3, 1e6))  # float16 max: 65504
     manifest.write_manifest(path)
     checkpoint = load_checkpoint(path)
     model = serving_model_of(
@@ -169,10 +166,5 @@ def test_a_value_finite_as_stored_that_overflows_the_serving_dtype_is_still_reje
     loaded = load_version(path, dtype=torch.float16)
     with pytest.raises(VersionRejected, match=rf"{gate} holds NaN or Inf values \(in float16\)"):
         validate(loaded, model, chunk_bytes=4096)
-    validate(load_version(path, dtype=torch.float32), _as(model, torch.float32), chunk_bytes=4096)
-
-
-def _as(model, dtype):
-    import dataclasses
-
-    return dataclasses.replace(model, dtype=dtype)
+    in_float32 = dataclasses.replace(model, dtype=torch.float32)
+    validate(load_version(path, dtype=torch.float32), in_float32, chunk_bytes=4096)

@@ -27,7 +27,7 @@ def write_version(
     """The tiny model (seed 0), with relative noise `scale` drawn from `noise_seed` if given."""
     write_tiny_llama(directory, seed=tiny_kwargs.pop("seed", BASE_SEED), **tiny_kwargs)
     if noise_seed is not None:
-        _edit_tensors(directory, lambda tensors: _perturb(tensors, noise_seed, scale))
+        edit_tensors(directory, lambda tensors: _perturb(tensors, noise_seed, scale))
     write_manifest(directory)
     return directory
 
@@ -38,7 +38,7 @@ def _perturb(tensors: dict[str, torch.Tensor], seed: int, scale: float) -> None:
         tensors[name] = t * (1 + scale * torch.randn(t.shape, generator=gen))
 
 
-def _edit_tensors(directory: Path, edit) -> None:
+def edit_tensors(directory: Path, edit) -> None:
     path = directory / "model.safetensors"
     tensors = load_file(str(path))
     edit(tensors)
@@ -73,12 +73,12 @@ def write_bad_version(kind: str, directory: Path, outside: Path) -> Path:
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) * 2 // 3])
     elif kind == "shapes":
-        _edit_tensors(directory, lambda t: t.update({gate: t[gate].T.contiguous()}))
+        edit_tensors(directory, lambda t: t.update({gate: t[gate].T.contiguous()}))
     elif kind == "dtype":
-        _edit_tensors(directory, lambda t: t.update({gate: t[gate].to(torch.int32)}))
+        edit_tensors(directory, lambda t: t.update({gate: t[gate].to(torch.int32)}))
     elif kind in ("nan", "inf"):
         value = float("nan") if kind == "nan" else float("inf")
-        _edit_tensors(directory, lambda t: t[gate].view(-1).__setitem__(7, value))
+        edit_tensors(directory, lambda t: t[gate].view(-1).__setitem__(7, value))
     elif kind == "pickle":
         (directory / "pytorch_model.bin").write_bytes(b"\x80\x04\x95 not to be unpickled")
     elif kind == "symlink":
