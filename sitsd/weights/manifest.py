@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from sitsd.weights.checkpoint import PICKLE_SUFFIXES
 
 MANIFEST_NAME = "manifest.json"
@@ -102,18 +104,24 @@ def sha256_file(
 ) -> str:
     """Hex sha256 of a file, read in chunks of `chunk_bytes` (0: 4 MiB) into one buffer
     (hashlib releases the GIL on large updates); each chunk also goes to `also`, cut at its
-    offsets."""
+    offsets.
+
+    The buffer is left uninitialised (numpy), not a `bytearray`: a bytearray is zeroed, its
+    pages touched, while its maker holds the GIL (9-25 ms for 16 MiB on a 2-core machine, in
+    every hashing thread at once as a verification starts: `bench.probe_gil`), and the
+    engine's steps wait for it between their calls into torch; this buffer's pages arrive
+    during the first read, which lets go of the GIL."""
     chunk = chunk_bytes or _HASH_CHUNK
     digest = hashlib.sha256()
-    buffer = bytearray(chunk)
     cuts = [*also.cuts(path)] if also is not None else []
+    buffer = memoryview(np.empty(chunk, dtype=np.uint8))
     with path.open("rb", buffering=0) as f:
         offset, cut = 0, 0
         while True:
             while cut < len(cuts) and cuts[cut] <= offset:
                 cut += 1
             size = min(chunk, cuts[cut] - offset) if cut < len(cuts) else chunk
-            view = memoryview(buffer)[:size]
+            view = buffer[:size]
             n = f.readinto(view)
             if not n:
                 break
