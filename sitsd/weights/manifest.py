@@ -114,7 +114,7 @@ def sha256_file(
     chunk = chunk_bytes or _HASH_CHUNK
     digest = hashlib.sha256()
     cuts = [*also.cuts(path)] if also is not None else []
-    buffer = memoryview(np.empty(chunk, dtype=np.uint8))
+    buffer = np.empty(chunk, dtype=np.uint8).data  # a memoryview
     with path.open("rb", buffering=0) as f:
         offset, cut = 0, 0
         while True:
