@@ -122,7 +122,7 @@ def load_version(
         path: the version directory (it must hold `manifest.json`).
         root: the watched directory, for versions found there: every file must resolve in it.
         on_progress: called with (bytes hashed, bytes total).
-        hash_workers: files hashed at once.
+        hash_workers: files (or blocks of them) hashed at once.
         tokenizer: the serving one, taken when the version's tokenizer files are its own
             (`load_checkpoint`).
         dtype: the serving dtype: the hashing's read also tests the values it can

@@ -11,7 +11,8 @@ few integer instructions per value. What it cannot decide that way (float32 stor
 serving, other files, quantized codes) it leaves to `checks.validate`, which checks whatever
 `finite` does not name.
 
-One hashing thread reads each file, so each file's results are written by one thread only.
+Several hashing threads may read one file at once (a file hashed block by block): the counts
+are kept under a lock, and each thread tests its pieces in a scratch buffer of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import bisect
 import json
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +65,8 @@ class FiniteScan:
         self._starts = {path: [t.start for t in ts] for path, ts in self._tensors.items()}
         self._bad: dict[Path, set[str]] = {path: set() for path in paths}
         self._seen: dict[Path, dict[str, int]] = {path: {} for path in paths}  # bytes read
-        self._scratch: dict[Path, npt.NDArray[np.uint8]] = {}
+        self._lock = threading.Lock()  # over _bad and _seen
+        self._scratch = threading.local()  # .buffer: each reading thread's own
 
     def cuts(self, path: Path) -> Sequence[int]:
         return sorted({o for t in self._tensors.get(path, ()) for o in (t.start, t.end)})
@@ -76,21 +79,23 @@ class FiniteScan:
         tensor = tensors[i]
         if piece.nbytes % np.dtype(tensor.uint).itemsize:
             return  # cut mid-value (a short read): never counted whole, so left to validation
-        seen = self._seen[path]
-        seen[tensor.name] = seen.get(tensor.name, 0) + piece.nbytes
         values = np.frombuffer(piece, dtype=tensor.uint)
-        scratch = self._scratch.get(path)
+        scratch: npt.NDArray[np.uint8] | None = getattr(self._scratch, "buffer", None)
         if scratch is None or scratch.nbytes < piece.nbytes:
-            scratch = self._scratch[path] = np.empty(piece.nbytes, dtype=np.uint8)
+            scratch = self._scratch.buffer = np.empty(piece.nbytes, dtype=np.uint8)
         bits = scratch[: piece.nbytes].view(tensor.uint)
         np.bitwise_and(values, tensor.exponent, out=bits)
-        if len(bits) and int(bits.max()) == tensor.exponent:  # all exponent bits set
-            self._bad[path].add(tensor.name)
+        bad = len(bits) and int(bits.max()) == tensor.exponent  # all exponent bits set
+        with self._lock:
+            seen = self._seen[path]
+            seen[tensor.name] = seen.get(tensor.name, 0) + piece.nbytes
+            if bad:
+                self._bad[path].add(tensor.name)
 
     def finite(self) -> dict[str, bool]:
         """Every tensor it read whole: whether its values are all finite (call once every file
         has been hashed)."""
-        self._scratch.clear()
+        self._scratch = threading.local()  # this thread's buffer (the others' left with them)
         return {
             t.name: t.name not in self._bad[path]
             for path, tensors in self._tensors.items()

@@ -1,7 +1,18 @@
 """Version manifests: `manifest.json` lists every file of a weights version, its size and sha256.
 
     {"format": 1, "model": "tiny", "created": "2026-11-29T20:00:00Z",
-     "files": [{"name": "config.json", "size": 714, "sha256": "..."}, ...]}
+     "files": [{"name": "config.json", "size": 714, "sha256": "..."},
+               {"name": "model-00001.safetensors", "size": 4976698672, "sha256": "...",
+                "block_bytes": 268435456, "blocks": ["...", ...]}, ...]}
+
+A file's sha256 is one thread's sequential work (about 4 s for a 4 GiB shard on one core), so a
+version of four shards verifies no faster than one shard however many cores the host has.
+`write_manifest` therefore also lists the sha256 of each `block_bytes` of a file larger than
+that (`BLOCK_BYTES`; the last block shorter), and a verification of such a file checks its
+blocks, any number at once, instead of the whole file's digest: every byte is still checked
+against the manifest, whose own digest names the version. A manifest without blocks (written
+by an earlier sitsd or by hand) is checked file by file, as before; tools that know only the
+whole-file sha256 (`sha256sum`) still can.
 
 `write_manifest(dir)` writes one (what `sitsctl manifest DIR` runs); `verify_version_dir(dir)`
 decides whether a directory is a complete version: its manifest is present and every file
@@ -21,7 +32,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +45,10 @@ from sitsd.weights.checkpoint import PICKLE_SUFFIXES
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 _HASH_CHUNK = 4 * 2**20
+# Files larger than this are hashed block by block too (see the module docstring): 64 blocks
+# for an 8B model in bfloat16, enough for any host's cores; few enough digests to read.
+BLOCK_BYTES = 256 * 2**20
+_BLOCK_ALIGN = 4096  # a block's size is a multiple of this (so of every value's size)
 
 # Called with (bytes done, bytes total) while files are hashed.
 Progress = Callable[[int, int], None]
@@ -54,6 +69,37 @@ class ManifestFile:
     name: str  # path relative to the version directory, '/'-separated
     size: int  # bytes
     sha256: str  # hex digest
+    # The hex sha256 of each `block_bytes` of the file in turn (the last block shorter), or
+    # none: a verification then checks `sha256`.
+    blocks: tuple[str, ...] = ()
+    block_bytes: int = 0
+
+    def spans(self, directory: Path) -> list[Span]:
+        """What a verification hashes of this file: its blocks, else the whole file. The last
+        span runs to the end of the file, so that bytes added past its size do not match."""
+        path = directory / self.name
+        if not self.blocks:
+            return [Span(path, 0, None, self.sha256, self.name)]
+        out = []
+        for i, digest in enumerate(self.blocks):
+            start = i * self.block_bytes
+            last = i == len(self.blocks) - 1
+            end = None if last else start + self.block_bytes
+            what = (f"{self.name} (bytes {start} to {self.size if last else end}, block {i + 1} "
+                    f"of {len(self.blocks)})")  # fmt: skip
+            out.append(Span(path, start, end, digest, what))
+        return out
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes `[start, end)` of a file (`end` None: to its end) and the sha256 they must have."""
+
+    path: Path
+    start: int
+    end: int | None
+    sha256: str
+    what: str  # how a mismatch names it: the file's name, and which bytes
 
 
 @dataclass(frozen=True)
@@ -85,7 +131,8 @@ def version_files(directory: Path) -> list[Path]:
 
 class AlsoRead(Protocol):
     """Work on a file's bytes as they are hashed (`sha256_file`'s `also`): one read serves both.
-    Its calls come from the thread hashing that file."""
+    `read` may be called from several threads at once, for different parts of one file (a
+    file hashed block by block)."""
 
     def cuts(self, path: Path) -> Sequence[int]:
         """Offsets of `path` that no piece passed to `read` may straddle, ascending."""
@@ -102,9 +149,37 @@ def sha256_file(
     also: AlsoRead | None = None,
     chunk_bytes: int = 0,
 ) -> str:
-    """Hex sha256 of a file, read in chunks of `chunk_bytes` (0: 4 MiB) into one buffer
-    (hashlib releases the GIL on large updates); each chunk also goes to `also`, cut at its
-    offsets.
+    """Hex sha256 of a file (`sha256_span` of all of it)."""
+    return sha256_span(path, 0, None, on_bytes, also, chunk_bytes)
+
+
+def sha256_span(
+    path: Path,
+    start: int = 0,
+    end: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    also: AlsoRead | None = None,
+    chunk_bytes: int = 0,
+) -> str:
+    """Hex sha256 of bytes `[start, end)` of a file (`end` None: to its end), read in chunks of
+    `chunk_bytes` (0: 4 MiB) into one buffer (hashlib releases the GIL on large updates);
+    each chunk also goes to `also`, cut at its offsets."""
+    digest = hashlib.sha256()
+    cuts = also.cuts(path) if also is not None else ()
+    for offset, piece in _pieces(path, start, end, cuts, chunk_bytes):
+        digest.update(piece)
+        if also is not None:
+            also.read(path, offset, piece)
+        if on_bytes is not None:
+            on_bytes(len(piece))
+    return digest.hexdigest()
+
+
+def _pieces(path: Path, start: int, end: int | None, cuts: Sequence[int],
+            chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:  # fmt: skip
+    """(offset, bytes) of `[start, end)` of a file in turn, each at most `chunk_bytes` (0: 4
+    MiB) and none straddling one of `cuts` (ascending offsets): views of one buffer, each
+    valid until the next.
 
     The buffer is left uninitialised (numpy), not a `bytearray`: a bytearray is zeroed, its
     pages touched, while its maker holds the GIL (9-25 ms for 16 MiB on a 2-core machine, in
@@ -112,26 +187,52 @@ def sha256_file(
     engine's steps wait for it between their calls into torch; this buffer's pages arrive
     during the first read, which lets go of the GIL."""
     chunk = chunk_bytes or _HASH_CHUNK
-    digest = hashlib.sha256()
-    cuts = [*also.cuts(path)] if also is not None else []
-    buffer = np.empty(chunk, dtype=np.uint8).data  # a memoryview
+    cuts = [c for c in cuts if c > start]
     with path.open("rb", buffering=0) as f:
-        offset, cut = 0, 0
-        while True:
+        size = os.fstat(f.fileno()).st_size
+        stop = size if end is None else min(end, size)
+        buffer = np.empty(max(1, min(chunk, stop - start)), dtype=np.uint8).data  # a memoryview
+        f.seek(start)
+        offset, cut = start, 0
+        while offset < stop or end is None:
             while cut < len(cuts) and cuts[cut] <= offset:
                 cut += 1
-            size = min(chunk, cuts[cut] - offset) if cut < len(cuts) else chunk
-            view = buffer[:size]
-            n = f.readinto(view)
+            n = min(len(buffer), stop - offset) if end is not None else len(buffer)
+            if cut < len(cuts):
+                n = min(n, cuts[cut] - offset)
+            n = f.readinto(buffer[:n])
             if not n:
                 break
-            digest.update(view[:n])
-            if also is not None:
-                also.read(path, offset, view[:n])
+            yield offset, buffer[:n]
             offset += n
-            if on_bytes is not None:
-                on_bytes(n)
-    return digest.hexdigest()
+
+
+def _hash_spans(
+    spans: Sequence[Span],
+    on_progress: Progress | None,
+    workers: int,
+    also: AlsoRead | None,
+    chunk_bytes: int,
+) -> list[str]:
+    """Hex sha256 of each span, `workers` at a time (threads: hashlib releases the GIL);
+    `on_progress` gets (bytes hashed, bytes total) from whichever thread hashed them."""
+    total = sum((s.path.stat().st_size if s.end is None else s.end) - s.start for s in spans)
+    done, lock = 0, threading.Lock()
+
+    def advance(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            if on_progress is not None:
+                on_progress(done, total)
+
+    def one(span: Span) -> str:
+        return sha256_span(span.path, span.start, span.end, advance, also, chunk_bytes)
+
+    if workers <= 1 or len(spans) <= 1:
+        return [one(s) for s in spans]
+    with ThreadPoolExecutor(min(workers, len(spans)), thread_name_prefix="sha256") as pool:
+        return list(pool.map(one, spans))
 
 
 def sha256_files(
@@ -143,7 +244,60 @@ def sha256_files(
 ) -> list[str]:
     """Hex sha256 of each file, `workers` files at a time (threads: hashlib releases the GIL);
     `on_progress` gets (bytes hashed, bytes total) from whichever thread hashed them."""
-    total, done, lock = sum(p.stat().st_size for p in paths), 0, threading.Lock()
+    spans = [Span(p, 0, None, "", p.name) for p in paths]
+    return _hash_spans(spans, on_progress, workers, also, chunk_bytes)
+
+
+def _file_and_block_digests(
+    path: Path, block_bytes: int, on_bytes: Callable[[int], None]
+) -> tuple[int, str, list[str]]:
+    """A file's size, its sha256 and, if it is larger than `block_bytes`, each block's, in one
+    read (of the bytes it had when this began)."""
+    whole, block, blocks = hashlib.sha256(), hashlib.sha256(), []
+    size = path.stat().st_size
+    in_blocks = size > block_bytes
+    filled = 0
+    for _, piece in _pieces(path, 0, size, range(block_bytes, size, block_bytes), 0):
+        whole.update(piece)
+        if in_blocks:
+            block.update(piece)
+            filled += len(piece)
+            if filled == block_bytes:
+                blocks.append(block.hexdigest())
+                block, filled = hashlib.sha256(), 0
+        on_bytes(len(piece))
+    if in_blocks and filled:
+        blocks.append(block.hexdigest())
+    return size, whole.hexdigest(), blocks
+
+
+def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
+                   on_progress: Progress | None = None, workers: int = 1,
+                   block_bytes: int = BLOCK_BYTES) -> Manifest:  # fmt: skip
+    """Hash every file of `directory` and write its `manifest.json` atomically.
+
+    Args:
+        directory: the version directory.
+        model: optional model name recorded in the manifest.
+        on_progress: called with (bytes hashed, bytes total) as hashing goes.
+        workers: files hashed at once.
+        block_bytes: files larger than this also list the sha256 of each block of this size
+            (a positive multiple of 4096; see the module docstring).
+
+    Raises:
+        ManifestError: `directory` is not a directory or holds no file.
+        ValueError: `block_bytes` is not a positive multiple of 4096.
+    """
+    if block_bytes <= 0 or block_bytes % _BLOCK_ALIGN:
+        raise ValueError(f"block_bytes must be a positive multiple of {_BLOCK_ALIGN}, got "
+                         f"{block_bytes}")  # fmt: skip
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ManifestError(f"{directory} is not a directory")
+    files = version_files(directory)
+    if not files:
+        raise ManifestError(f"{directory} holds no file to list")
+    total, done, lock = sum(f.stat().st_size for f in files), 0, threading.Lock()
 
     def advance(n: int) -> None:
         nonlocal done
@@ -152,39 +306,19 @@ def sha256_files(
             if on_progress is not None:
                 on_progress(done, total)
 
-    def one(path: Path) -> str:
-        return sha256_file(path, advance, also, chunk_bytes)
+    def entry(f: Path) -> dict[str, object]:
+        size, digest, blocks = _file_and_block_digests(f, block_bytes, advance)
+        out: dict[str, object] = {"name": f.relative_to(directory).as_posix(), "size": size,
+                                  "sha256": digest}  # fmt: skip
+        if blocks:
+            out.update(block_bytes=block_bytes, blocks=blocks)
+        return out
 
-    if workers <= 1 or len(paths) <= 1:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="sha256") as pool:
-        return list(pool.map(one, paths))
-
-
-def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
-                   on_progress: Progress | None = None, workers: int = 1) -> Manifest:  # fmt: skip
-    """Hash every file of `directory` and write its `manifest.json` atomically.
-
-    Args:
-        directory: the version directory.
-        model: optional model name recorded in the manifest.
-        on_progress: called with (bytes hashed, bytes total) as hashing goes.
-        workers: files hashed at once.
-
-    Raises:
-        ManifestError: `directory` is not a directory or holds no file.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ManifestError(f"{directory} is not a directory")
-    files = version_files(directory)
-    if not files:
-        raise ManifestError(f"{directory} holds no file to list")
-    digests = sha256_files(files, on_progress, workers)
-    entries = [
-        {"name": f.relative_to(directory).as_posix(), "size": f.stat().st_size, "sha256": digest}
-        for f, digest in zip(files, digests, strict=True)
-    ]
+    if workers <= 1 or len(files) <= 1:
+        entries = [entry(f) for f in files]
+    else:
+        with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="sha256") as pool:
+            entries = list(pool.map(entry, files))
     body: dict[str, object] = {"format": MANIFEST_FORMAT}
     if model:
         body["model"] = model
@@ -231,11 +365,11 @@ def parse_manifest(data: bytes, path: Path) -> Manifest:
             name, size, sha = entry["name"], entry["size"], entry["sha256"]
         except (TypeError, KeyError):
             raise ManifestError(f"{path}: each file needs name, size and sha256") from None
-        valid_sha = isinstance(sha, str) and len(sha) == 64
-        if not isinstance(name, str) or not isinstance(size, int) or size < 0 or not valid_sha:
+        if not isinstance(name, str) or not isinstance(size, int) or size < 0 or not _hex(sha):
             raise ManifestError(f"{path}: bad entry {entry!r}")
         _check_name(name, path)
-        files.append(ManifestFile(name, size, sha.lower()))
+        blocks, block_bytes = _blocks(entry, size, path)
+        files.append(ManifestFile(name, size, sha.lower(), blocks, block_bytes))
     if len({f.name for f in files}) != len(files):
         raise ManifestError(f"{path} lists a file twice")
     return Manifest(
@@ -244,6 +378,34 @@ def parse_manifest(data: bytes, path: Path) -> Manifest:
         model=str(body.get("model", "")),
         created=str(body.get("created", "")),
     )
+
+
+def _hex(digest: object) -> bool:
+    """A sha256 in hex."""
+    if not isinstance(digest, str) or len(digest) != 64:
+        return False
+    try:
+        int(digest, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _blocks(entry: dict[str, object], size: int, path: Path) -> tuple[tuple[str, ...], int]:
+    """A file entry's block digests and block size: both listed, or neither."""
+    if "blocks" not in entry and "block_bytes" not in entry:
+        return (), 0
+    blocks, block_bytes = entry.get("blocks"), entry.get("block_bytes")
+    name = entry["name"]
+    if (not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0
+            or block_bytes % _BLOCK_ALIGN):  # fmt: skip
+        raise ManifestError(f"{path}: {name}: block_bytes must be a positive multiple of "
+                            f"{_BLOCK_ALIGN}, got {block_bytes!r}")  # fmt: skip
+    count = -(-size // block_bytes)
+    if not isinstance(blocks, list) or len(blocks) != count or not all(map(_hex, blocks)):
+        raise ManifestError(f"{path}: {name}: blocks must list {count} sha256 digests (one per "
+                            f"{block_bytes} bytes of its {size})")  # fmt: skip
+    return tuple(b.lower() for b in blocks), block_bytes
 
 
 def _check_name(name: str, path: Path) -> None:
@@ -284,7 +446,7 @@ def verify_version_dir(
         directory: the version directory.
         root: when set (the watched directory), every path must resolve inside it.
         on_progress: called with (bytes hashed, bytes total).
-        workers: files hashed at once.
+        workers: files (or blocks) hashed at once.
 
     Raises:
         IncompleteVersion: no manifest yet, or a listed file is missing or shorter.
@@ -304,18 +466,19 @@ def check_hashes(
     also: AlsoRead | None = None,
     chunk_bytes: int = 0,
 ) -> None:
-    """Hash every file `manifest` lists (`check_complete` has passed) against its sha256, read
-    in chunks of `chunk_bytes` (0: 4 MiB); the bytes also go to `also` as they are read.
+    """Hash every file `manifest` lists (`check_complete` has passed) against its sha256, or
+    each of its blocks against theirs, `workers` files or blocks at once, read in chunks of
+    `chunk_bytes` (0: 4 MiB); the bytes also go to `also` as they are read.
 
     Raises:
-        ManifestError: a checksum mismatch, naming the file.
+        ManifestError: a checksum mismatch, naming the file (and the block).
     """
-    paths = [directory / entry.name for entry in manifest.files]
-    digests = sha256_files(paths, on_progress, workers, also, chunk_bytes)
-    for entry, digest in zip(manifest.files, digests, strict=True):
-        if digest != entry.sha256:
+    spans = [span for entry in manifest.files for span in entry.spans(directory)]
+    digests = _hash_spans(spans, on_progress, workers, also, chunk_bytes)
+    for span, digest in zip(spans, digests, strict=True):
+        if digest != span.sha256:
             raise ManifestError(
-                f"checksum mismatch: {entry.name} does not match the sha256 in {MANIFEST_NAME}"
+                f"checksum mismatch: {span.what} does not match the sha256 in {MANIFEST_NAME}"
             )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,10 @@ from sitsd.weights.versions import WeightVersion
 log = logging.getLogger("sitsd.swap")
 
 _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
-_HASH_WORKERS = 4  # files of a version hashed at once when hashing is not paced (GPU)
+# Files (or blocks of them, `manifest.BLOCK_BYTES`) of a version hashed at once when hashing
+# is not paced (GPU): half the host's cores, which the engine's and the event loop's threads
+# barely use, up to 8.
+_HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 # The pieces those workers read in: each piece is a few calls that give up the interpreter and
 # wait to get it back from the engine's and the event loop's threads (the same reason as the
 # copy's 64 MiB pieces, `config.DEFAULT_CHUNK_BYTES`); a paced stager (a CPU device) reads

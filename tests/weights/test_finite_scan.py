@@ -109,6 +109,32 @@ def test_the_scan_finds_exactly_the_tensors_holding_nan_or_inf_of_those_it_can_d
     assert not all(want.values())
 
 
+def test_a_version_verified_block_by_block_on_several_threads_decides_the_same_tensors(
+    tmp_path, monkeypatch, rng
+):
+    """Blocks of 4096 bytes cut tensors in the middle, and threads read one file's blocks at
+    once: the scan's verdicts are those of one thread reading each file whole."""
+    monkeypatch.setattr(manifest, "_HASH_CHUNK", rng.choice([512, 4096]))
+    serving = rng.choice(DTYPES)
+    paths = []
+    for f in range(2):
+        tensors = _tensors(rng, serving)
+        big = torch.randn(rng.randrange(3000, 9000)).to(serving)  # across several blocks
+        big[rng.randrange(big.numel())] = float(rng.choice(["nan", "inf", "1.0"]))
+        tensors["big"] = big
+        path = tmp_path / f"model-{f}.safetensors"
+        save_file({f"{f}.{name}": t for name, t in tensors.items()}, str(path))
+        paths.append(path)
+    written = manifest.write_manifest(tmp_path, block_bytes=4096)
+    assert all(entry.blocks for entry in written.files)
+    whole = FiniteScan(paths, serving)
+    manifest.sha256_files(paths, workers=1, also=whole)
+    blocks = FiniteScan(paths, serving)
+    manifest.check_hashes(tmp_path, written, workers=rng.choice([3, 8]), also=blocks)
+    assert blocks.finite() == whole.finite()
+    assert not all(whole.finite().values())
+
+
 def test_a_truncated_tensor_is_left_undecided(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"a": torch.ones(64), "b": torch.full((64,), float("nan"))}, str(path))

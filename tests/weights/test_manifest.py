@@ -17,6 +17,8 @@ from sitsd.weights.manifest import (
     write_manifest,
 )
 
+BLOCK = 4096  # the smallest block a manifest may list
+
 
 @pytest.fixture
 def version_dir(tmp_path, rng):
@@ -69,6 +71,64 @@ def test_hashing_files_in_parallel_writes_and_checks_the_same_manifest(version_d
     shard.write_bytes(bytes(data))
     with pytest.raises(ManifestError, match=r"checksum mismatch: shard-4.safetensors"):
         verify_version_dir(version_dir, workers=4)
+
+
+def test_a_file_larger_than_a_block_lists_each_blocks_sha256_and_a_bad_block_is_named(
+    version_dir, rng
+):
+    blocks = rng.randrange(2, 6)
+    big = version_dir / "model-00001.safetensors"
+    big.write_bytes(os.urandom(blocks * 2 * BLOCK - rng.randrange(1, 2 * BLOCK)))  # last shorter
+    small = version_dir / "model.safetensors"  # 5000-9000 bytes: at most one block
+    progress = []
+    manifest = write_manifest(
+        version_dir,
+        block_bytes=2 * BLOCK,
+        workers=rng.choice([1, 3]),
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    body = {f["name"]: f for f in json.loads((version_dir / MANIFEST_NAME).read_text())["files"]}
+    data = big.read_bytes()
+    entry = body[big.name]
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()  # what sha256sum checks
+    assert entry["block_bytes"] == 2 * BLOCK
+    assert entry["blocks"] == [
+        hashlib.sha256(data[i : i + 2 * BLOCK]).hexdigest() for i in range(0, len(data), 2 * BLOCK)
+    ]
+    assert len(entry["blocks"]) == blocks
+    if small.stat().st_size <= 2 * BLOCK:
+        assert "blocks" not in body[small.name]
+    assert progress[-1] == (manifest.total_bytes, manifest.total_bytes)
+    for workers in (1, 4):
+        assert verify_version_dir(version_dir, workers=workers).digest == manifest.digest
+    bad = rng.randrange(1, blocks)  # a block after the first
+    corrupt = bytearray(data)
+    corrupt[bad * 2 * BLOCK + rng.randrange(2 * BLOCK)] ^= 0x01
+    big.write_bytes(bytes(corrupt))
+    with pytest.raises(ManifestError, match=rf"checksum mismatch: {big.name} \(bytes "
+                       rf"{bad * 2 * BLOCK} to \d+, block {bad + 1} of {blocks}\)"):  # fmt: skip
+        verify_version_dir(version_dir, workers=rng.choice([1, 4]))
+
+
+def test_a_manifest_without_blocks_is_checked_file_by_file(version_dir):
+    (version_dir / "model.safetensors").write_bytes(os.urandom(5 * BLOCK))
+    write_manifest(version_dir, block_bytes=BLOCK)
+    body = json.loads((version_dir / MANIFEST_NAME).read_text())
+    for entry in body["files"]:
+        entry.pop("blocks", None)
+        entry.pop("block_bytes", None)
+    (version_dir / MANIFEST_NAME).write_text(json.dumps(body))  # as an earlier sitsd wrote it
+    assert not any(f.blocks for f in verify_version_dir(version_dir, workers=2).files)
+    data = bytearray((version_dir / "model.safetensors").read_bytes())
+    data[3 * BLOCK] ^= 0x01
+    (version_dir / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=r"checksum mismatch: model.safetensors does not"):
+        verify_version_dir(version_dir, workers=2)
+
+
+def test_a_block_size_that_is_not_a_multiple_of_4096_is_refused_when_writing(version_dir):
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        write_manifest(version_dir, block_bytes=1000)
 
 
 def test_no_manifest_yet_is_incomplete(version_dir):
@@ -154,6 +214,53 @@ def test_a_version_directory_that_is_a_symlink_out_of_the_root_is_refused(versio
         {"format": 1, "files": [{"name": "/etc/passwd", "size": 1, "sha256": "0" * 64}]},
         {"format": 1, "files": [{"name": "a", "size": -1, "sha256": "0" * 64}]},
         {"format": 1, "files": [{"name": "a", "size": 1}]},
+        {"format": 1, "files": [{"name": "a", "size": 1, "sha256": "z" * 64}]},
+        # blocks: a count that does not cover the size, a size not a multiple of 4096, one
+        # without the other, a digest that is not one
+        {
+            "format": 1,
+            "files": [
+                {
+                    "name": "a",
+                    "size": 9000,
+                    "sha256": "0" * 64,
+                    "block_bytes": 4096,
+                    "blocks": ["0" * 64] * 2,
+                }
+            ],
+        },
+        {
+            "format": 1,
+            "files": [
+                {
+                    "name": "a",
+                    "size": 9000,
+                    "sha256": "0" * 64,
+                    "block_bytes": 3000,
+                    "blocks": ["0" * 64] * 3,
+                }
+            ],
+        },
+        {
+            "format": 1,
+            "files": [{"name": "a", "size": 9000, "sha256": "0" * 64, "block_bytes": 4096}],
+        },
+        {
+            "format": 1,
+            "files": [{"name": "a", "size": 9000, "sha256": "0" * 64, "blocks": ["0" * 64] * 3}],
+        },
+        {
+            "format": 1,
+            "files": [
+                {
+                    "name": "a",
+                    "size": 9000,
+                    "sha256": "0" * 64,
+                    "block_bytes": 4096,
+                    "blocks": ["0" * 64, "0" * 63, "0" * 64],
+                }
+            ],
+        },
     ],
 )
 def test_malformed_manifests_are_refused(version_dir, body):
