@@ -58,11 +58,13 @@ _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still
 # is not paced (GPU): half the host's cores, which the engine's and the event loop's threads
 # barely use, up to 8.
 _HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-# The pieces those workers read in: each piece is a few calls that give up the interpreter and
-# wait to get it back from the engine's and the event loop's threads (the same reason as the
-# copy's 64 MiB pieces, `config.DEFAULT_CHUNK_BYTES`); a paced stager (a CPU device) reads
-# the manifest's default 4 MiB, each piece a pause of the engine's cores.
-_GPU_HASH_CHUNK_BYTES = 16 * 2**20
+# The pieces those workers read in: each piece is a few calls that take the interpreter from
+# the engine's thread between its calls into torch (the read, the hash, the finiteness scan),
+# as the copy's pieces are (`config.DEFAULT_CHUNK_BYTES`), whose size this is: twice the
+# workers in pieces four times as large take it no more often than four did in 16 MiB. A
+# paced stager (a CPU device) reads the manifest's default 4 MiB, each piece a pause of the
+# engine's cores.
+_GPU_HASH_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 # Canary prompt tokens whose log-probabilities ([tokens, vocab] float32) are held at once.
 _CANARY_TOKENS_IN_FLIGHT = 512
 
