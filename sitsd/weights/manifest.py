@@ -248,29 +248,6 @@ def sha256_files(
     return _hash_spans(spans, on_progress, workers, also, chunk_bytes)
 
 
-def _file_and_block_digests(
-    path: Path, block_bytes: int, on_bytes: Callable[[int], None]
-) -> tuple[int, str, list[str]]:
-    """A file's size, its sha256 and, if it is larger than `block_bytes`, each block's, in one
-    read (of the bytes it had when this began)."""
-    whole, block, blocks = hashlib.sha256(), hashlib.sha256(), []
-    size = path.stat().st_size
-    in_blocks = size > block_bytes
-    filled = 0
-    for _, piece in _pieces(path, 0, size, range(block_bytes, size, block_bytes), 0):
-        whole.update(piece)
-        if in_blocks:
-            block.update(piece)
-            filled += len(piece)
-            if filled == block_bytes:
-                blocks.append(block.hexdigest())
-                block, filled = hashlib.sha256(), 0
-        on_bytes(len(piece))
-    if in_blocks and filled:
-        blocks.append(block.hexdigest())
-    return size, whole.hexdigest(), blocks
-
-
 def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
                    on_progress: Progress | None = None, workers: int = 1,
                    block_bytes: int = BLOCK_BYTES) -> Manifest:  # fmt: skip
@@ -280,7 +257,7 @@ def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
         directory: the version directory.
         model: optional model name recorded in the manifest.
         on_progress: called with (bytes hashed, bytes total) as hashing goes.
-        workers: files hashed at once.
+        workers: files (and blocks) hashed at once.
         block_bytes: files larger than this also list the sha256 of each block of this size
             (a positive multiple of 4096; see the module docstring).
 
@@ -297,28 +274,29 @@ def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
     files = version_files(directory)
     if not files:
         raise ManifestError(f"{directory} holds no file to list")
-    total, done, lock = sum(f.stat().st_size for f in files), 0, threading.Lock()
+    # Each file whole (first: the longest spans), then the blocks of the larger ones, any
+    # number at once: a larger file is read twice, on two threads, in the time of one read.
+    sizes = [f.stat().st_size for f in files]
+    spans = [Span(f, 0, size, "", f.name) for f, size in zip(files, sizes, strict=True)]
+    for f, size in zip(files, sizes, strict=True):
+        if size > block_bytes:
+            spans += [Span(f, start, min(start + block_bytes, size), "", f.name)
+                      for start in range(0, size, block_bytes)]  # fmt: skip
+    listed, hashed = sum(sizes), sum((span.end or 0) - span.start for span in spans)
 
-    def advance(n: int) -> None:
-        nonlocal done
-        with lock:
-            done += n
-            if on_progress is not None:
-                on_progress(done, total)
+    def progress(done: int, total: int) -> None:  # in the files' bytes, not the bytes hashed
+        if on_progress is not None:
+            on_progress(done * listed // max(1, hashed), listed)
 
-    def entry(f: Path) -> dict[str, object]:
-        size, digest, blocks = _file_and_block_digests(f, block_bytes, advance)
-        out: dict[str, object] = {"name": f.relative_to(directory).as_posix(), "size": size,
-                                  "sha256": digest}  # fmt: skip
-        if blocks:
-            out.update(block_bytes=block_bytes, blocks=blocks)
-        return out
-
-    if workers <= 1 or len(files) <= 1:
-        entries = [entry(f) for f in files]
-    else:
-        with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="sha256") as pool:
-            entries = list(pool.map(entry, files))
+    digests = iter(_hash_spans(spans, progress, workers, None, 0))
+    entries: list[dict[str, object]] = [
+        {"name": f.relative_to(directory).as_posix(), "size": size, "sha256": next(digests)}
+        for f, size in zip(files, sizes, strict=True)
+    ]
+    for entry, size in zip(entries, sizes, strict=True):
+        if size > block_bytes:
+            blocks = [next(digests) for _ in range(0, size, block_bytes)]
+            entry.update(block_bytes=block_bytes, blocks=blocks)
     body: dict[str, object] = {"format": MANIFEST_FORMAT}
     if model:
         body["model"] = model

@@ -103,7 +103,7 @@ def test_a_file_larger_than_a_block_lists_each_blocks_sha256_and_a_bad_block_is_
         assert verify_version_dir(version_dir, workers=workers).digest == manifest.digest
     bad = rng.randrange(1, blocks)  # a block after the first
     corrupt = bytearray(data)
-    corrupt[bad * 2 * BLOCK + rng.randrange(2 * BLOCK)] ^= 0x01
+    corrupt[rng.randrange(bad * 2 * BLOCK, min(len(data), (bad + 1) * 2 * BLOCK))] ^= 0x01
     big.write_bytes(bytes(corrupt))
     with pytest.raises(ManifestError, match=rf"checksum mismatch: {big.name} \(bytes "
                        rf"{bad * 2 * BLOCK} to \d+, block {bad + 1} of {blocks}\)"):  # fmt: skip
