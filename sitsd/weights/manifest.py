@@ -160,13 +160,15 @@ def sha256_span(
     on_bytes: Callable[[int], None] | None = None,
     also: AlsoRead | None = None,
     chunk_bytes: int = 0,
+    buffer: memoryview | None = None,
 ) -> str:
     """Hex sha256 of bytes `[start, end)` of a file (`end` None: to its end), read in chunks of
-    `chunk_bytes` (0: 4 MiB) into one buffer (hashlib releases the GIL on large updates);
-    each chunk also goes to `also`, cut at its offsets."""
+    `chunk_bytes` (0: 4 MiB) into one buffer (`buffer`, if given and large enough: a thread
+    hashing many spans reuses one); hashlib releases the GIL on large updates. Each chunk also
+    goes to `also`, cut at its offsets."""
     digest = hashlib.sha256()
     cuts = also.cuts(path) if also is not None else ()
-    for offset, piece in _pieces(path, start, end, cuts, chunk_bytes):
+    for offset, piece in _pieces(path, start, end, cuts, chunk_bytes, buffer):
         digest.update(piece)
         if also is not None:
             also.read(path, offset, piece)
@@ -175,8 +177,8 @@ def sha256_span(
     return digest.hexdigest()
 
 
-def _pieces(path: Path, start: int, end: int | None, cuts: Sequence[int],
-            chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:  # fmt: skip
+def _pieces(path: Path, start: int, end: int | None, cuts: Sequence[int], chunk_bytes: int,
+            buffer: memoryview | None = None) -> Iterator[tuple[int, memoryview]]:  # fmt: skip
     """(offset, bytes) of `[start, end)` of a file in turn, each at most `chunk_bytes` (0: 4
     MiB) and none straddling one of `cuts` (ascending offsets): views of one buffer, each
     valid until the next.
@@ -191,7 +193,9 @@ def _pieces(path: Path, start: int, end: int | None, cuts: Sequence[int],
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         stop = size if end is None else min(end, size)
-        buffer = np.empty(max(1, min(chunk, stop - start)), dtype=np.uint8).data  # a memoryview
+        if buffer is None or len(buffer) < min(chunk, stop - start):
+            buffer = _buffer(max(1, min(chunk, stop - start)))
+        buffer = buffer[:chunk]
         f.seek(start)
         offset, cut = start, 0
         while offset < stop or end is None:
@@ -205,6 +209,11 @@ def _pieces(path: Path, start: int, end: int | None, cuts: Sequence[int],
                 break
             yield offset, buffer[:n]
             offset += n
+
+
+def _buffer(nbytes: int) -> memoryview:
+    """An uninitialised buffer (see `_pieces`)."""
+    return np.empty(nbytes, dtype=np.uint8).data
 
 
 def _hash_spans(
@@ -226,8 +235,13 @@ def _hash_spans(
             if on_progress is not None:
                 on_progress(done, total)
 
+    buffers = threading.local()  # one read buffer per hashing thread, for all its spans
+
     def one(span: Span) -> str:
-        return sha256_span(span.path, span.start, span.end, advance, also, chunk_bytes)
+        if not hasattr(buffers, "buffer"):
+            buffers.buffer = _buffer(chunk_bytes or _HASH_CHUNK)
+        return sha256_span(span.path, span.start, span.end, advance, also, chunk_bytes,
+                           buffers.buffer)  # fmt: skip
 
     if workers <= 1 or len(spans) <= 1:
         return [one(s) for s in spans]
