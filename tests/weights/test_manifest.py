@@ -204,6 +204,14 @@ def test_a_version_directory_that_is_a_symlink_out_of_the_root_is_refused(versio
         verify_version_dir(link, root=tmp_path / "watch")
 
 
+HEX = "0" * 64
+
+
+def _one_file(**fields: object) -> dict[str, object]:
+    """A manifest of one 9000-byte file, with `fields` in its entry."""
+    return {"format": 1, "files": [{"name": "a", "size": 9000, "sha256": HEX, **fields}]}
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -217,50 +225,11 @@ def test_a_version_directory_that_is_a_symlink_out_of_the_root_is_refused(versio
         {"format": 1, "files": [{"name": "a", "size": 1, "sha256": "z" * 64}]},
         # blocks: a count that does not cover the size, a size not a multiple of 4096, one
         # without the other, a digest that is not one
-        {
-            "format": 1,
-            "files": [
-                {
-                    "name": "a",
-                    "size": 9000,
-                    "sha256": "0" * 64,
-                    "block_bytes": 4096,
-                    "blocks": ["0" * 64] * 2,
-                }
-            ],
-        },
-        {
-            "format": 1,
-            "files": [
-                {
-                    "name": "a",
-                    "size": 9000,
-                    "sha256": "0" * 64,
-                    "block_bytes": 3000,
-                    "blocks": ["0" * 64] * 3,
-                }
-            ],
-        },
-        {
-            "format": 1,
-            "files": [{"name": "a", "size": 9000, "sha256": "0" * 64, "block_bytes": 4096}],
-        },
-        {
-            "format": 1,
-            "files": [{"name": "a", "size": 9000, "sha256": "0" * 64, "blocks": ["0" * 64] * 3}],
-        },
-        {
-            "format": 1,
-            "files": [
-                {
-                    "name": "a",
-                    "size": 9000,
-                    "sha256": "0" * 64,
-                    "block_bytes": 4096,
-                    "blocks": ["0" * 64, "0" * 63, "0" * 64],
-                }
-            ],
-        },
+        _one_file(block_bytes=4096, blocks=[HEX] * 2),
+        _one_file(block_bytes=3000, blocks=[HEX] * 3),
+        _one_file(block_bytes=4096),
+        _one_file(blocks=[HEX] * 3),
+        _one_file(block_bytes=4096, blocks=[HEX, HEX[:-1], HEX]),
     ],
 )
 def test_malformed_manifests_are_refused(version_dir, body):
