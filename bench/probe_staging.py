@@ -6,7 +6,7 @@ streams), where the link alone would take well under a second. The parts, over t
 `--gib` GiB of tensors of a version directory (bf16 safetensors, e.g. the one
 `bench.bench_swap` wrote, or one written here):
 
-    hash          sha256 of the files as `manifest.sha256_file` reads them (a new bytes per read)
+    hash          sha256 of the files, a new bytes object per read (`f.read`)
     hash-into     sha256 from one reused buffer (`readinto`)
     read-mmap     the memory-mapped tensors copied into a pinned buffer (what `PinnedUpload`
                   does on the stager's thread), per chunk size
