@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ _HASH_CHUNK = 4 * 2**20
 # for an 8B model in bfloat16, enough for any host's cores; few enough digests to read.
 BLOCK_BYTES = 256 * 2**20
 _BLOCK_ALIGN = 4096  # a block's size is a multiple of this (so of every value's size)
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 # Called with (bytes done, bytes total) while files are hashed.
 Progress = Callable[[int, int], None]
@@ -80,15 +82,17 @@ class ManifestFile:
         path = directory / self.name
         if not self.blocks:
             return [Span(path, 0, None, self.sha256, self.name)]
+        ranges = block_ranges(self.size, self.block_bytes)
         out = []
-        for i, digest in enumerate(self.blocks):
-            start = i * self.block_bytes
-            last = i == len(self.blocks) - 1
-            end = None if last else start + self.block_bytes
-            what = (f"{self.name} (bytes {start} to {self.size if last else end}, block {i + 1} "
-                    f"of {len(self.blocks)})")  # fmt: skip
-            out.append(Span(path, start, end, digest, what))
+        for i, (digest, (start, end)) in enumerate(zip(self.blocks, ranges, strict=True)):
+            what = f"{self.name} (bytes {start} to {end}, block {i + 1} of {len(ranges)})"
+            out.append(Span(path, start, None if i == len(ranges) - 1 else end, digest, what))
         return out
+
+
+def block_ranges(size: int, block_bytes: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each block of a file of `size` bytes, in order (the last shorter)."""
+    return [(start, min(start + block_bytes, size)) for start in range(0, size, block_bytes)]
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class Span:
     path: Path
     start: int
     end: int | None
-    sha256: str
+    sha256: str  # "" where the digest is to be found (writing a manifest), not checked
     what: str  # how a mismatch names it: the file's name, and which bytes
 
 
@@ -291,12 +295,12 @@ def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
     # Each file whole (first: the longest spans), then the blocks of the larger ones, any
     # number at once: a larger file is read twice, on two threads, in the time of one read.
     sizes = [f.stat().st_size for f in files]
+    blocks = [block_ranges(size, block_bytes) if size > block_bytes else [] for size in sizes]
     spans = [Span(f, 0, size, "", f.name) for f, size in zip(files, sizes, strict=True)]
-    for f, size in zip(files, sizes, strict=True):
-        if size > block_bytes:
-            spans += [Span(f, start, min(start + block_bytes, size), "", f.name)
-                      for start in range(0, size, block_bytes)]  # fmt: skip
-    listed, hashed = sum(sizes), sum((span.end or 0) - span.start for span in spans)
+    for f, ranges in zip(files, blocks, strict=True):
+        spans += [Span(f, start, end, "", f.name) for start, end in ranges]
+    listed = sum(sizes)
+    hashed = listed + sum(size for size, ranges in zip(sizes, blocks, strict=True) if ranges)
 
     def progress(done: int, total: int) -> None:  # in the files' bytes, not the bytes hashed
         if on_progress is not None:
@@ -307,10 +311,9 @@ def write_manifest(directory: str | os.PathLike[str], *, model: str = "",
         {"name": f.relative_to(directory).as_posix(), "size": size, "sha256": next(digests)}
         for f, size in zip(files, sizes, strict=True)
     ]
-    for entry, size in zip(entries, sizes, strict=True):
-        if size > block_bytes:
-            blocks = [next(digests) for _ in range(0, size, block_bytes)]
-            entry.update(block_bytes=block_bytes, blocks=blocks)
+    for entry, ranges in zip(entries, blocks, strict=True):
+        if ranges:
+            entry.update(block_bytes=block_bytes, blocks=[next(digests) for _ in ranges])
     body: dict[str, object] = {"format": MANIFEST_FORMAT}
     if model:
         body["model"] = model
@@ -373,14 +376,9 @@ def parse_manifest(data: bytes, path: Path) -> Manifest:
 
 
 def _hex(digest: object) -> bool:
-    """A sha256 in hex."""
-    if not isinstance(digest, str) or len(digest) != 64:
-        return False
-    try:
-        int(digest, 16)
-    except ValueError:
-        return False
-    return True
+    """A sha256 in hex: 64 hex digits, nothing else (`int(_, 16)` would take "0x", "_" and
+    spaces)."""
+    return isinstance(digest, str) and _SHA256_HEX.fullmatch(digest) is not None
 
 
 def _blocks(entry: dict[str, object], size: int, path: Path) -> tuple[tuple[str, ...], int]:
@@ -393,7 +391,7 @@ def _blocks(entry: dict[str, object], size: int, path: Path) -> tuple[tuple[str,
             or block_bytes % _BLOCK_ALIGN):  # fmt: skip
         raise ManifestError(f"{path}: {name}: block_bytes must be a positive multiple of "
                             f"{_BLOCK_ALIGN}, got {block_bytes!r}")  # fmt: skip
-    count = -(-size // block_bytes)
+    count = len(block_ranges(size, block_bytes))
     if not isinstance(blocks, list) or len(blocks) != count or not all(map(_hex, blocks)):
         raise ManifestError(f"{path}: {name}: blocks must list {count} sha256 digests (one per "
                             f"{block_bytes} bytes of its {size})")  # fmt: skip

@@ -96,8 +96,7 @@ def test_a_file_larger_than_a_block_lists_each_blocks_sha256_and_a_bad_block_is_
         hashlib.sha256(data[i : i + 2 * BLOCK]).hexdigest() for i in range(0, len(data), 2 * BLOCK)
     ]
     assert len(entry["blocks"]) == blocks
-    if small.stat().st_size <= 2 * BLOCK:
-        assert "blocks" not in body[small.name]
+    assert ("blocks" in body[small.name]) == (small.stat().st_size > 2 * BLOCK)
     assert progress[-1] == (manifest.total_bytes, manifest.total_bytes)
     for workers in (1, 4):
         assert verify_version_dir(version_dir, workers=workers).digest == manifest.digest
@@ -230,6 +229,8 @@ def _one_file(**fields: object) -> dict[str, object]:
         _one_file(block_bytes=4096),
         _one_file(blocks=[HEX] * 3),
         _one_file(block_bytes=4096, blocks=[HEX, HEX[:-1], HEX]),
+        _one_file(block_bytes=4096, blocks=[HEX, "0x" + HEX[2:], HEX]),  # int(_, 16) takes it
+        {"format": 1, "files": [{"name": "a", "size": 1, "sha256": " " + HEX[1:]}]},
     ],
 )
 def test_malformed_manifests_are_refused(version_dir, body):
