@@ -142,15 +142,19 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     if num_rows <= 4:  # the tensor-core kernel against gemv, split until the grid fills the SMs
         m = 1 << max(num_rows - 1, 0).bit_length()
         return [
-            c("gemv", m, 32, 128, split_k=8, num_warps=2),
+            *(c("gemv", m, n, 128, split_k=8, num_warps=w) for n, w in ((32, 2), (64, 2),
+                                                                       (128, 2), (128, 4))),
             *(c("mma", 16, n, 128, split_k=s) for n, s in ((64, 8), (128, 8), (128, 16))),
-        ]
+        ]  # fmt: skip
     if num_rows <= 64:
         return [c("dot_swapped", m16, 64, 128, split_k=2)] + [
             c("mma", m16, n, 128, split_k=s) for n in (64, 128) for s in (2, 4, 8)
         ]
     return [
         c("dot", 64, 128, 64),
+        c("dot", 128, 128, 64, num_warps=8),
+        c("dot_swapped", 128, 128, 64, num_warps=8),
+        c("dot_swapped", 128, 64, 128),
         c("mma", 64, 128, 128, split_k=2),
         c("mma", 64, 64, 128, split_k=2),
     ]

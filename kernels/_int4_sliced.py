@@ -1,19 +1,26 @@
 """The sliced INT4 kernel behind `int4_matmul`'s `gemv` mode (1 to 4 rows of x).
 
 A chunk of `8 * WORDS` layout columns is `WORDS` int32 words per weight row, loaded as one
-`[BLOCK_N, WORDS]` tile of 16-byte vectors. Slice i of the chunk is nibble i of every word,
-`(words >> 4 i) & 0xF`: the codes of layout columns `k0 + 8 w + i` (w = 0 .. WORDS - 1), still
-`[BLOCK_N, WORDS]` in the words' own registers. Each slice meets the matching strided columns of
-x (`[WORDS]`, gathered from cache: x is small, and its loads take the slice's layout directly)
-and the eight slices together cover the chunk. Nothing is reshaped, joined or broadcast to a
-third dimension, so the codes never move between registers, threads or shared memory (the
-3-D formulation this replaced converted every slice through shared memory and read the weight
-at a fifth of the rate). Per code that is a shift, a mask-and-or (one LOP3), an add and an FMA.
+`[BLOCK_N, WORDS]` tile of 16-byte vectors. Slice i of the chunk is nibble i of every word: the
+codes of layout columns `k0 + 8 w + i` (w = 0 .. WORDS - 1), still `[BLOCK_N, WORDS]` in the
+words' own registers. Each slice meets the matching strided columns of x, and the eight slices
+together cover the chunk. Nothing is reshaped, joined or broadcast to a third dimension, so the
+codes never move between registers, threads or shared memory (the 3-D formulation this replaced
+converted every slice through shared memory and read the weight at a fifth of the rate).
 
-A code becomes a float by setting it as the low mantissa bits of 2^23, `(q | 0x4B000000)` read
-as float32 = 2^23 + q exactly, so one add gives `q - 8` (symmetric weights) or `q` (with
-offsets). A chunk's `q * x` are summed per word before the scale is applied (and the offset,
-times the sum of x), once per row and word.
+x is read once per word and chunk: its eight columns `k0 + 8 w .. k0 + 8 w + 7` as one
+`[WORDS, 8]` tile, split into the slices' columns (passed to the words' layout through shared
+memory once per chunk), not one gathered 2-byte load per slice and word.
+
+A code becomes a float without a conversion or a subtraction: one shift brings nibbles 2j and
+2j + 1 of a word to bits 15-18 and 19-22, and one AND-OR each sets them as mantissa bits under
+the exponent of 256.0 and of 16.0, which read as `256 + q` and `16 + q` exactly. So a weight
+costs half a shift, a LOP3 and an FMA per row of x. The biases (with a symmetric weight's
+centre, 8) come off once per word and chunk: `sum_i (B_i + q_i) x_i - sum_i (B_i + 8) x_i`,
+the second sum from x alone. A product of `256 + q` keeps 2^-16 of |x| (8 bits fewer than one
+of `q`): far below a 16-bit x's own rounding, so a float32 x subtracts the bias from each code
+instead (an add per code, exact products). The scale is applied per row and word after the
+sum; an offset, times the sum of x, likewise.
 """
 
 from __future__ import annotations
@@ -21,8 +28,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sitsd.kernels._int4_tile import as_float
 from sitsd.kernels._pdl import pdl_enter
+
+# Bits 15-18 under 256.0's exponent read as 256 + q; bits 19-22 under 16.0's as 16 + q.
+_LO_BIAS = tl.constexpr(256.0)
+_LO_BITS = tl.constexpr(0x43800000)  # 256.0
+_HI_BIAS = tl.constexpr(16.0)
+_HI_BITS = tl.constexpr(0x41800000)  # 16.0
+# The masks of those bits travel as kernel arguments (`int4_gemv_kernel`'s lo_mask, hi_mask):
+# a LOP3 takes one immediate, and with both constants immediates ptxas sets the other with a
+# MOV before every use (sm_90 SASS: five instructions per code instead of 3.4 at 128 rows).
+MASKS = (0x00078000, 0x00780000)
 
 
 @triton.jit
@@ -61,9 +77,12 @@ def _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
-def _slice_partial(part, words, i: tl.constexpr, x_row, cols, k_mask, HAS_PERM: tl.constexpr,
-                   perm_ptr, HAS_OFFSETS: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """`part + q_i * x[cols]` for one row of x (`[BLOCK_N, WORDS]`), and x[cols] itself."""
+def _x_slices(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
+              perm_ptr, EVEN_K: tl.constexpr):  # fmt: skip
+    """x's columns under the chunk's words, `[WORDS]` float32 per slice (zero past K): one
+    `[WORDS, 8]` load (8 consecutive columns per word), split in registers."""
+    cols = k0 + 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]  # [WORDS, 8]
+    k_mask = cols < K
     if HAS_PERM:
         if EVEN_K:
             cols = tl.load(perm_ptr + cols)
@@ -73,12 +92,69 @@ def _slice_partial(part, words, i: tl.constexpr, x_row, cols, k_mask, HAS_PERM: 
         x = tl.load(x_row + cols).to(tl.float32)
     else:
         x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
-    codes = (words >> (4 * i)) & 0xF
-    if HAS_OFFSETS:
-        q = as_float(codes)  # q
+    # Column 8 w + i, i = 4 a + 2 b + c: split c, then b, then a.
+    even, odd = tl.split(tl.reshape(x, [WORDS, 4, 2]))  # i = 2 j, 2 j + 1 (j = 2 a + b)
+    e_lo, e_hi = tl.split(tl.reshape(even, [WORDS, 2, 2]))  # j even, odd
+    o_lo, o_hi = tl.split(tl.reshape(odd, [WORDS, 2, 2]))
+    x0, x4 = tl.split(e_lo)
+    x2, x6 = tl.split(e_hi)
+    x1, x5 = tl.split(o_lo)
+    x3, x7 = tl.split(o_hi)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _biased_pair(words, j: tl.constexpr, lo_mask, hi_mask, EXACT: tl.constexpr,
+                 CENTRE: tl.constexpr):  # fmt: skip
+    """Nibbles 2j and 2j + 1 of every word as float32 `256 + q` and `16 + q` (the module
+    docstring): one shift, one AND-OR each (`MASKS`). With EXACT, `q - CENTRE` (an add each)."""
+    SHIFT: tl.constexpr = 15 - 8 * j  # nibble 2j to bit 15
+    if SHIFT >= 0:
+        t = words << SHIFT
     else:
-        q = as_float(codes, 8.0)  # q - 8
-    return part + q * x[None, :], x
+        t = words >> (-SHIFT)  # arithmetic: the sign lands above bit 22, outside both masks
+    lo = ((t & lo_mask) | _LO_BITS).to(tl.float32, bitcast=True)
+    hi = ((t & hi_mask) | _HI_BITS).to(tl.float32, bitcast=True)
+    if EXACT:
+        return lo - (_LO_BIAS + CENTRE), hi - (_HI_BIAS + CENTRE)
+    return lo, hi
+
+
+@triton.jit
+def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr,
+                 HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
+                 CENTRE: tl.constexpr):  # fmt: skip
+    """For one row of x: `sum_i (q_i - CENTRE) x_i` per weight row and word (`[BLOCK_N,
+    WORDS]`) and x's sum per word (`[WORDS]`)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_slices(x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
+                                              EVEN_K)  # fmt: skip
+    lo, hi = _biased_pair(words, 0, lo_mask, hi_mask, EXACT, CENTRE)
+    p = lo * x0[None, :]
+    p += hi * x1[None, :]
+    lo, hi = _biased_pair(words, 1, lo_mask, hi_mask, EXACT, CENTRE)
+    p += lo * x2[None, :]
+    p += hi * x3[None, :]
+    lo, hi = _biased_pair(words, 2, lo_mask, hi_mask, EXACT, CENTRE)
+    p += lo * x4[None, :]
+    p += hi * x5[None, :]
+    lo, hi = _biased_pair(words, 3, lo_mask, hi_mask, EXACT, CENTRE)
+    p += lo * x6[None, :]
+    p += hi * x7[None, :]
+    even = x0 + x2 + x4 + x6
+    odd = x1 + x3 + x5 + x7
+    if EXACT:
+        return p, even + odd
+    bias = (_LO_BIAS + CENTRE) * even + (_HI_BIAS + CENTRE) * odd
+    return p - bias[None, :], even + odd
+
+
+@triton.jit
+def _chunk_sum(acc, p, s, scale, offset, HAS_OFFSETS: tl.constexpr):
+    """acc + the chunk's dequantized product: `(q * scale + offset) x`, or `(q - 8) scale x`
+    (p is `sum (q - 8) x` then)."""
+    if HAS_OFFSETS:
+        return acc + p * scale + offset * s[None, :]
+    return acc + p * scale
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -92,6 +168,8 @@ def int4_gemv_kernel(
     M,
     N,
     stride_xm,
+    lo_mask,  # MASKS[0]
+    hi_mask,  # MASKS[1]
     K: tl.constexpr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # rows of x per program, 1 to 4 (each its own 2-D accumulator)
@@ -107,6 +185,9 @@ def int4_gemv_kernel(
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
     pdl_enter(PDL)
+    # A float32 x keeps exact products (an add per code): `256 + q` would cost it 8 bits.
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    CENTRE: tl.constexpr = 0.0 if HAS_OFFSETS else 8.0  # symmetric codes are q - 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = tl.program_id(1) * ROWS
     split = tl.program_id(2)
@@ -125,42 +206,21 @@ def int4_gemv_kernel(
         words = _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K, EVEN)
         scale, offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, k0, N, K, GROUP,
                                       WORDS, HAS_OFFSETS)  # fmt: skip
-        p0 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        p1 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        p2 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        p3 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        s0 = tl.zeros([WORDS], dtype=tl.float32)
-        s1 = tl.zeros([WORDS], dtype=tl.float32)
-        s2 = tl.zeros([WORDS], dtype=tl.float32)
-        s3 = tl.zeros([WORDS], dtype=tl.float32)
-        for i in tl.static_range(8):
-            cols = k0 + 8 * offs_w + i
-            k_mask = cols < K
-            p0, x = _slice_partial(p0, words, i, x0, cols, k_mask, HAS_PERM, perm_ptr,
-                                   HAS_OFFSETS, EVEN_K)  # fmt: skip
-            s0 += x
-            if ROWS > 1:
-                p1, x = _slice_partial(p1, words, i, x1, cols, k_mask, HAS_PERM, perm_ptr,
-                                       HAS_OFFSETS, EVEN_K)  # fmt: skip
-                s1 += x
-            if ROWS > 2:
-                p2, x = _slice_partial(p2, words, i, x2, cols, k_mask, HAS_PERM, perm_ptr,
-                                       HAS_OFFSETS, EVEN_K)  # fmt: skip
-                s2 += x
-            if ROWS > 3:
-                p3, x = _slice_partial(p3, words, i, x3, cols, k_mask, HAS_PERM, perm_ptr,
-                                       HAS_OFFSETS, EVEN_K)  # fmt: skip
-                s3 += x
-        if HAS_OFFSETS:
-            acc0 += p0 * scale + offset * s0[None, :]
-            acc1 += p1 * scale + offset * s1[None, :]
-            acc2 += p2 * scale + offset * s2[None, :]
-            acc3 += p3 * scale + offset * s3[None, :]
-        else:
-            acc0 += p0 * scale
-            acc1 += p1 * scale
-            acc2 += p2 * scale
-            acc3 += p3 * scale
+        p, s = _row_partial(words, lo_mask, hi_mask, x0, k0, offs_w, K, WORDS, HAS_PERM,
+                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
+        acc0 = _chunk_sum(acc0, p, s, scale, offset, HAS_OFFSETS)
+        if ROWS > 1:
+            p, s = _row_partial(words, lo_mask, hi_mask, x1, k0, offs_w, K, WORDS, HAS_PERM,
+                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
+            acc1 = _chunk_sum(acc1, p, s, scale, offset, HAS_OFFSETS)
+        if ROWS > 2:
+            p, s = _row_partial(words, lo_mask, hi_mask, x2, k0, offs_w, K, WORDS, HAS_PERM,
+                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
+            acc2 = _chunk_sum(acc2, p, s, scale, offset, HAS_OFFSETS)
+        if ROWS > 3:
+            p, s = _row_partial(words, lo_mask, hi_mask, x3, k0, offs_w, K, WORDS, HAS_PERM,
+                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
+            acc3 = _chunk_sum(acc3, p, s, scale, offset, HAS_OFFSETS)
     out = out_ptr
     if SPLIT_K > 1:
         out = out_ptr + split * M * N

@@ -9,12 +9,14 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
 
 * `gemv`: 1 to 4 rows of x per program, the weight rows' words sliced by nibble
   (`_int4_sliced`): each slice's codes meet x's matching strided columns in the words' own
-  registers, with no reshape; a chunk's `q * x` are summed per word before the scale (and the
-  offset, times the sum of x) is applied, so a weight costs a shift, a LOP3, an add and an FMA
-  per row of x. A code becomes a float by setting it as the low mantissa bits of 2^23
-  (`(q | 0x4B000000)` read as float32, minus 2^23; exact), not by an int-to-float conversion,
-  which runs at a quarter of the FMA rate (the other modes share that conversion). For decode
-  batches of one or two, with split-K for enough programs to keep every SM streaming.
+  registers, with no reshape; x is read once per word (its 8 columns in one load). A code set
+  as mantissa bits under the exponent of 256.0 (or 16.0) reads as `256 + q` (`16 + q`) and is
+  multiplied as it is; the biases come off once per word and chunk, from x's sums, with the
+  scale and the offset. So a weight costs half a shift, a LOP3 and an FMA per row of x: 3.2-3.4
+  instructions per code in the loop's SASS at 128 weight rows per program (sm_90, triton 3.9;
+  5.3-5.7 before, with a shift, a bit-field extract, a LOP3, an add and an FMA). A float32 x
+  keeps exact products (an add per code more). For decode batches of one or two, with split-K
+  for enough programs to keep every SM streaming.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop: the 3-D formulation `gemv` replaced (kept as a second path for few rows; it
   converts every tile through shared memory and measures 1.3-2x slower).
@@ -26,7 +28,7 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   16-bit tiles `BIAS + q` by one inline-PTX LOP3 per code, straight in the MMA's register
   layout, each slice multiplied with x's matching strided columns on the tensor cores (weight
   rows on the M side), the group's scale and offset applied once per output element. About 2.7
-  instructions per code in all (SASS of the loop, sm_90), where `gemv` takes about 4 and the
+  instructions per code in all (SASS of the loop, sm_90), where `gemv` takes 3.4-4.3 and the
   dot modes 5-6.
 
 In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
@@ -38,8 +40,9 @@ Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which 
 the model's decision; `choose_int4_config` gives defaults from the GPU benchmark
 (`bench/bench_quant_kernels.py`). No mode reaches its memory floor yet: up to 32 rows `mma`
 reads the weight at 25-38% of the copy bandwidth (`gemv` 20-38%, the other modes 12-20%),
-where cuBLAS bf16 reaches 60-97%: every code costs instructions (about 2.5 in `mma`, 4 in
-`gemv`) near the SMs' issue rate at full bandwidth, and the kernels run few warps per SM.
+where cuBLAS bf16 reaches 60-97%: every code cost instructions (about 2.5 in `mma`, 5-6 in
+`gemv` when those figures were taken) near the SMs' issue rate at full bandwidth, and the
+kernels run few warps per SM.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import triton
 import triton.language as tl
 
 from sitsd.kernels._int4_mma import int4_mma_kernel
-from sitsd.kernels._int4_sliced import int4_gemv_kernel
+from sitsd.kernels._int4_sliced import MASKS, int4_gemv_kernel
 from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._utils import (
@@ -374,7 +377,7 @@ def int4_matmul(
     elif config.mode == "gemv":
         int4_gemv_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
-            qweight if perm is None else perm, target, num_rows, n, x.stride(0),
+            qweight if perm is None else perm, target, num_rows, n, x.stride(0), *MASKS,
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,

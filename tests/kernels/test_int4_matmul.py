@@ -54,6 +54,20 @@ def test_act_order_gathers_x_through_the_permutation(mode, dtype, device):
     assert not torch.allclose(out.float(), unpermuted.float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+def test_gemv_keeps_float32_precision_over_a_wide_range_of_x(offsets, device):
+    # gemv multiplies `256 + q` and `16 + q` and takes the biases off per word from x's sums:
+    # that must leave a float32 x its precision, outliers of 3e4 and columns of 1e-2 included.
+    k = 1024
+    weight = random_int4(64, k, 128, offsets=offsets, device=device)
+    x = _x(2, k, torch.float32, device) * 100
+    x[:, 7], x[:, 300] = 3e4, -2e4
+    x[:, 500:600] *= 1e-4
+    config = Int4MatmulConfig("gemv", 2, 32, 128, split_k=2, num_warps=2)
+    assert_close(int4_matmul(x, *weight.args, config=config), int4_matmul_ref(x, *weight.args),
+                 torch.float32)  # fmt: skip
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_scales_and_offsets_of_any_float_dtype(scale_dtype, device):
     weight = random_int4(40, 128, 64, offsets=True, scale_dtype=scale_dtype, device=device)
