@@ -144,6 +144,8 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         return [
             *(c("gemv", m, n, 128, split_k=8, num_warps=w) for n, w in ((32, 2), (64, 2),
                                                                        (128, 2), (128, 4))),
+            c("gemv", m, 32, 128, split_k=8, num_warps=2, num_stages=1),  # loads not ahead
+            c("gemv", m, 128, 128, split_k=8, num_warps=2, num_stages=1),
             *(c("mma", 16, n, 128, split_k=s) for n, s in ((64, 8), (128, 8), (128, 16))),
         ]  # fmt: skip
     if num_rows <= 64:
@@ -163,7 +165,7 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
 def describe(config: Int4MatmulConfig) -> str:
     return (
         f"{config.mode} m{config.block_m} n{config.block_n} k{config.block_k} "
-        f"s{config.split_k} w{config.num_warps}"
+        f"s{config.split_k} w{config.num_warps} p{config.num_stages}"
     )
 
 
@@ -306,11 +308,12 @@ def _layer(x: torch.Tensor, weights: dict[str, Weight], linears: dict[str, Linea
 
 
 def _config_of(winner: str | None) -> Int4MatmulConfig | None:
-    """The configuration a sweep label describes ("sweep dot m64 n128 k64 s1 w4"), or None."""
+    """The configuration a sweep label describes ("sweep dot m64 n128 k64 s1 w4 p3"), or None."""
     if not winner or not winner.startswith("sweep"):
         return None
-    mode, m, n, k, s, w = winner.removeprefix("sweep ").split()
-    return Int4MatmulConfig(mode, int(m[1:]), int(n[1:]), int(k[1:]), int(s[1:]), int(w[1:]))
+    mode, m, n, k, s, w, p = winner.removeprefix("sweep ").split()
+    return Int4MatmulConfig(mode, int(m[1:]), int(n[1:]), int(k[1:]), int(s[1:]), int(w[1:]),
+                            int(p[1:]))  # fmt: skip
 
 
 def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> list[Row]:

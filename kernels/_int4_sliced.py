@@ -8,6 +8,10 @@ together cover the chunk. Nothing is reshaped, joined or broadcast to a third di
 codes never move between registers, threads or shared memory (the 3-D formulation this replaced
 converted every slice through shared memory and read the weight at a fifth of the rate).
 
+A chunk's words and scales are loaded one chunk ahead (`PREFETCH`, the configuration's
+`num_stages > 1`), in flight while the chunk before computes: Triton's pipeliner leaves loads
+that feed no `tl.dot` where they are.
+
 x is read once per word and chunk: its eight columns `k0 + 8 w .. k0 + 8 w + 7` as one
 `[WORDS, 8]` tile, split into the slices' columns (passed to the words' layout through shared
 memory once per chunk), not one gathered 2-byte load per slice and word.
@@ -181,6 +185,7 @@ def int4_gemv_kernel(
     HAS_PERM: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * 8 * WORDS divides K: no weight masks
     EVEN_K: tl.constexpr,  # SPLIT_K * 8 * WORDS divides K
+    PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
     PDL: tl.constexpr,
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
@@ -202,25 +207,38 @@ def int4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-    for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, 8 * WORDS):
-        words = _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K, EVEN)
-        scale, offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, k0, N, K, GROUP,
+    first = split * K_SPLIT
+    end = first + K_SPLIT
+    if PREFETCH:
+        words = _load_words(qw_ptr, offs_n, n_mask, offs_w, first, K, EVEN)
+        scale, offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, first, N, K, GROUP,
                                       WORDS, HAS_OFFSETS)  # fmt: skip
-        p, s = _row_partial(words, lo_mask, hi_mask, x0, k0, offs_w, K, WORDS, HAS_PERM,
+    for k0 in range(first, end, 8 * WORDS):
+        if PREFETCH:  # the next chunk's words and scales in flight while this one computes
+            now_words, now_scale, now_offset = words, scale, offset
+            nxt = tl.where(k0 + 8 * WORDS < end, k0 + 8 * WORDS, k0)  # past the end: this again
+            words = _load_words(qw_ptr, offs_n, n_mask, offs_w, nxt, K, EVEN)
+            scale, offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, nxt, N, K, GROUP,
+                                          WORDS, HAS_OFFSETS)  # fmt: skip
+        else:
+            now_words = _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K, EVEN)
+            now_scale, now_offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, k0, N, K,
+                                                  GROUP, WORDS, HAS_OFFSETS)  # fmt: skip
+        p, s = _row_partial(now_words, lo_mask, hi_mask, x0, k0, offs_w, K, WORDS, HAS_PERM,
                                 perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-        acc0 = _chunk_sum(acc0, p, s, scale, offset, HAS_OFFSETS)
+        acc0 = _chunk_sum(acc0, p, s, now_scale, now_offset, HAS_OFFSETS)
         if ROWS > 1:
-            p, s = _row_partial(words, lo_mask, hi_mask, x1, k0, offs_w, K, WORDS, HAS_PERM,
+            p, s = _row_partial(now_words, lo_mask, hi_mask, x1, k0, offs_w, K, WORDS, HAS_PERM,
                                 perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc1 = _chunk_sum(acc1, p, s, scale, offset, HAS_OFFSETS)
+            acc1 = _chunk_sum(acc1, p, s, now_scale, now_offset, HAS_OFFSETS)
         if ROWS > 2:
-            p, s = _row_partial(words, lo_mask, hi_mask, x2, k0, offs_w, K, WORDS, HAS_PERM,
+            p, s = _row_partial(now_words, lo_mask, hi_mask, x2, k0, offs_w, K, WORDS, HAS_PERM,
                                 perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc2 = _chunk_sum(acc2, p, s, scale, offset, HAS_OFFSETS)
+            acc2 = _chunk_sum(acc2, p, s, now_scale, now_offset, HAS_OFFSETS)
         if ROWS > 3:
-            p, s = _row_partial(words, lo_mask, hi_mask, x3, k0, offs_w, K, WORDS, HAS_PERM,
+            p, s = _row_partial(now_words, lo_mask, hi_mask, x3, k0, offs_w, K, WORDS, HAS_PERM,
                                 perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc3 = _chunk_sum(acc3, p, s, scale, offset, HAS_OFFSETS)
+            acc3 = _chunk_sum(acc3, p, s, now_scale, now_offset, HAS_OFFSETS)
     out = out_ptr
     if SPLIT_K > 1:
         out = out_ptr + split * M * N

@@ -381,8 +381,8 @@ def int4_matmul(
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
-            EVEN_K=even_k, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
-            launch_pdl=pdl,
+            EVEN_K=even_k, PREFETCH=config.num_stages > 1, PDL=pdl, num_warps=config.num_warps,
+            num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:
         _int4_matmul_kernel[grid](
