@@ -159,6 +159,7 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         c("dot_swapped", 128, 64, 128),
         c("mma", 64, 128, 128, split_k=2),
         c("mma", 64, 64, 128, split_k=2),
+        c("mma", 128, 64, 128, split_k=2),
     ]
 
 

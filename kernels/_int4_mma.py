@@ -14,7 +14,9 @@ side by side are one `[BLOCK_N, 128]` operand (a relabelling of registers), mult
 chain of MMAs with x's columns in the same slice-major order (`x[:, k0 + 8w + i]` at K index
 16 i + w): x is loaded in column order, in 16-byte vectors, and permuted on its way into shared
 memory, where the MMA reads it anyway (a gather of 2-byte loads before: 16-32% more
-instructions in the loop, SASS sm_90). The weight rows are the MMA's M side.
+instructions in the loop, SASS sm_90); or, with X_ORDERED (tiles of 64 rows or more), it comes
+in that order already, from one copy the wrapper makes (`int4_matmul.slice_major_x`), and is
+stored to shared memory in 16-byte pieces. The weight rows are the MMA's M side.
 
 The zero point z of a row and group is 8 without offsets; the integer zero points found at load
 (`zeros`, uint8: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.
@@ -136,21 +138,24 @@ def _slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N: tl.constexpr):
 @triton.jit
 def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m, m_mask, offs_n, n_mask,
                   k0, live, N, stride_xm, K: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                  EVEN_K: tl.constexpr):  # fmt: skip
+                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
+                  X_ORDERED: tl.constexpr, KX: tl.constexpr):  # fmt: skip
     """What one group multiplies besides its codes: x's columns in slice-major order,
-    transposed (`[8 * WORDS, BLOCK_M]`, zero past M and K; loaded in order, then permuted),
-    and per weight row (float32 `[BLOCK_N]`) the scale, the zero point z and the remainder
-    `offset + z * scale` (0 unless offsets come without zeros). `live` False (a prefetch past
-    the split's last group) loads nothing."""
-    cols, k_mask = _input_columns(perm_ptr, k0 + tl.arange(0, 8 * WORDS), live, K, HAS_PERM,
-                                  EVEN_K)  # fmt: skip
+    transposed (`[8 * WORDS, BLOCK_M]`, zero past M and K; loaded in order and permuted here,
+    or with X_ORDERED in that order already), and per weight row (float32 `[BLOCK_N]`) the
+    scale, the zero point z and the remainder `offset + z * scale` (0 unless offsets come
+    without zeros). `live` False (a prefetch past the split's last group) loads nothing."""
+    cols, k_mask = _input_columns(perm_ptr, k0 + tl.arange(0, 8 * WORDS), live, KX,
+                                  HAS_PERM and not X_ORDERED, EVEN_K and not X_ORDERED)  # fmt: skip
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
                 mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-    # [BLOCK_M, 128] in column order; column 8 w + i to K index WORDS * i + w: [M, w, i] ->
-    # [i, w, M]
-    x = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], WORDS, 8)), (2, 1, 0)),
-                   (8 * WORDS, x.shape[0]))  # fmt: skip
+    if X_ORDERED:
+        x = tl.trans(x)
+    else:
+        # [BLOCK_M, 128] in column order; column 8 w + i to K index WORDS * i + w: [M, w, i]
+        # -> [i, w, M]
+        x = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], WORDS, 8)), (2, 1, 0)),
+                       (8 * WORDS, x.shape[0]))  # fmt: skip
     g = k0 // (8 * WORDS)
     num_groups = (K + 8 * WORDS - 1) // (8 * WORDS)
     g_mask = n_mask & (live + 0 * offs_n > 0) & (g + 0 * offs_n < num_groups)
@@ -225,6 +230,10 @@ def int4_mma_kernel(
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * 128 divides K: no weight masks
     EVEN_K: tl.constexpr,  # SPLIT_K * 128 divides K: no K mask on x
     ASM: tl.constexpr,  # the PTX unpacking (GPU); plain float32 arithmetic otherwise
+    # x arrives in slice-major column order (`slice_major_x`: through perm, zero-padded to
+    # whole groups); otherwise each program loads a group's columns in order and permutes them
+    X_ORDERED: tl.constexpr,
+    KX: tl.constexpr,  # x's columns: K, or with X_ORDERED K padded to whole groups
     PDL: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
@@ -244,7 +253,8 @@ def int4_mma_kernel(
     # A group's x, scale, zero point and remainder are loaded one group ahead.
     x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
                                         m_mask, offs_n, n_mask, first, True, N, stride_xm, K,
-                                        HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K)  # fmt: skip
+                                        HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K,
+                                        X_ORDERED, KX)  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(first, end, GROUP):
         word_cols = k0 // 8 + offs_w
@@ -263,13 +273,14 @@ def int4_mma_kernel(
                        x_t.to(tl.float32), input_precision="ieee")  # fmt: skip
         acc += scale[:, None] * p
         if X_SUMS:
-            x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, K, HAS_PERM, EVEN_K)
+            x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, KX,
+                            HAS_PERM and not X_ORDERED, EVEN_K and not X_ORDERED)  # fmt: skip
             acc += rest[:, None] * x_sum[None, :]
         nxt = k0 + GROUP
         x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
                                             m_mask, offs_n, n_mask, nxt, nxt < end, N, stride_xm,
                                             K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
-                                            EVEN_K)  # fmt: skip
+                                            EVEN_K, X_ORDERED, KX)  # fmt: skip
     y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     offs = offs_m[:, None] * N + offs_n[None, :]  # into row-major [M, N]
     mask = m_mask[:, None] & n_mask[None, :]

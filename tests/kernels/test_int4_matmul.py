@@ -98,7 +98,10 @@ def test_mma_mode_matches_reference_with_ragged_tiles_a_short_last_group_and_spl
     weight = random_int4(37, k, 128, offsets=offsets, perm=perm, device=device)
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *weight.args)
-    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2)):
+    # 64-row tiles take x in slice-major order from one copy (slice_major_x): through perm,
+    # padded past K.
+    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
+                   Int4MatmulConfig("mma", 64, 16, 128, 2)):  # fmt: skip
         out = torch.full((5, 37), float("nan"), device=device, dtype=dtype)
         assert_close(int4_matmul(x, *weight.args, config=config, out=out), ref, dtype)
 
@@ -117,7 +120,8 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
     assert torch.equal(weight.zeros, z.round().to(torch.uint8))
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *case.args)
-    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2)):
+    for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
+                   Int4MatmulConfig("mma", 64, 16, 128, 2)):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
         assert_close(out, ref, dtype)
 
@@ -129,8 +133,9 @@ def test_mma_mode_takes_offsets_that_are_no_whole_number_of_scales(device):
     shift = torch.empty_like(case.offsets).uniform_(-40.0, 40.0) * case.scales
     case.offsets = case.offsets + shift
     x = _x(3, 256, torch.bfloat16, device)
-    out = int4_matmul(x, *case.args, config=Int4MatmulConfig("mma", 16, 32, 128, 2))
-    assert_close(out, int4_matmul_ref(x, *case.args), torch.bfloat16)
+    for config in (Int4MatmulConfig("mma", 16, 32, 128, 2), Int4MatmulConfig("mma", 64, 32, 128)):
+        out = int4_matmul(x, *case.args, config=config)
+        assert_close(out, int4_matmul_ref(x, *case.args), torch.bfloat16)
 
 
 def test_mma_mode_on_even_tiles_and_more_rows_than_one_tile(device):
