@@ -1,0 +1,153 @@
+"""Instructions per code in the INT4 kernels' main loops, from their SASS for sm_90, compiled
+here without a GPU (Triton's offline compile; its own `nvdisasm`).
+
+For each kernel and tile it prints the loop's instruction count, that count per code each thread
+multiplies (a code times a row of x), the registers, the stack (spills) and the most frequent
+opcodes. A proxy for the GPU's time where a kernel is issue-bound, and a check that a change
+compiles for sm_90 with the Triton at hand (the device has its own: put another version first
+on PYTHONPATH to count for it).
+
+    python -m bench.sass_int4 [--mode gemv|mma|both] [--rows 1] [--k 4096]
+
+Pointer and stride arguments are marked 16-byte divisible, as the JIT marks them at run time
+for aligned tensors (without it every load is scalar and the counts mislead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sitsd.kernels._int4_mma import int4_mma_kernel
+from sitsd.kernels._int4_sliced import int4_gemv_kernel
+
+_TARGET = GPUTarget("cuda", 90, 32)
+_ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "o_ptr", "z_ptr", "perm_ptr", "out_ptr", "N",
+            "stride_xm"}  # fmt: skip
+_TYPES = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp32", "z_ptr": "*u8",
+          "perm_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoopCount:
+    """One compiled kernel's main loop."""
+
+    instructions: int  # in the loop body, NOPs left out
+    per_code: float  # instructions / (codes x rows of x) each thread multiplies per iteration
+    registers: int
+    stack: int  # bytes of local memory per thread (spills)
+    opcodes: list[tuple[str, int]]  # the most frequent, with their counts
+
+
+def compile_sass(fn: triton.JITFunction, constants: dict[str, object], num_warps: int) -> str:
+    """`fn` compiled for sm_90 with `constants`, disassembled."""
+    names = list(fn.arg_names)
+    constants = {c: v for c, v in constants.items() if c in names}  # what this version takes
+    signature = {n: "constexpr" if n in constants else _TYPES.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in _ALIGNED}
+    fixed = {(names.index(c),): v for c, v in constants.items()}
+    kernel = triton.compile(ASTSource(fn, signature, fixed, attrs), target=_TARGET,
+                            options={"num_warps": num_warps})  # fmt: skip
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = _run(tools / "nvdisasm", "-c", str(cubin))
+        usage = _run(tools / "cuobjdump", "-res-usage", str(cubin))
+    return sass + "\n" + usage
+
+
+def loop_count(sass: str, codes_per_thread: float) -> LoopCount:
+    """The longest loop of `sass` (a label and the backward branch to it)."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}
+    best: list[str] = []
+    for line in sass.splitlines():
+        if label := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[label.group(1)] = len(instructions)
+            continue
+        if found := re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?);", line):
+            instructions.append(found.group(1).strip())
+            branch = re.search(r"BRA\s+`\((\.L_x_\d+)\)", found.group(1))
+            if branch and labels.get(branch.group(1), len(instructions)) < len(instructions) - 1:
+                body = instructions[labels[branch.group(1)] :]
+                best = body if len(body) > len(best) else best
+    ops = collections.Counter(_opcode(i) for i in best if "NOP" not in i)
+    used = re.search(r"REG:(\d+) STACK:(\d+)", sass)
+    total = sum(ops.values())
+    return LoopCount(
+        instructions=total,
+        per_code=total / codes_per_thread,
+        registers=int(used.group(1)) if used else -1,
+        stack=int(used.group(2)) if used else -1,
+        opcodes=ops.most_common(8),
+    )
+
+
+def gemv(rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2) -> LoopCount:
+    """`int4_gemv_kernel` (mode gemv) on 128-column chunks, split 8 ways."""
+    constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=16, SPLIT_K=8,
+                     K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, EVEN=True,
+                     EVEN_K=True, PREFETCH=True, PDL=False)  # fmt: skip
+    sass = compile_sass(int4_gemv_kernel, constants, num_warps)
+    return loop_count(sass, block_n * 128 * rows / (32 * num_warps))
+
+
+def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool) -> LoopCount:
+    """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways; per code of the weight tile (its
+    MMA covers all block_m rows of x at once)."""
+    constants = dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=8, K_SPLIT=k // 8,
+                     HAS_OFFSETS=zeros, HAS_ZEROS=zeros, HAS_PERM=False, EVEN=True, EVEN_K=True,
+                     ASM=True, X_ORDERED=ordered, KX=k, PDL=False)  # fmt: skip
+    sass = compile_sass(int4_mma_kernel, constants, 4)
+    return loop_count(sass, block_n * 128 / 128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("gemv", "mma", "both"), default="both")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x per gemv program")
+    parser.add_argument("--k", type=int, default=4096)
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_90, K = {args.k}")
+    if args.mode in ("gemv", "both"):
+        for block_n in (32, 64, 128):
+            for offsets in (False, True):
+                count = gemv(args.rows, block_n, args.k, offsets)
+                _show(f"gemv rows {args.rows} n{block_n} {'offsets' if offsets else 'sym'}",
+                      count, "code x row")  # fmt: skip
+    if args.mode in ("mma", "both"):
+        for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
+            for ordered in (False, True) if block_m >= 32 else (False,):
+                count = mma(block_m, block_n, args.k, zeros=False, ordered=ordered)
+                label = f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
+                _show(label, count, "code")
+
+
+def _show(label: str, count: LoopCount, unit: str) -> None:
+    ops = ", ".join(f"{op} {n}" for op, n in count.opcodes)
+    print(f"{label:28s} loop {count.instructions:5d}  {count.per_code:5.2f} per {unit:10s} "
+          f"regs {count.registers:3d} stack {count.stack:4d}  {ops}", flush=True)  # fmt: skip
+
+
+def _opcode(instruction: str) -> str:
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+def _run(*command: Path | str) -> str:
+    return subprocess.run([str(c) for c in command], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
