@@ -153,9 +153,14 @@ def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WO
 
 
 @triton.jit
-def _chunk_sum(acc, p, s, scale, offset, HAS_OFFSETS: tl.constexpr):
-    """acc + the chunk's dequantized product: `(q * scale + offset) x`, or `(q - 8) scale x`
-    (p is `sum (q - 8) x` then)."""
+def _row_chunk(acc, words, scale, offset, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr,
+               WORDS: tl.constexpr, HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr,
+               EXACT: tl.constexpr, HAS_OFFSETS: tl.constexpr):  # fmt: skip
+    """acc + one row of x times the chunk, dequantized: `(q * scale + offset) x`, or
+    `(q - 8) scale x` without offsets."""
+    CENTRE: tl.constexpr = 0.0 if HAS_OFFSETS else 8.0  # symmetric codes are q - 8
+    p, s = _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
+                        EVEN_K, EXACT, CENTRE)  # fmt: skip
     if HAS_OFFSETS:
         return acc + p * scale + offset * s[None, :]
     return acc + p * scale
@@ -192,7 +197,6 @@ def int4_gemv_kernel(
     pdl_enter(PDL)
     # A float32 x keeps exact products (an add per code): `256 + q` would cost it 8 bits.
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
-    CENTRE: tl.constexpr = 0.0 if HAS_OFFSETS else 8.0  # symmetric codes are q - 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = tl.program_id(1) * ROWS
     split = tl.program_id(2)
@@ -224,21 +228,21 @@ def int4_gemv_kernel(
             now_words = _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K, EVEN)
             now_scale, now_offset = _group_params(s_ptr, o_ptr, offs_n, n_mask, offs_w, k0, N, K,
                                                   GROUP, WORDS, HAS_OFFSETS)  # fmt: skip
-        p, s = _row_partial(now_words, lo_mask, hi_mask, x0, k0, offs_w, K, WORDS, HAS_PERM,
-                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-        acc0 = _chunk_sum(acc0, p, s, now_scale, now_offset, HAS_OFFSETS)
+        acc0 = _row_chunk(acc0, now_words, now_scale, now_offset, lo_mask, hi_mask, x0, k0,
+                          offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
+                          HAS_OFFSETS)  # fmt: skip
         if ROWS > 1:
-            p, s = _row_partial(now_words, lo_mask, hi_mask, x1, k0, offs_w, K, WORDS, HAS_PERM,
-                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc1 = _chunk_sum(acc1, p, s, now_scale, now_offset, HAS_OFFSETS)
+            acc1 = _row_chunk(acc1, now_words, now_scale, now_offset, lo_mask, hi_mask, x1, k0,
+                              offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
+                              HAS_OFFSETS)  # fmt: skip
         if ROWS > 2:
-            p, s = _row_partial(now_words, lo_mask, hi_mask, x2, k0, offs_w, K, WORDS, HAS_PERM,
-                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc2 = _chunk_sum(acc2, p, s, now_scale, now_offset, HAS_OFFSETS)
+            acc2 = _row_chunk(acc2, now_words, now_scale, now_offset, lo_mask, hi_mask, x2, k0,
+                              offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
+                              HAS_OFFSETS)  # fmt: skip
         if ROWS > 3:
-            p, s = _row_partial(now_words, lo_mask, hi_mask, x3, k0, offs_w, K, WORDS, HAS_PERM,
-                                perm_ptr, EVEN_K, EXACT, CENTRE)  # fmt: skip
-            acc3 = _chunk_sum(acc3, p, s, now_scale, now_offset, HAS_OFFSETS)
+            acc3 = _row_chunk(acc3, now_words, now_scale, now_offset, lo_mask, hi_mask, x3, k0,
+                              offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
+                              HAS_OFFSETS)  # fmt: skip
     out = out_ptr
     if SPLIT_K > 1:
         out = out_ptr + split * M * N
