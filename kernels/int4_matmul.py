@@ -12,11 +12,11 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   registers, with no reshape; x is read once per word (its 8 columns in one load). A code set
   as mantissa bits under the exponent of 256.0 (or 16.0) reads as `256 + q` (`16 + q`) and is
   multiplied as it is; the biases come off once per word and chunk, from x's sums, with the
-  scale and the offset. So a weight costs half a shift, a LOP3 and an FMA per row of x: 3.2-3.4
-  instructions per code in the loop's SASS at 128 weight rows per program (sm_90, triton 3.9;
-  5.3-5.7 before, with a shift, a bit-field extract, a LOP3, an add and an FMA). A float32 x
-  keeps exact products (an add per code more). For decode batches of one or two, with split-K
-  for enough programs to keep every SM streaming.
+  scale and the offset. So a weight costs half a shift, a LOP3 and an FMA per row of x: 3.3-3.6
+  instructions per code in the loop's SASS at 128 weight rows per program, 4.3-5.0 at 32
+  (sm_90, `bench.sass_int4`; 5.3-7.3 before, with a shift, a bit-field extract, a LOP3, an add
+  and an FMA). A float32 x keeps exact products (an add per code more). For decode batches of
+  one or two, with split-K for enough programs to keep every SM streaming.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop: the 3-D formulation `gemv` replaced (kept as a second path for few rows; it
   converts every tile through shared memory and measures 1.3-2x slower).
@@ -28,8 +28,8 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   16-bit tiles `BIAS + q` by one inline-PTX LOP3 per code, straight in the MMA's register
   layout, each slice multiplied with x's matching strided columns on the tensor cores (weight
   rows on the M side), the group's scale and offset applied once per output element. About 2.7
-  instructions per code in all (SASS of the loop, sm_90), where `gemv` takes 3.4-4.3 and the
-  dot modes 5-6.
+  instructions per code in all on 128-row tiles (SASS of the loop, sm_90), where `gemv` takes
+  3.3-5.0 and the dot modes 5-6.
 
 In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
 1` the programs along K write float32 partials `[split_k, M, N]` that a second small kernel sums
