@@ -7,7 +7,7 @@ opcodes. A proxy for the GPU's time where a kernel is issue-bound, and a check t
 compiles for sm_90 with the Triton at hand (the device has its own: put another version first
 on PYTHONPATH to count for it).
 
-    python -m bench.sass_int4 [--mode gemv|mma|both] [--rows 1] [--k 4096]
+    python -m bench.sass_int4 [--mode gemv|mma|dot|all] [--rows 1] [--k 4096]
 
 Pointer and stride arguments are marked 16-byte divisible, as the JIT marks them at run time
 for aligned tensors (without it every load is scalar and the counts mislead).
@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 
 from sitsd.kernels._int4_mma import int4_mma_kernel
 from sitsd.kernels._int4_sliced import int4_gemv_kernel
+from sitsd.kernels.int4_matmul import _MODE_IDS, _int4_matmul_kernel
 
 _TARGET = GPUTarget("cuda", 90, 32)
 _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "o_ptr", "z_ptr", "perm_ptr", "out_ptr", "N",
@@ -112,25 +113,45 @@ def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool) -> LoopC
     return loop_count(sass, block_n * 128 / 128)
 
 
+def dot(mode: str, block_m: int, block_n: int, block_k: int, num_warps: int, k: int) -> LoopCount:
+    """`_int4_matmul_kernel` in a dot mode, one split; per weight code for 128 rows of x (a
+    tile of fewer rows dequantizes each code once per tile)."""
+    constants = dict(K=k, GROUP=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                     SPLIT_K=1, K_SPLIT=k, MODE=_MODE_IDS[mode], HAS_OFFSETS=False,
+                     HAS_PERM=False, EVEN=True, EVEN_K=True, UPCAST=False, PDL=False)  # fmt: skip
+    sass = compile_sass(_int4_matmul_kernel, constants, num_warps)
+    return loop_count(sass, block_n * block_k / (32 * num_warps) * block_m / 128)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("gemv", "mma", "both"), default="both")
+    parser.add_argument("--mode", choices=("gemv", "mma", "dot", "all"), default="all")
     parser.add_argument("--rows", type=int, default=1, help="rows of x per gemv program")
     parser.add_argument("--k", type=int, default=4096)
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, K = {args.k}")
-    if args.mode in ("gemv", "both"):
+    if args.mode in ("gemv", "all"):
         for block_n in (32, 64, 128):
             for offsets in (False, True):
                 count = gemv(args.rows, block_n, args.k, offsets)
                 _show(f"gemv rows {args.rows} n{block_n} {'offsets' if offsets else 'sym'}",
                       count, "code x row")  # fmt: skip
-    if args.mode in ("mma", "both"):
+    if args.mode in ("mma", "all"):
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
             for ordered in (False, True) if block_m >= 32 else (False,):
                 count = mma(block_m, block_n, args.k, zeros=False, ordered=ordered)
                 label = f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
                 _show(label, count, "code")
+    if args.mode in ("dot", "all"):  # the dot modes for 128 rows of x (mma m128 above)
+        for mode, block_m, block_n, block_k, num_warps in (
+            ("dot", 64, 128, 64, 4),  # choose_int4_config's at 65-128 rows
+            ("dot", 128, 128, 64, 8),
+            ("dot_swapped", 128, 128, 64, 8),
+            ("dot_swapped", 128, 64, 128, 4),
+        ):
+            count = dot(mode, block_m, block_n, block_k, num_warps, args.k)
+            label = f"{mode} m{block_m} n{block_n} k{block_k} w{num_warps}"
+            _show(label, count, "code/128r")
 
 
 def _show(label: str, count: LoopCount, unit: str) -> None:
