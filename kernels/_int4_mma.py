@@ -13,10 +13,11 @@ MMA's register layout (through shared memory, pipelined) and never move again; t
 side by side are one `[BLOCK_N, 128]` operand (a relabelling of registers), multiplied in one
 chain of MMAs with x's columns in the same slice-major order (`x[:, k0 + 8w + i]` at K index
 16 i + w): x is loaded in column order, in 16-byte vectors, and permuted on its way into shared
-memory, where the MMA reads it anyway (a gather of 2-byte loads before: 16-32% more
-instructions in the loop, SASS sm_90); or, with X_ORDERED (tiles of 64 rows or more), it comes
-in that order already, from one copy the wrapper makes (`int4_matmul.slice_major_x`), and is
-stored to shared memory in 16-byte pieces. The weight rows are the MMA's M side.
+memory, where the MMA reads it anyway (a gather of 2-byte loads before: 5-12% more
+instructions in the loop with triton 3.9, 33-88% with 3.6; `bench.sass_int4`); or, with
+X_ORDERED (tiles of 64 rows or more), it comes in that order already, from one copy the
+wrapper makes (`int4_matmul.slice_major_x`), and is stored to shared memory in 16-byte
+pieces. The weight rows are the MMA's M side.
 
 The zero point z of a row and group is 8 without offsets; the integer zero points found at load
 (`zeros`, uint8: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.

@@ -379,9 +379,9 @@ def int4_matmul(
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
     grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
     if config.mode == "mma":
-        # Tiles of 64 rows or more take x put in slice-major order once (one more kernel, a
-        # few microseconds in a graph) rather than by every program that reads it (N / block_n
-        # of them): 25-34% fewer instructions in the loop at 64-128 rows (SASS sm_90).
+        # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
+        # rather than by every program that reads it (N / block_n of them): 25-33% fewer
+        # instructions in the loop at 64-128 rows (`bench.sass_int4`, triton 3.6).
         ordered = config.block_m >= MMA_ORDER_X_ROWS
         xk = slice_major_x(x, perm) if ordered else x
         int4_mma_kernel[grid](
