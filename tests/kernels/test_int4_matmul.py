@@ -9,7 +9,7 @@ import torch
 import triton  # make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
-from sitsd.kernels.quant_reference import int4_matmul_ref
+from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
 from tests.kernels.helpers import assert_close
 from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_int4
 
@@ -64,8 +64,14 @@ def test_gemv_keeps_float32_precision_over_a_wide_range_of_x(offsets, device):
     x[:, 7], x[:, 300] = 3e4, -2e4
     x[:, 500:600] *= 1e-4
     config = Int4MatmulConfig("gemv", 2, 32, 128, split_k=2, num_warps=2)
-    assert_close(int4_matmul(x, *weight.args, config=config), int4_matmul_ref(x, *weight.args),
-                 torch.float32)  # fmt: skip
+    out = int4_matmul(x, *weight.args, config=config).double()
+    ref = int4_matmul_ref(x, *weight.args).double()
+    # Against the size of the terms summed (|x| @ |W|^T), not of each sum: some outputs cancel
+    # to near zero, and any order of summation misses those by more than float32's elementwise
+    # tolerance (the kernel before `256 + q` too). Exact products stayed within 6.2e-7 of it
+    # over 40 seeds (CPU interpreter); products of `256 + q` reached 4.8e-6.
+    terms = x.double().abs() @ dequantize_int4_ref(*weight.args).double().abs().T
+    assert ((out - ref).abs() / terms).max().item() < 2e-6
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
