@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from sitsd.kernels._pdl import pdl_enter
+from sitsd.kernels._split_merge import merge_splits
 
 WORDS = tl.constexpr(16)  # words per group row: the kernel takes group size 128 only (8 * WORDS)
 
@@ -217,6 +218,8 @@ def int4_mma_kernel(
     z_ptr,  # integer zero points [G, N] uint8, or any pointer without HAS_ZEROS
     perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
     out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    merged_ptr,  # MERGE: the [M, N] output in x's dtype (any pointer otherwise)
+    counters_ptr,  # MERGE: int32 zeros, one per tile (left zero)
     M,
     N,
     stride_xm,
@@ -235,6 +238,7 @@ def int4_mma_kernel(
     # whole groups); otherwise each program loads a group's columns in order and permutes them
     X_ORDERED: tl.constexpr,
     KX: tl.constexpr,  # x's columns: K, or with X_ORDERED K padded to whole groups
+    MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
     PDL: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
@@ -289,3 +293,6 @@ def int4_mma_kernel(
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + split * M * N + offs, y, mask=mask)
+        if MERGE:
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            merge_splits(out_ptr, merged_ptr, counters_ptr + tile, offs, mask, M, N, SPLIT_K)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from sitsd.kernels._pdl import pdl_enter
+from sitsd.kernels._split_merge import merge_splits
 
 # Bits 15-18 under 256.0's exponent read as 256 + q; bits 19-22 under 16.0's as 16 + q.
 _LO_BIAS = tl.constexpr(256.0)
@@ -175,6 +176,8 @@ def int4_gemv_kernel(
     o_ptr,  # offsets, or any pointer without HAS_OFFSETS
     perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
     out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    merged_ptr,  # MERGE: the [M, N] output in x's dtype (any pointer otherwise)
+    counters_ptr,  # MERGE: int32 zeros, one per tile (left zero)
     M,
     N,
     stride_xm,
@@ -192,6 +195,7 @@ def int4_gemv_kernel(
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * 8 * WORDS divides K: no weight masks
     EVEN_K: tl.constexpr,  # SPLIT_K * 8 * WORDS divides K
     PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
+    MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
     PDL: tl.constexpr,
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
@@ -254,6 +258,11 @@ def int4_gemv_kernel(
         _store_row(out, row0 + 2, M, N, offs_n, n_mask, tl.sum(acc2, axis=1))
     if ROWS > 3:
         _store_row(out, row0 + 3, M, N, offs_n, n_mask, tl.sum(acc3, axis=1))
+    if SPLIT_K > 1 and MERGE:
+        rows = row0 + tl.arange(0, ROWS)  # ROWS is a power of two (`_check_config`)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        merge_splits(out_ptr, merged_ptr, counters_ptr + tile, rows[:, None] * N + offs_n[None, :],
+                     (rows < M)[:, None] & n_mask[None, :], M, N, SPLIT_K)  # fmt: skip
 
 
 @triton.jit

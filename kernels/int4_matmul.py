@@ -33,8 +33,10 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
 
 In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
 1` the programs along K write float32 partials `[split_k, M, N]` that a second small kernel sums
-in a fixed order (deterministic) and rounds to x's dtype. act-order (`perm`) gathers the columns
-of x as each chunk loads them, so the weight keeps contiguous groups.
+in a fixed order (deterministic) and rounds to x's dtype, or, given the caller's counters, the
+last program of each tile to finish (`_split_merge`: one launch fewer, the same bits).
+act-order (`perm`) gathers the columns of x as each chunk loads them, so the weight keeps
+contiguous groups.
 
 Whether a layer runs this kernel, or `int4_dequantize` + cuBLAS, and with which configuration, is
 the model's decision; `choose_int4_config` gives defaults from the GPU benchmark
@@ -57,14 +59,17 @@ from sitsd.kernels._int4_mma import int4_mma_kernel
 from sitsd.kernels._int4_sliced import MASKS, int4_gemv_kernel
 from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._pdl import pdl_enter
+from sitsd.kernels._split_merge import merge_splits
 from sitsd.kernels._utils import (
     FLOAT_DTYPES,
     cdiv,
+    check_contiguous,
     check_dtype,
     check_last_dim_contiguous,
     check_ndim,
     check_out,
     check_pdl,
+    check_same_device,
     check_shape,
     next_power_of_2,
     num_sms,
@@ -125,6 +130,8 @@ def _int4_matmul_kernel(
     o_ptr,  # offsets, or any pointer without HAS_OFFSETS
     perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
     out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
+    merged_ptr,  # MERGE: the [M, N] output in x's dtype (any pointer otherwise)
+    counters_ptr,  # MERGE: int32 zeros, one per tile (left zero)
     M,
     N,
     stride_xm,
@@ -141,6 +148,7 @@ def _int4_matmul_kernel(
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * BLOCK_K divides K: no weight masks
     EVEN_K: tl.constexpr,  # SPLIT_K * BLOCK_K divides K: no K mask on x
     UPCAST: tl.constexpr,  # feed tl.dot float32 (the interpreter's bf16 dot is wrong)
+    MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -182,6 +190,9 @@ def _int4_matmul_kernel(
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + split * M * N + offs, y, mask=mask)
+        if MERGE:
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            merge_splits(out_ptr, merged_ptr, counters_ptr + tile, offs, mask, M, N, SPLIT_K)
 
 
 @triton.jit
@@ -308,6 +319,7 @@ def int4_matmul(
     out: torch.Tensor | None = None,
     pdl: bool = False,
     zeros: torch.Tensor | None = None,  # [G, N] uint8
+    split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -328,6 +340,11 @@ def int4_matmul(
             exactly (`sitsd.quant.layout.mark_integer_zeros` finds them), or None. Mode `mma`
             then subtracts them from the codes as it unpacks them instead of summing x per
             group; the other modes read the offsets. Values are not checked (a host sync).
+        split_counters: int32 zeros, contiguous, on x's device, at least one per output tile
+            (`cdiv(N, block_n) * cdiv(M, block_m)`; `cdiv(N, 16) * cdiv(M, 16)` covers every
+            default configuration): with split-K the last program of each tile sums the partials
+            (`_split_merge`, the same bits) instead of a second kernel, and zeroes its counter
+            again. The caller owns them; two launches must not use them at once (one stream).
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -367,8 +384,18 @@ def int4_matmul(
     if config.mode == "mma" and (group_size != MMA_GROUP_SIZE or x.dtype == torch.float32):
         raise ValueError(f"mode 'mma' takes group size {MMA_GROUP_SIZE} and float16 or bfloat16 "
                          f"x, got group size {group_size} and {x.dtype}")  # fmt: skip
+    grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
+    merge = split_counters is not None and config.split_k > 1
+    if split_counters is not None:
+        check_dtype("split_counters", split_counters, (torch.int32,))
+        check_contiguous("split_counters", split_counters)
+        check_same_device(x=x, split_counters=split_counters)
+        if merge and split_counters.numel() < grid[0] * grid[1]:
+            raise ValueError(f"split_counters holds {split_counters.numel()} counters; "
+                             f"{grid[0]} x {grid[1]} tiles need {grid[0] * grid[1]}")  # fmt: skip
     if num_rows == 0 or n == 0:
         return out
+    counters = split_counters if merge else out  # any pointer without MERGE
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
     even_k = k % (config.split_k * config.block_k) == 0
     even = even_k and n % config.block_n == 0
@@ -377,7 +404,6 @@ def int4_matmul(
         target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
-    grid = (cdiv(n, config.block_n), cdiv(num_rows, config.block_m), config.split_k)
     if config.mode == "mma":
         # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
         # rather than by every program that reads it (N / block_n of them): 25-33% fewer
@@ -387,35 +413,37 @@ def int4_matmul(
         int4_mma_kernel[grid](
             xk, qweight, scales, scales if offsets is None else offsets,
             qweight if zeros is None else zeros, qweight if perm is None else perm, target,
-            num_rows, n, xk.stride(0),
+            out, counters, num_rows, n, xk.stride(0),
             K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
             K_SPLIT=k_split, HAS_OFFSETS=offsets is not None, HAS_ZEROS=zeros is not None,
             HAS_PERM=perm is not None,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
-            KX=xk.shape[1], PDL=pdl,
+            KX=xk.shape[1], MERGE=merge, PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
         int4_gemv_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
-            qweight if perm is None else perm, target, num_rows, n, x.stride(0), *MASKS,
+            qweight if perm is None else perm, target, out, counters, num_rows, n, x.stride(0),
+            *MASKS,
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
-            EVEN_K=even_k, PREFETCH=config.num_stages > 1, PDL=pdl, num_warps=config.num_warps,
+            EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
+            num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:
         _int4_matmul_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
-            qweight if perm is None else perm, target, num_rows, n, x.stride(0),
+            qweight if perm is None else perm, target, out, counters, num_rows, n, x.stride(0),
             K=k, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, SPLIT_K=config.split_k, K_SPLIT=k_split,
             MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None,
-            HAS_PERM=perm is not None, EVEN=even, EVEN_K=even_k, UPCAST=upcast, PDL=pdl,
-            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            HAS_PERM=perm is not None, EVEN=even, EVEN_K=even_k, UPCAST=upcast, MERGE=merge,
+            PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
-    if config.split_k > 1:
+    if config.split_k > 1 and not merge:
         size = num_rows * n
         _split_sum_kernel[(cdiv(size, _SUM_BLOCK),)](
             target, out, size, SPLIT_K=config.split_k, BLOCK=_SUM_BLOCK, PDL=pdl, num_warps=4,

@@ -32,6 +32,7 @@ from sitsd.engine.scheduler import Scheduler
 from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, LlamaWeights, ServingFormat, build_weights
 from sitsd.model.ops import KernelSet, cpu_kernels, triton_kernels
+from sitsd.model.qlinear import int4_split_counters
 from sitsd.outputs import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.layout import Int4Weight
@@ -130,12 +131,14 @@ def kernels_for(
     int4_workspace: torch.Tensor | None = None,
 ) -> KernelSet:  # fmt: skip
     """The CPU kernels, or the Triton ones with the decode-attention split counters (zeros,
-    one per sequence x kv head of the largest decode batch) and the INT4 dequantize
-    workspace."""
+    one per sequence x kv head of the largest decode batch), the INT4 dequantize workspace and
+    the INT4 split counters (`int4_split_counters`: for any linear of the architecture, since a
+    version swapped in later may be INT4 where this one is not)."""
     if device.type == "cpu":
         return cpu_kernels()
     counters = torch.zeros(max_num_seqs * arch.num_kv_heads, dtype=torch.int32, device=device)
-    return triton_kernels(pdl=mcfg.pdl, split_counters=counters, int4_workspace=int4_workspace)
+    return triton_kernels(pdl=mcfg.pdl, split_counters=counters, int4_workspace=int4_workspace,
+                          int4_split_counters=int4_split_counters(arch, device))  # fmt: skip
 
 
 def int4_workspace_for(weights: LlamaWeights, dtype: torch.dtype) -> torch.Tensor | None:

@@ -149,6 +149,7 @@ def triton_kernels(
     pdl: bool | None = None,
     split_counters: torch.Tensor | None = None,
     int4_workspace: torch.Tensor | None = None,
+    int4_split_counters: torch.Tensor | None = None,
 ) -> KernelSet:
     """The Triton kernels of `sitsd.kernels` (CUDA; the CPU interpreter runs them in tests).
 
@@ -169,6 +170,10 @@ def triton_kernels(
     `int4_workspace` (the runner's, in the activations' dtype, as large as its largest INT4
     linear): long prefill chunks run INT4 layers as dequantize + cuBLAS in it
     (`qlinear.QuantizedLinears`); None: `int4_matmul` at every row count.
+
+    `int4_split_counters` (int32 zeros on the device, the runner's): `int4_matmul`'s split-K
+    partials summed by each tile's last program instead of a second kernel, for the calls
+    whose tiles they cover (`qlinear.QuantizedLinears`). INT4 layers take PDL as the others.
     """
     from sitsd.kernels._utils import supports_pdl
     from sitsd.kernels.activation import silu_and_mul
@@ -200,6 +205,6 @@ def triton_kernels(
         silu_and_mul=swiglu,
         **_linears(
             tuned.linear, tuned.swiglu_linear, tuned.norm_linear, swiglu, norm,
-            add_norm, QuantizedLinears(int4_workspace),
+            add_norm, QuantizedLinears(int4_workspace, pdl, int4_split_counters),
         ),  # type: ignore[arg-type]
     )  # fmt: skip

@@ -13,7 +13,10 @@ weights only).
 `INT4_DEQUANT_FROM_ROWS` rows of x (decode, short chunks) and, past it, `int4_dequantize` into one
 runner-owned workspace, then cuBLAS (long prefill chunks: the GEMM is compute-bound there and
 cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device takes
-`sitsd.quant.linear.quantized_linear`'s route.
+`sitsd.quant.linear.quantized_linear`'s route. `int4_matmul` runs as the kernel set's other
+decode kernels do: with programmatic dependent launch at the row counts where it pays
+(`routing.pdl_pays`), and with split-K merged by each tile's last program in the runner's
+counters (one launch fewer per layer) wherever they hold enough for the call's tiles.
 """
 
 from __future__ import annotations
@@ -24,21 +27,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sitsd.model.arch import LlamaArch
+from sitsd.model.routing import pdl_pays
 from sitsd.quant.layout import Int4Weight
 from sitsd.quant.linear import LinearWeight, ServingWeight, quantized_linear
 
 __all__ = [
     "INT4_DEQUANT_FROM_ROWS",
+    "INT4_MERGE_ROWS",
     "QuantizedLinears",
     "any_linear",
     "any_norm_linear",
     "any_swiglu_linear",
+    "int4_split_counters",
 ]
 
 # Rows of x from which INT4 runs dequantize + cuBLAS: on an H200 with Llama-3-8B's layers
 # (bench/bench_quant_kernels.py) int4_matmul wins every layer at 32 rows and loses every one
 # at 128 (qkv 50 vs 37 us, down 94 vs 85 us).
 INT4_DEQUANT_FROM_ROWS = 128
+# The least tile of `int4_matmul`'s default configurations, on each side: `cdiv(N, 16) *
+# cdiv(M, 16)` counters cover every call's tiles.
+_LEAST_TILE = 16
+# Rows of x up to which `int4_split_counters` cover INT4 layers (decode batches: more rows
+# split K little or not at all, and take a second kernel then).
+INT4_MERGE_ROWS = 64
 
 DenseLinear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y
 
@@ -49,24 +62,47 @@ class QuantizedLinears:
 
     # [numel] in the activations' dtype, for `int4_dequantize` on CUDA; None: int4_matmul always
     workspace: torch.Tensor | None = None
+    # Launch int4_matmul with programmatic dependent launch where `pdl_pays` (sm_90+)
+    pdl: bool = False
+    # int32 zeros on the device, the runner's (left zero): int4_matmul's split-K merged in the
+    # kernel when they cover the call's tiles; None, or too few: a second kernel sums them
+    split_counters: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
+        if not isinstance(weight, Int4Weight) or x.device.type != "cuda":
+            return quantized_linear(x, weight)
+        n, k = weight.shape
+        w = weight
         if (
-            isinstance(weight, Int4Weight)
-            and x.device.type == "cuda"
-            and x.shape[0] >= INT4_DEQUANT_FROM_ROWS
+            x.shape[0] >= INT4_DEQUANT_FROM_ROWS
             and self.workspace is not None
-            and self.workspace.numel() >= weight.shape[0] * weight.shape[1]
+            and self.workspace.numel() >= n * k
             and self.workspace.dtype == x.dtype
         ):
             from sitsd.kernels.int4_dequant import int4_dequantize  # triton: CUDA hosts only
 
-            n, k = weight.shape
-            w = weight
             deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm,
                                   out=self.workspace[: n * k].view(n, k))  # fmt: skip
             return F.linear(x, deq)
-        return quantized_linear(x, weight)
+        from sitsd.kernels.int4_matmul import int4_matmul  # triton: CUDA hosts only
+
+        rows = x.shape[0]
+        tiles = -(-n // _LEAST_TILE) * -(-rows // _LEAST_TILE)  # ceiling divisions
+        counters = self.split_counters
+        if counters is not None and counters.numel() < tiles:
+            counters = None
+        return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
+                           zeros=w.zeros, pdl=self.pdl and pdl_pays(rows),
+                           split_counters=counters)  # fmt: skip
+
+
+def int4_split_counters(arch: LlamaArch, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for `QuantizedLinears.split_counters`: enough for any linear of `arch`
+    (the lm_head's vocabulary the widest, usually) up to `INT4_MERGE_ROWS` rows."""
+    widest = max(arch.vocab_size, 2 * arch.intermediate_size, arch.hidden_size,
+                 arch.q_size + 2 * arch.kv_size)  # fmt: skip
+    tiles = -(-widest // _LEAST_TILE) * (INT4_MERGE_ROWS // _LEAST_TILE)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def any_linear(

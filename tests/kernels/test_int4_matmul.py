@@ -92,6 +92,51 @@ def test_split_k_sums_the_same_bits_each_time(split_k, device):
     assert_close(first, int4_matmul_ref(x, *weight.args), torch.float16)
 
 
+# Split-K tilings whose tiles are ragged along N and (where a tile holds rows) along M.
+MERGE_CONFIGS = {
+    "fma": Int4MatmulConfig("fma", 2, 8, 64, split_k=2),
+    "dot_swapped": Int4MatmulConfig("dot_swapped", 16, 16, 32, split_k=4),
+    "dot": Int4MatmulConfig("dot", 16, 32, 64, split_k=2),
+    "gemv": Int4MatmulConfig("gemv", 2, 16, 64, split_k=2, num_warps=2),
+    "mma": Int4MatmulConfig("mma", 16, 16, 128, split_k=2),
+    "mma x ordered": Int4MatmulConfig("mma", 64, 16, 128, split_k=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGE_CONFIGS))
+def test_split_counters_merge_in_the_kernel_to_the_same_bits_and_are_left_zero(name, device):
+    # N = 37 (ragged tiles), K = 2 * 128 + 64: the splits take whole groups of 128 and mma's
+    # second split runs past K; 3 rows: ragged row tiles in fma and gemv (2 rows a program).
+    config = MERGE_CONFIGS[name]
+    k = 2 * 128 + 64
+    weight = random_int4(37, k, 128, offsets=True, device=device)
+    x = _x(3, k, torch.bfloat16, device)
+    two_kernels = int4_matmul(x, *weight.args, config=config)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    for _ in range(2):  # the counters the first call left serve the second
+        out = torch.full_like(two_kernels, float("nan"))
+        int4_matmul(x, *weight.args, config=config, out=out, split_counters=counters)
+        assert torch.equal(out, two_kernels)
+        assert not counters.any()
+    assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
+
+
+def test_split_counters_are_checked_and_unused_without_splits(device):
+    weight = random_int4(40, 256, 64, offsets=False, device=device)
+    x = _x(2, 256, torch.float16, device)
+    config = Int4MatmulConfig("dot_swapped", 16, 16, 64, split_k=2)  # 3 tiles
+    with pytest.raises(ValueError, match=r"split_counters holds 2 counters; 3 x 1 tiles need 3"):
+        int4_matmul(x, *weight.args, config=config,
+                    split_counters=torch.zeros(2, dtype=torch.int32, device=device))  # fmt: skip
+    with pytest.raises(TypeError, match="split_counters must have dtype"):
+        int4_matmul(x, *weight.args, config=config,
+                    split_counters=torch.zeros(3, device=device))  # fmt: skip
+    one_split = Int4MatmulConfig("dot_swapped", 16, 16, 64)
+    counters = torch.zeros(1, dtype=torch.int32, device=device)  # too few, but not needed
+    out = int4_matmul(x, *weight.args, config=one_split, split_counters=counters)
+    assert torch.equal(out, int4_matmul(x, *weight.args, config=one_split))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("perm", [False, True])
@@ -274,6 +319,30 @@ def test_gpu_act_order_and_split_k_on_llama_down(dtype, device):
             for mode, block_n in (("dot_swapped", 64), ("mma", 256)):
                 config = Int4MatmulConfig(mode, block_m, block_n, 128, split_k)
                 assert_close(int4_matmul(x, *weight.args, config=config), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+def test_gpu_merged_splits_give_the_same_bits_over_many_graph_replays(name, device):
+    # The default configurations (gemv and mma split K 8-16 ways at 1-2 rows, mma 2-4 ways at
+    # 8-32), each tile's last program merging, with PDL, inside a graph: the two-kernel bits.
+    n, k = LLAMA3_8B_SHAPES[name]
+    weight = random_int4(n, k, 128, offsets=False, device=device)
+    counters = torch.zeros(triton.cdiv(n, 16) * 2, dtype=torch.int32, device=device)
+    for num_rows in (1, 2, 8, 32):
+        x = _x(num_rows, k, torch.bfloat16, device)
+        expected = int4_matmul(x, *weight.args)
+        out = torch.empty_like(expected)
+        int4_matmul(x, *weight.args, out=out, split_counters=counters, pdl=True)  # compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            int4_matmul(x, *weight.args, out=out, split_counters=counters, pdl=True)
+        for _ in range(50):
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, expected)
+        assert not counters.any()
 
 
 @pytest.mark.gpu

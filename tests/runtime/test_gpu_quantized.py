@@ -9,6 +9,7 @@ import torch
 
 from sitsd.model.llama import LlamaModel, ServingFormat, build_weights
 from sitsd.model.ops import triton_kernels
+from sitsd.model.qlinear import int4_split_counters
 from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight
 from sitsd.quant.precision import PrecisionMap
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
@@ -27,11 +28,11 @@ BF16 = PrecisionMap.from_mapping(
 )
 
 
-def triton_logits(arch, weights, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
-    """Logits of every position: the prompt (all but the last four ids) as a prefill in two
-    chunks, the second reading the first's KV, then four decode steps of one id each, through
-    the Triton kernels in bf16."""
-    model = LlamaModel(arch, triton_kernels(), 256, "cuda")
+def triton_logits(arch, weights, token_ids: list[int], kernels=None) -> torch.Tensor:
+    """Logits of every position `[len, vocab]`: the prompt (all but the last four ids) as a
+    prefill in two chunks, the second reading the first's KV, then four decode steps of one id
+    each, through the Triton kernels (`kernels`, or the plain set) in bf16."""
+    model = LlamaModel(arch, kernels or triton_kernels(), 256, "cuda")
     kv = allocate_kv_caches(arch, 8, BLOCK, torch.bfloat16, "cuda")
     prompt, follow = token_ids[:-4], token_ids[-4:]
     state = CachedRequestState("a", list(prompt), len(prompt), SamplingParams(), 0,
@@ -64,6 +65,20 @@ def test_each_format_on_the_gpu_gives_the_dequantized_models_logits(tmp_path, fm
     want = triton_logits(ckpt.arch, dense, ids)
     # FP8 on CUDA is W8A8: the activations are rounded to e4m3 per token as well.
     assert_close(got, want, torch.bfloat16, scale=4.0 if fmt.startswith("fp8") else 1.0)
+
+
+def test_int4_layers_with_pdl_and_merged_splits_give_the_plain_kernels_bits(tmp_path, fresh_seed):
+    # As the daemon builds them (builder.kernels_for): INT4 decode launches with PDL, their
+    # split-K partials summed by each tile's last program in the runner's counters.
+    write_quantized_llama(tmp_path, "awq", seed=fresh_seed)
+    ckpt = load_checkpoint(tmp_path)
+    weights = build_weights(ckpt.arch, ckpt.tensors, "cuda", torch.bfloat16, source=ckpt.quant)
+    counters = int4_split_counters(ckpt.arch, torch.device("cuda"))
+    served = triton_kernels(pdl=True, int4_split_counters=counters)
+    ids = torch.randint(3, ckpt.arch.vocab_size, (27,)).tolist()
+    assert torch.equal(triton_logits(ckpt.arch, weights, ids, served),
+                       triton_logits(ckpt.arch, weights, ids))  # fmt: skip
+    assert not counters.any()
 
 
 @pytest.fixture(scope="module")
