@@ -35,7 +35,8 @@ _TARGET = GPUTarget("cuda", 90, 32)
 _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "o_ptr", "z_ptr", "perm_ptr", "out_ptr", "N",
             "stride_xm"}  # fmt: skip
 _TYPES = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp32", "z_ptr": "*u8",
-          "perm_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+          "perm_ptr": "*i32", "out_ptr": "*fp32", "merged_ptr": "*bf16",
+          "counters_ptr": "*i32"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,20 +96,22 @@ def loop_count(sass: str, codes_per_thread: float) -> LoopCount:
 
 
 def gemv(rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2) -> LoopCount:
-    """`int4_gemv_kernel` (mode gemv) on 128-column chunks, split 8 ways."""
+    """`int4_gemv_kernel` (mode gemv) on 128-column chunks, split 8 ways, as the engine
+    launches it (PDL, the splits merged in the kernel)."""
     constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=16, SPLIT_K=8,
                      K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, EVEN=True,
-                     EVEN_K=True, PREFETCH=True, PDL=False)  # fmt: skip
+                     EVEN_K=True, PREFETCH=True, MERGE=True, PDL=True)  # fmt: skip
     sass = compile_sass(int4_gemv_kernel, constants, num_warps)
     return loop_count(sass, block_n * 128 * rows / (32 * num_warps))
 
 
 def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool) -> LoopCount:
-    """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways; per code of the weight tile (its
-    MMA covers all block_m rows of x at once)."""
+    """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways, as the engine launches it (PDL, the
+    splits merged in the kernel); per code of the weight tile (its MMA covers all block_m rows
+    of x at once)."""
     constants = dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=8, K_SPLIT=k // 8,
                      HAS_OFFSETS=zeros, HAS_ZEROS=zeros, HAS_PERM=False, EVEN=True, EVEN_K=True,
-                     ASM=True, X_ORDERED=ordered, KX=k, PDL=False)  # fmt: skip
+                     ASM=True, X_ORDERED=ordered, KX=k, MERGE=True, PDL=True)  # fmt: skip
     sass = compile_sass(int4_mma_kernel, constants, 4)
     return loop_count(sass, block_n * 128 / 128)
 
@@ -118,7 +121,8 @@ def dot(mode: str, block_m: int, block_n: int, block_k: int, num_warps: int, k: 
     tile of fewer rows dequantizes each code once per tile)."""
     constants = dict(K=k, GROUP=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                      SPLIT_K=1, K_SPLIT=k, MODE=_MODE_IDS[mode], HAS_OFFSETS=False,
-                     HAS_PERM=False, EVEN=True, EVEN_K=True, UPCAST=False, PDL=False)  # fmt: skip
+                     HAS_PERM=False, EVEN=True, EVEN_K=True, UPCAST=False, MERGE=False,
+                     PDL=False)  # fmt: skip
     sass = compile_sass(_int4_matmul_kernel, constants, num_warps)
     return loop_count(sass, block_n * block_k / (32 * num_warps) * block_m / 128)
 
