@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import re
 import shutil
@@ -84,8 +85,10 @@ class BenchDaemon:
         self.state_dir = state_dir
         self.log_path = log_path or state_dir / f"daemon-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
+        # Where the HTTP API's packages are missing (the GPU machine's own python), without it.
+        http = ["--http-port", "0"] if importlib.util.find_spec("uvicorn") else ["--no-http"]
         command = [*wrap, sys.executable, "-m", "sitsd", "serve", "--port", "0",
-                   "--metrics-port", "0", "--http-port", "0", "--state-dir", str(state_dir),
+                   "--metrics-port", "0", *http, "--state-dir", str(state_dir),
                    *flags]  # fmt: skip
         self._wrapped = bool(wrap)
         self.proc = start_tied(command, cpus, stdout=self._log, stderr=subprocess.STDOUT,

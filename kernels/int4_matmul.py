@@ -83,6 +83,7 @@ MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
 MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slice-major order
+MMA_MAX_ROWS = 256  # `choose_int4_config` picks mode "mma" below this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
 
@@ -97,7 +98,8 @@ class Int4MatmulConfig:
     block_n: int = 64  # rows of W (output columns) per program, a power of two
     # K elements per chunk: a power of two >= 8 (>= 16 for the dot modes; mma: the group, 128)
     block_k: int = 64
-    split_k: int = 1  # programs along K; their partials are summed by a second kernel
+    # programs along K; their partials are summed by a second kernel (or `split_counters`)
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the chunk loads
 
@@ -217,46 +219,61 @@ def choose_int4_config(
     has_offsets: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Int4MatmulConfig:
-    """A default configuration for `x [num_rows, k] @ W[n, k].T` (x in `dtype`), from an H200's
-    figures (`bench/bench_quant_kernels.py`, Llama-3-8B's layers, groups of 128).
+    """A default configuration for `x [num_rows, k] @ W[n, k].T` (x in `dtype`), from an H100's
+    figures (`bench/bench_quant_kernels.py` of 2026-12-06, Llama-3-8B's layers, groups of 128;
+    `bench/results/quant-kernels-h100.txt`).
 
-    Groups of 128 and 16-bit x, up to 32 rows: `mma` (at one row: qkv 12.1, o 10.5, down 22.5
-    us against `gemv`'s 13.3, 10.4 and 24.6; at 32 rows 17.9, 14.7, 57.4 and 34.3 us against
-    `dot_swapped`'s 20.3, 17.8, 93.3 and 49.8), on 128 weight rows per program, or 64 for the
-    long K of down at one or two rows and for more rows of a small N (qkv, o, down), unless
-    there are offsets (whose zero points take the same time per group whatever the tile: down
-    at one row 33.7 us on 64 rows, 24.3 on 128); split along K into 8 parts for one or two
-    rows (2 for a large N, else 4, for more), and further until the grid has a program per
-    SM; but `gemv` for one or two rows of a large N without offsets (gate_up 37.9 against 40.2
-    us). From 64 rows `mma`'s tiles of x cost more than its codes save.
+    One or two rows: `gemv`, split along K into up to 8 parts (a power of two, into whole
+    128-column chunks). Without offsets, 128 weight rows per program and 4 warps (qkv 10.6, o
+    9.0, down 19.6 us against `mma`'s 12.4, 10.5 and 21.0), or for a large N (gate_up) 32 rows,
+    2 warps and no loads ahead (34.3 against 38.3 us with them, 36.6 on 128 rows); with offsets
+    64 rows and 2 warps (qkv 10.9, o 9.2, gate_up 36.8, down 20.2 us against `mma`'s 12.1,
+    10.7, 40.8 and 24.4). Two rows of x take 64 weight rows (registers).
 
-    Otherwise, one or two rows: `gemv` on 32 weight rows per program, 128-column chunks (16
-    words per row: four 16-byte vectors), 2 warps, split along K into up to 8 parts (a power of
-    two, into whole chunks). Up to 64 rows: `dot_swapped` on 64 weight rows, 128-wide chunks.
-    More: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles, 64-wide chunks. The dot modes split
-    K (a power of two, at most 8, into whole chunks) until the grid has two programs per SM.
+    Groups of 128 and 16-bit x, 3 to 255 rows: `mma`, on 64 weight rows per program, or 128
+    with offsets (whose zero points cost the same per group whatever the tile: gate_up at 8
+    rows 43.6 us on 128, 55.3 on 64). Up to 32 rows all rows of x in one tile, K split into
+    parts of about 8 groups (4 for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against
+    26.5 split in 4), and further until the grid has a program per SM; from 33 rows tiles of 64
+    rows of x (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
+    gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
+    cuBLAS's 45.8, 28.5, 210 and 112).
+
+    Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
+    weight rows, 128-wide chunks; more: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles,
+    64-wide chunks. The dot modes split K (a power of two, at most 8, into whole chunks) until
+    the grid has two programs per SM.
     """
     k_pow2 = next_power_of_2(k)
-    mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
     large_n = n >= 16384
-    if mma and num_rows <= 32 and not (num_rows <= 2 and large_n and not has_offsets):
-        if num_rows <= 2:  # down (K 14336) on 64 rows, the rest on 128
-            block_n, split_k = (64 if k >= 8192 and not has_offsets else 128), 8
+    if num_rows <= 2:
+        split_k = 1
+        while split_k < 8 and k % (2 * split_k * 128) == 0:
+            split_k *= 2
+        if has_offsets:
+            block_n, num_warps, num_stages = 64, 2, 3
+        elif large_n:
+            block_n, num_warps, num_stages = 32, 2, 1
         else:
-            block_n, split_k = (128 if large_n or has_offsets else 64), (2 if large_n else 4)
-        block_m = max(16, next_power_of_2(num_rows))
-        tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
+            block_n, num_warps, num_stages = (128, 4, 3) if num_rows == 1 else (64, 2, 3)
+        return Int4MatmulConfig("gemv", max(1, num_rows), block_n, 128, split_k, num_warps,
+                                num_stages)  # fmt: skip
+    mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
+    if mma and num_rows < MMA_MAX_ROWS:
         groups = cdiv(k, MMA_GROUP_SIZE)
+        block_n = 128 if has_offsets else 64
+        if num_rows <= 32:
+            block_m, split_k = max(16, next_power_of_2(num_rows)), 1
+            while 2 * split_k * 8 <= groups and split_k < MMA_MAX_SPLIT:
+                split_k *= 2  # parts of about 8 groups
+        else:
+            block_m, split_k = (128 if large_n and not has_offsets else 64), 2
+        tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
         while tiles * split_k < num_sms and split_k < MMA_MAX_SPLIT and 2 * split_k <= groups:
             split_k *= 2  # a program per SM, as long as each keeps a group
         while split_k > 1 and split_k > groups:
             split_k //= 2
         return Int4MatmulConfig("mma", block_m, block_n, MMA_GROUP_SIZE, split_k)
-    if num_rows <= 2:
-        split_k = 1
-        while split_k < 8 and k % (2 * split_k * 128) == 0:
-            split_k *= 2
-        return Int4MatmulConfig("gemv", next_power_of_2(num_rows), 32, 128, split_k, num_warps=2)
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip

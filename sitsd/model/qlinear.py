@@ -42,10 +42,11 @@ __all__ = [
     "int4_split_counters",
 ]
 
-# Rows of x from which INT4 runs dequantize + cuBLAS: on an H200 with Llama-3-8B's layers
-# (bench/bench_quant_kernels.py) int4_matmul wins every layer at 32 rows and loses every one
-# at 128 (qkv 50 vs 37 us, down 94 vs 85 us).
-INT4_DEQUANT_FROM_ROWS = 128
+# Rows of x from which INT4 runs dequantize + cuBLAS: on an H100 with Llama-3-8B's layers
+# (bench/bench_quant_kernels.py, 2026-12-06) int4_matmul's mma tiles win every layer at 128
+# rows (qkv 26.8 vs 45.8 us, gate_up 108 vs 210), at about half the dequantize's time for
+# twice the rows; the dequantize's cost does not grow with the rows.
+INT4_DEQUANT_FROM_ROWS = 256
 # The least tile of `int4_matmul`'s default configurations, on each side: `cdiv(N, 16) *
 # cdiv(M, 16)` counters cover every call's tiles.
 _LEAST_TILE = 16

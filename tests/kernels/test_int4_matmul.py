@@ -261,6 +261,8 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_off
     config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=has_offsets)
     assert k % (config.split_k * config.block_k) == 0
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
+    # gemv for 1-2 rows, mma below 256 (group 128, bf16 x), the dot modes past it.
+    assert config.mode == ("gemv" if num_rows <= 2 else "mma" if num_rows < 256 else "dot")
     if config.mode == "mma":  # a program per SM (two-per-SM splits measured slower)
         assert programs * config.split_k >= 132 or config.split_k == 16
     else:
