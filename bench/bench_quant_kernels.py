@@ -14,14 +14,15 @@ graph of back-to-back calls cycling through enough weight copies that none is re
 
 1. Single layers qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096), down (4096 x
    14336) at M = 1, 8, 32, 128, 512 (`--rows`) and 2048 (`--prefill-rows`): bf16; INT4
-   `int4_matmul` with its default configuration (and, where it splits K, as the engine launches
-   it: PDL, the splits merged in the kernel) and the best of a small sweep (winner printed;
+   `int4_matmul` with its default configuration (and as the engine launches it,
+   `qlinear.QuantizedLinears`: PDL and the splits merged in the kernel where its rules say) and
+   the best of a small sweep (winner printed;
    `--no-sweep` skips it), with zero points, and `int4_dequantize` + F.linear from 32 rows; FP8
    `fp8_matmul` through torch's scaled matmul and through Triton.
 2. 32 layers of qkv -> o -> gate_up -> silu_and_mul -> down in one graph, each layer with weights
    of its own (bf16: 14 GB, nothing stays in L2), M = 1, 8, 32, 128: bf16, INT4 (default
-   configurations; as the engine launches them, with PDL and split-K merged in the kernel; the
-   sweep's winners), FP8; ms per 32 layers against the format's floor.
+   configurations; as the engine launches them; the sweep's winners), FP8; ms per 32 layers
+   against the format's floor.
 
     python -m bench.bench_quant_kernels [--no-sweep] [--skip-layers] [--rows 1,8,32,128,512]
         [--prefill-rows 2048] [--json PATH]
@@ -54,7 +55,7 @@ from sitsd.kernels.int4_dequant import int4_dequantize
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_layout import pack_int4
 from sitsd.kernels.quant_reference import fp8_matmul_ref
-from sitsd.model.qlinear import QuantizedLinears, int4_split_counters
+from sitsd.model.qlinear import INT4_DEQUANT_FROM_ROWS, QuantizedLinears, int4_split_counters
 from sitsd.quant.layout import Fp8Weight, Int4Weight, mark_integer_zeros, nbytes
 
 DTYPE, GROUP = torch.bfloat16, 128
@@ -112,12 +113,6 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, w: Int4Weight, *, config: Int4MatmulConfig | None = None):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
                        zeros=w.zeros)  # fmt: skip
-
-
-def int4_served_linear(x: torch.Tensor, w: Int4Weight, *, counters: torch.Tensor, pdl: bool):
-    """The default configuration as the engine launches it: PDL, split-K merged in the kernel."""
-    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, zeros=w.zeros,
-                       pdl=pdl, split_counters=counters)  # fmt: skip
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
@@ -193,11 +188,10 @@ def variants(
     label = "int4 g128" + (" zero points" if fmt == "int4 zp" else "")
     default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=fmt == "int4 zp")
     out = {f"{label} default": functools.partial(int4_linear, config=default)}
-    if default.split_k > 1:
-        out[f"{label} pdl+merged"] = functools.partial(  # the default, as the engine runs it
-            int4_served_linear, counters=_counters(n, num_rows, workspace.device),
-            pdl=workspace.device.type == "cuda",
-        )  # fmt: skip
+    if num_rows < INT4_DEQUANT_FROM_ROWS:  # the default as the engine launches it (PDL, merge)
+        out[f"{label} as served"] = QuantizedLinears(
+            None, workspace.device.type == "cuda", int4_split_counters(LLAMA3_8B, workspace.device)
+        )
     for config in int4_sweep(num_rows) if sweep else []:
         if config != default:
             out[f"sweep {describe(config)}"] = functools.partial(int4_linear, config=config)
@@ -206,11 +200,6 @@ def variants(
             int4_dequant_linear, workspace=workspace
         )
     return out
-
-
-def _counters(n: int, num_rows: int, device: torch.device) -> torch.Tensor:
-    """Split counters for `int4_matmul`'s default tiles (`qlinear.QuantizedLinears`' bound)."""
-    return torch.zeros(-(-n // 16) * -(-num_rows // 16), dtype=torch.int32, device=device)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -351,7 +340,7 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
             if fmt == "int4":  # as the engine runs them (`qlinear.QuantizedLinears`, no dequant)
                 served = QuantizedLinears(None, not bench.smoke, int4_split_counters(LLAMA3_8B,
                                           torch.device(bench.device)))  # fmt: skip
-                runs["int4 as served (PDL, merged splits)"] = {op: served for op in shapes}
+                runs["int4 as served"] = {op: served for op in shapes}
             if fmt == "int4" and winners:
                 runs["int4 swept best"] = {
                     op: functools.partial(

@@ -15,8 +15,9 @@ runner-owned workspace, then cuBLAS (long prefill chunks: the GEMM is compute-bo
 cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device takes
 `sitsd.quant.linear.quantized_linear`'s route. `int4_matmul` runs as the kernel set's other
 decode kernels do: with programmatic dependent launch at the row counts where it pays
-(`routing.pdl_pays`), and with split-K merged by each tile's last program in the runner's
-counters (one launch fewer per layer) wherever they hold enough for the call's tiles.
+(`int4_pdl_pays`: `routing.pdl_pays`, up to `INT4_PDL_MAX_ROWS`), and with split-K merged by each
+tile's last program in the runner's counters (one launch fewer per layer) wherever they hold
+enough for the call's tiles.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from sitsd.quant.linear import LinearWeight, ServingWeight, quantized_linear
 __all__ = [
     "INT4_DEQUANT_FROM_ROWS",
     "INT4_MERGE_ROWS",
+    "INT4_PDL_MAX_ROWS",
     "QuantizedLinears",
     "any_linear",
     "any_norm_linear",
     "any_swiglu_linear",
+    "int4_pdl_pays",
     "int4_split_counters",
 ]
 
@@ -53,6 +56,12 @@ _LEAST_TILE = 16
 # Rows of x up to which `int4_split_counters` cover INT4 layers (decode batches: more rows
 # split K little or not at all, and take a second kernel then).
 INT4_MERGE_ROWS = 64
+# Rows of x up to which INT4 layers launch with programmatic dependent launch (where `pdl_pays`
+# too): on an H100 the 32 layers' INT4 linears took 12.96 ms at 128 rows with it against 12.43
+# without, and gained at 1 and 32 rows (2.61 -> 2.44, 3.76 -> 3.65 ms, with the merge;
+# bench/results/quant-kernels-h100.txt). Likely cause, not profiled: a dependent grid's programs,
+# launched early, wait on SMs that a large batch's many-wave grid still needs.
+INT4_PDL_MAX_ROWS = 64
 
 DenseLinear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y
 
@@ -63,7 +72,7 @@ class QuantizedLinears:
 
     # [numel] in the activations' dtype, for `int4_dequantize` on CUDA; None: int4_matmul always
     workspace: torch.Tensor | None = None
-    # Launch int4_matmul with programmatic dependent launch where `pdl_pays` (sm_90+)
+    # Launch int4_matmul with programmatic dependent launch where `int4_pdl_pays` (sm_90+)
     pdl: bool = False
     # int32 zeros on the device, the runner's (left zero): int4_matmul's split-K merged in the
     # kernel when they cover the call's tiles; None, or too few: a second kernel sums them
@@ -93,8 +102,13 @@ class QuantizedLinears:
         if counters is not None and counters.numel() < tiles:
             counters = None
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                           zeros=w.zeros, pdl=self.pdl and pdl_pays(rows),
+                           zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
                            split_counters=counters)  # fmt: skip
+
+
+def int4_pdl_pays(rows: int) -> bool:
+    """Whether an INT4 layer over `rows` rows of x launches with programmatic dependent launch."""
+    return pdl_pays(rows) and rows <= INT4_PDL_MAX_ROWS
 
 
 def int4_split_counters(arch: LlamaArch, device: torch.device) -> torch.Tensor:

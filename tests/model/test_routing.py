@@ -1,6 +1,6 @@
 """Programmatic dependent launch goes on at the decode row counts where it measured faster (1-2
-and from 32), for the kernel set's calls and for the linear layers' gemv and skinny_gemm, and
-never with the runner's switch off."""
+and from 32), for the kernel set's calls and for the linear layers' gemv and skinny_gemm (INT4
+layers up to 64 rows), and never with the runner's switch off."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from sitsd.kernels.reference import silu_and_mul_ref
 from sitsd.kernels.skinny_gemm import SkinnyConfig
 from sitsd.model.linear import TunedLinear
 from sitsd.model.ops import with_pdl
+from sitsd.model.qlinear import int4_pdl_pays
 from sitsd.model.routing import pdl_pays
 from tests.kernels.helpers import assert_close
 
@@ -29,6 +30,12 @@ def test_pdl_goes_on_at_the_decode_batches_where_it_measured_faster():
     measured = (1, 2, 4, 8, 16, 24, 32, 64, 128)  # bench/results/pdl-h200.txt
     assert [rows for rows in measured if pdl_pays(rows)] == [1, 2, 32, 64, 128]
     assert [rows for rows in (3, 23, 25, 31, 33, 200) if pdl_pays(rows)] == [33, 200]
+
+
+def test_int4_layers_get_pdl_where_it_pays_up_to_64_rows():
+    measured = (1, 2, 8, 32, 128)  # bench/results/quant-kernels-h100.txt: 128 slower with it
+    assert [rows for rows in measured if int4_pdl_pays(rows)] == [1, 2, 32]
+    assert [rows for rows in (3, 31, 33, 64, 65, 255) if int4_pdl_pays(rows)] == [33, 64]
 
 
 def test_kernel_set_calls_get_pdl_by_their_first_dimension():
