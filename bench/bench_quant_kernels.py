@@ -164,6 +164,10 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         c("mma", 64, 128, 128, split_k=2),
         c("mma", 64, 64, 128, split_k=2),
         c("mma", 128, 64, 128, split_k=2),
+        # on an H100 the smaller of these won three layers of four (more programs, each code
+        # unpacked twice): more programs still, by K
+        c("mma", 64, 64, 128, split_k=4),
+        c("mma", 128, 64, 128, split_k=4),
     ]
 
 
