@@ -326,8 +326,8 @@ def test_gpu_act_order_and_split_k_on_llama_down(dtype, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
 def test_gpu_merged_splits_give_the_same_bits_over_many_graph_replays(name, device):
-    # The default configurations (gemv and mma split K 8-16 ways at 1-2 rows, mma 2-4 ways at
-    # 8-32), each tile's last program merging, with PDL, inside a graph: the two-kernel bits.
+    # The default configurations (gemv split K 8 ways at 1-2 rows, mma 4-8 ways at 8-32), each
+    # tile's last program merging, with PDL, inside a graph: the two-kernel bits.
     n, k = LLAMA3_8B_SHAPES[name]
     weight = random_int4(n, k, 128, offsets=False, device=device)
     counters = torch.zeros(triton.cdiv(n, 16) * 2, dtype=torch.int32, device=device)
