@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sitsd.model.llama import LlamaModel, ServingFormat, build_weights
-from sitsd.model.ops import triton_kernels
+from sitsd.model.ops import KernelSet, triton_kernels
 from sitsd.model.qlinear import int4_split_counters
 from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight
 from sitsd.quant.precision import PrecisionMap
@@ -28,7 +28,9 @@ BF16 = PrecisionMap.from_mapping(
 )
 
 
-def triton_logits(arch, weights, token_ids: list[int], kernels=None) -> torch.Tensor:
+def triton_logits(
+    arch, weights, token_ids: list[int], kernels: KernelSet | None = None
+) -> torch.Tensor:
     """Logits of every position `[len, vocab]`: the prompt (all but the last four ids) as a
     prefill in two chunks, the second reading the first's KV, then four decode steps of one id
     each, through the Triton kernels (`kernels`, or the plain set) in bf16."""
