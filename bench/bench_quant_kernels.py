@@ -155,7 +155,7 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     if num_rows <= 64:
         return [c("dot_swapped", m16, 64, 128, split_k=2)] + [
             c("mma", m16, n, 128, split_k=s) for n in (64, 128) for s in (2, 4, 8)
-        ]
+        ] + [c("mma", m16, 64, 128, split_k=4, scaled=True)]  # fmt: skip
     return [
         c("dot", 64, 128, 64),
         c("dot", 128, 128, 64, num_warps=8),
@@ -168,6 +168,10 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         # unpacked twice): more programs still, by K
         c("mma", 64, 64, 128, split_k=4),
         c("mma", 128, 64, 128, split_k=4),
+        # the scale in the codes: 184 -> 142 registers at 64 x 64 (3 programs per SM, not 2),
+        # 10% more instructions in the loop (bench.sass_int4, triton 3.6)
+        c("mma", 64, 64, 128, split_k=2, scaled=True),
+        c("mma", 128, 64, 128, split_k=2, scaled=True),
     ]
 
 
@@ -175,6 +179,7 @@ def describe(config: Int4MatmulConfig) -> str:
     return (
         f"{config.mode} m{config.block_m} n{config.block_n} k{config.block_k} "
         f"s{config.split_k} w{config.num_warps} p{config.num_stages}"
+        + (" scaled" if config.scaled else "")
     )
 
 
@@ -324,9 +329,9 @@ def _config_of(winner: str | None) -> Int4MatmulConfig | None:
     """The configuration a sweep label describes ("sweep dot m64 n128 k64 s1 w4 p3"), or None."""
     if not winner or not winner.startswith("sweep"):
         return None
-    mode, m, n, k, s, w, p = winner.removeprefix("sweep ").split()
+    mode, m, n, k, s, w, p, *scaled = winner.removeprefix("sweep ").split()
     return Int4MatmulConfig(mode, int(m[1:]), int(n[1:]), int(k[1:]), int(s[1:]), int(w[1:]),
-                            int(p[1:]))  # fmt: skip
+                            int(p[1:]), scaled == ["scaled"])  # fmt: skip
 
 
 def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> list[Row]:

@@ -105,13 +105,15 @@ def gemv(rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2) -> 
     return loop_count(sass, block_n * 128 * rows / (32 * num_warps))
 
 
-def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool) -> LoopCount:
+def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool, scaled: bool = False
+        ) -> LoopCount:  # fmt: skip
     """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways, as the engine launches it (PDL, the
     splits merged in the kernel); per code of the weight tile (its MMA covers all block_m rows
     of x at once)."""
     constants = dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=8, K_SPLIT=k // 8,
                      HAS_OFFSETS=zeros, HAS_ZEROS=zeros, HAS_PERM=False, EVEN=True, EVEN_K=True,
-                     ASM=True, X_ORDERED=ordered, KX=k, MERGE=True, PDL=True)  # fmt: skip
+                     ASM=True, X_ORDERED=ordered, KX=k, MERGE=True, SCALED=scaled,
+                     PDL=True)  # fmt: skip
     sass = compile_sass(int4_mma_kernel, constants, 4)
     return loop_count(sass, block_n * 128 / 128)
 
@@ -143,9 +145,11 @@ def main() -> None:
     if args.mode in ("mma", "all"):
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
             for ordered in (False, True) if block_m >= 32 else (False,):
-                count = mma(block_m, block_n, args.k, zeros=False, ordered=ordered)
-                label = f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
-                _show(label, count, "code")
+                for scaled in (False, True):
+                    count = mma(block_m, block_n, args.k, False, ordered, scaled)
+                    label = (f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
+                             + (" scaled" if scaled else ""))  # fmt: skip
+                    _show(label, count, "code")
     if args.mode in ("dot", "all"):  # the dot modes for 128 rows of x (mma m128 above)
         for mode, block_m, block_n, block_k, num_warps in (
             ("dot", 64, 128, 64, 4),  # choose_int4_config's at 65-128 rows

@@ -31,12 +31,22 @@ remainder, and the sum of x per group (a contiguous load, summed along its rows)
 The x, scales and offsets of a group are loaded one group ahead, so their latency hides behind
 the group before (the words' loads are pipelined by Triton itself).
 
+With SCALED the scale goes into the codes instead, in the same PTX block (a packed multiply per
+two codes: `(q - z) * scale` rounded to x's dtype, as a dequantized 16-bit weight is), and the
+MMAs accumulate into the output tile itself: no float32 partial per group beside it. At 64 x 64
+tiles that is 142 registers instead of 184 (three programs per SM, not two) for 10% more
+instructions in the loop, a conversion of the scales' layout per group among them (SASS sm_90,
+triton 3.6, `bench.sass_int4`). Whether it pays is the GPU sweep's to say
+(`bench.bench_quant_kernels`); no default takes it.
+
 Under the interpreter (no PTX) the slices are float32 arithmetic and the MMA runs in float32, so
 the CPU checks the tiling, masks and the zero-point algebra; the PTX block is checked on the GPU
 (`tests/kernels/test_int4_matmul.py`, `gpu`).
 """
 
 from __future__ import annotations
+
+import re
 
 import triton
 import triton.language as tl
@@ -86,6 +96,18 @@ _UNPACK_BF16 = tl.constexpr(  # 128.0 in bfloat16, twice
 _UNPACK_F16 = tl.constexpr(  # 1024.0 in float16, twice
     _UNPACK_PTX.replace("MAGIC", "0x64006400").replace("SUB", "sub.rn.f16x2")
 )
+# SCALED: (scale, scale) in $11 as well; each `q - z` pair is multiplied by it (a rounding to
+# x's dtype, as a dequantized 16-bit weight takes), one packed multiply per two codes more.
+_SCALED_PTX = re.sub(r"SUB \$(\d), c(\d), \$10;", r"SUB c\2, c\2, $10;\nMUL $\1, c\2, $11;",
+                     _UNPACK_PTX)  # fmt: skip
+_SCALED_BF16 = tl.constexpr(
+    _SCALED_PTX.replace("MAGIC", "0x43004300").replace("SUB", "sub.rn.bf16x2")
+    .replace("MUL", "mul.rn.bf16x2")
+)  # fmt: skip
+_SCALED_F16 = tl.constexpr(
+    _SCALED_PTX.replace("MAGIC", "0x64006400").replace("SUB", "sub.rn.f16x2")
+    .replace("MUL", "mul.rn.f16x2")
+)  # fmt: skip
 
 
 @triton.jit
@@ -108,6 +130,21 @@ def _slices_ptx(words, bias_z, DTYPE: tl.constexpr):
         c = tl.inline_asm_elementwise(_UNPACK_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
                                       [words, bias_z], dtype=(tl.float16,) * 8, is_pure=True,
                                       pack=2)  # fmt: skip
+    return c
+
+
+@triton.jit
+def _scaled_slices_ptx(words, bias_z, scale, DTYPE: tl.constexpr):
+    """As `_slices_ptx`, each tile times `scale` (`[BLOCK_N, WORDS]` DTYPE): `(q - z) * scale`
+    rounded to DTYPE."""
+    if tl.bfloat16 == DTYPE:
+        c = tl.inline_asm_elementwise(_SCALED_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                      [words, bias_z, scale], dtype=(tl.bfloat16,) * 8,
+                                      is_pure=True, pack=2)  # fmt: skip
+    else:
+        c = tl.inline_asm_elementwise(_SCALED_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                      [words, bias_z, scale], dtype=(tl.float16,) * 8,
+                                      is_pure=True, pack=2)  # fmt: skip
     return c
 
 
@@ -239,6 +276,9 @@ def int4_mma_kernel(
     X_ORDERED: tl.constexpr,
     KX: tl.constexpr,  # x's columns: K, or with X_ORDERED K padded to whole groups
     MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
+    # the scale multiplied into the 16-bit codes, so the MMAs accumulate in place: no float32
+    # partial per group beside the accumulator (registers), one rounding more per weight
+    SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
@@ -270,13 +310,24 @@ def int4_mma_kernel(
             words = tl.load(rows + word_cols[None, :], mask=w_mask, other=0)
         if ASM:
             bias_z = tl.broadcast_to((_bias(DTYPE) + z).to(DTYPE)[:, None], (BLOCK_N, WORDS))
-            c0, c1, c2, c3, c4, c5, c6, c7 = _slices_ptx(words, bias_z, DTYPE)
-            p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N), x_t)
+            if SCALED:
+                s16 = tl.broadcast_to(scale.to(DTYPE)[:, None], (BLOCK_N, WORDS))
+                c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_slices_ptx(words, bias_z, s16, DTYPE)
+                acc = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N), x_t, acc)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _slices_ptx(words, bias_z, DTYPE)
+                p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N), x_t)
+                acc += scale[:, None] * p
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _slices_float32(words, z[:, None])
-            p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N),
-                       x_t.to(tl.float32), input_precision="ieee")  # fmt: skip
-        acc += scale[:, None] * p
+            w = _slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N)
+            if SCALED:  # rounded as the PTX rounds: the scale, then each product, to DTYPE
+                s16 = scale.to(DTYPE).to(tl.float32)[:, None]
+                w = (w * s16).to(DTYPE).to(tl.float32)
+                acc = tl.dot(w, x_t.to(tl.float32), acc, input_precision="ieee")
+            else:
+                p = tl.dot(w, x_t.to(tl.float32), input_precision="ieee")
+                acc += scale[:, None] * p
         if X_SUMS:
             x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, KX,
                             HAS_PERM and not X_ORDERED, EVEN_K and not X_ORDERED)  # fmt: skip

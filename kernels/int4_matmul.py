@@ -102,6 +102,9 @@ class Int4MatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the chunk loads
+    # mode mma: the scale multiplied into the 16-bit codes before the MMA (`_int4_mma` SCALED:
+    # no float32 partial per group, one rounding more per weight, as a dequantized one has)
+    scaled: bool = False
 
 
 @triton.jit
@@ -322,6 +325,8 @@ def _check_config(config: Int4MatmulConfig) -> None:
             )
     if config.split_k < 1 or config.split_k & (config.split_k - 1):
         raise ValueError(f"split_k must be a power of two, got {config.split_k}")
+    if config.scaled and config.mode != "mma":
+        raise ValueError(f"scaled applies to mode 'mma' only, got mode {config.mode!r}")
 
 
 def int4_matmul(
@@ -435,7 +440,7 @@ def int4_matmul(
             K_SPLIT=k_split, HAS_OFFSETS=offsets is not None, HAS_ZEROS=zeros is not None,
             HAS_PERM=perm is not None,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
-            KX=xk.shape[1], MERGE=merge, PDL=pdl,
+            KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":

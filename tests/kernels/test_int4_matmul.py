@@ -92,6 +92,11 @@ def test_split_k_sums_the_same_bits_each_time(split_k, device):
     assert_close(first, int4_matmul_ref(x, *weight.args), torch.float16)
 
 
+# Mode mma with the scale multiplied into the codes, on a 16-row tile split in two and on a
+# 64-row tile (x ordered).
+SCALED_16 = Int4MatmulConfig("mma", 16, 32, 128, 2, scaled=True)
+SCALED_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, scaled=True)
+
 # Split-K tilings whose tiles are ragged along N and (where a tile holds rows) along M.
 MERGE_CONFIGS = {
     "fma": Int4MatmulConfig("fma", 2, 8, 64, split_k=2),
@@ -100,6 +105,7 @@ MERGE_CONFIGS = {
     "gemv": Int4MatmulConfig("gemv", 2, 16, 64, split_k=2, num_warps=2),
     "mma": Int4MatmulConfig("mma", 16, 16, 128, split_k=2),
     "mma x ordered": Int4MatmulConfig("mma", 64, 16, 128, split_k=2),
+    "mma scaled": Int4MatmulConfig("mma", 16, 16, 128, split_k=2, scaled=True),
 }
 
 
@@ -150,9 +156,10 @@ def test_mma_mode_matches_reference_with_ragged_tiles_a_short_last_group_and_spl
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *weight.args)
     # 64-row tiles take x in slice-major order from one copy (slice_major_x): through perm,
-    # padded past K.
+    # padded past K. Scaled: the scale multiplied into the 16-bit codes before the MMA.
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
-                   Int4MatmulConfig("mma", 64, 16, 128, 2)):  # fmt: skip
+                   Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16,
+                   SCALED_64):  # fmt: skip
         out = torch.full((5, 37), float("nan"), device=device, dtype=dtype)
         assert_close(int4_matmul(x, *weight.args, config=config, out=out), ref, dtype)
 
@@ -172,7 +179,7 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *case.args)
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
-                   Int4MatmulConfig("mma", 64, 16, 128, 2)):  # fmt: skip
+                   Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16, SCALED_64):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
         assert_close(out, ref, dtype)
 
@@ -184,7 +191,8 @@ def test_mma_mode_takes_offsets_that_are_no_whole_number_of_scales(device):
     shift = torch.empty_like(case.offsets).uniform_(-40.0, 40.0) * case.scales
     case.offsets = case.offsets + shift
     x = _x(3, 256, torch.bfloat16, device)
-    for config in (Int4MatmulConfig("mma", 16, 32, 128, 2), Int4MatmulConfig("mma", 64, 32, 128)):
+    for config in (Int4MatmulConfig("mma", 16, 32, 128, 2), Int4MatmulConfig("mma", 64, 32, 128),
+                   SCALED_16):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config)
         assert_close(out, int4_matmul_ref(x, *case.args), torch.bfloat16)
 
@@ -251,6 +259,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("wmma"))
     with pytest.raises(ValueError, match="split_k must be a power of two"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", split_k=3))
+    with pytest.raises(ValueError, match="scaled applies to mode 'mma' only, got mode 'gemv'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 2, 16, 128, scaled=True))
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
@@ -273,8 +283,9 @@ def _other_modes(num_rows: int, group_size: int) -> list[Int4MatmulConfig]:
     """A tiling of each mode that can serve `num_rows` besides the default's."""
     configs = [Int4MatmulConfig("dot", 64, 128, 64)]
     if group_size == 128:
-        configs.append(Int4MatmulConfig("mma", max(16, min(64, triton.next_power_of_2(num_rows))),
-                                        128, 128, split_k=2))  # fmt: skip
+        block_m = max(16, min(64, triton.next_power_of_2(num_rows)))
+        configs.append(Int4MatmulConfig("mma", block_m, 128, 128, split_k=2))
+        configs.append(Int4MatmulConfig("mma", block_m, 64, 128, split_k=2, scaled=True))
     if num_rows <= 64:
         block_m = max(16, triton.next_power_of_2(num_rows))
         configs.append(Int4MatmulConfig("dot_swapped", block_m, 64, 128, split_k=2))
