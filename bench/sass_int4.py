@@ -105,8 +105,9 @@ def gemv(rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2) -> 
     return loop_count(sass, block_n * 128 * rows / (32 * num_warps))
 
 
-def mma(block_m: int, block_n: int, k: int, zeros: bool, ordered: bool, scaled: bool = False
-        ) -> LoopCount:  # fmt: skip
+def mma(
+    block_m: int, block_n: int, k: int, zeros: bool, ordered: bool, scaled: bool = False
+) -> LoopCount:
     """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways, as the engine launches it (PDL, the
     splits merged in the kernel); per code of the weight tile (its MMA covers all block_m rows
     of x at once)."""
