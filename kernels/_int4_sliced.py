@@ -260,8 +260,7 @@ def int4_gemv_kernel(
         _store_row(out, row0 + 3, M, N, offs_n, n_mask, tl.sum(acc3, axis=1))
     if SPLIT_K > 1 and MERGE:
         rows = row0 + tl.arange(0, ROWS)  # ROWS is a power of two (`_check_config`)
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        merge_splits(out_ptr, merged_ptr, counters_ptr + tile, rows[:, None] * N + offs_n[None, :],
+        merge_splits(out_ptr, merged_ptr, counters_ptr, rows[:, None] * N + offs_n[None, :],
                      (rows < M)[:, None] & n_mask[None, :], M, N, SPLIT_K)  # fmt: skip
 
 

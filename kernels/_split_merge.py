@@ -9,7 +9,8 @@ acquires the other programs' partials, zeroes the counter for the next launch (w
 stream orders after this one), and sums the slabs from split 0 up, reading through L2 (`.cg`:
 other SMs wrote them), the order the two-kernel path's sum kernel uses: the same bits
 whichever program comes last. The counters are the caller's (int32 zeros, one per output
-tile, left zero); which tile a program belongs to and how large the tiles are is the calling
+tile, left zero); a program's tile is its place on the grid's first two axes (the third is the
+split, as `int4_matmul` launches every mode), and which outputs the tile holds is the calling
 kernel's business.
 """
 
@@ -20,9 +21,10 @@ import triton.language as tl
 
 
 @triton.jit
-def merge_splits(part_ptr, out_ptr, counter_ptr, offs, mask, M, N, SPLIT_K: tl.constexpr):
+def merge_splits(part_ptr, out_ptr, counters_ptr, offs, mask, M, N, SPLIT_K: tl.constexpr):
     """After this program stored its partial at `part_ptr + split * M * N + offs`: if it is
     the tile's last, `out[offs] = sum over splits of the partials` (in out's dtype)."""
+    counter_ptr = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT_K - 1:

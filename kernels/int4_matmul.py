@@ -196,8 +196,7 @@ def _int4_matmul_kernel(
     else:
         tl.store(out_ptr + split * M * N + offs, y, mask=mask)
         if MERGE:
-            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            merge_splits(out_ptr, merged_ptr, counters_ptr + tile, offs, mask, M, N, SPLIT_K)
+            merge_splits(out_ptr, merged_ptr, counters_ptr, offs, mask, M, N, SPLIT_K)
 
 
 @triton.jit
