@@ -127,6 +127,32 @@ def test_split_counters_merge_in_the_kernel_to_the_same_bits_and_are_left_zero(n
     assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
 
 
+@pytest.mark.parametrize("name", sorted(MERGE_CONFIGS))
+def test_each_tile_counts_on_its_own_counter(name, device):
+    # A counter primed to SPLIT_K never reads SPLIT_K - 1: its tile is never merged (left NaN)
+    # and every other tile is. The interpreter runs the programs one after another, so a tile
+    # counting on another's counter would not show in the test above; here it would.
+    config = MERGE_CONFIGS[name]
+    k = 2 * 128 + 64
+    weight = random_int4(37, k, 128, offsets=True, device=device)
+    x = _x(3, k, torch.bfloat16, device)
+    two_kernels = int4_matmul(x, *weight.args, config=config)
+    n_tiles, m_tiles = triton.cdiv(37, config.block_n), triton.cdiv(3, config.block_m)
+    for n_tile, m_tile in ((0, 0), (n_tiles - 1, m_tiles - 1)):
+        counters = torch.zeros(64, dtype=torch.int32, device=device)
+        tile = m_tile * n_tiles + n_tile
+        counters[tile] = config.split_k
+        out = torch.full_like(two_kernels, float("nan"))
+        int4_matmul(x, *weight.args, config=config, out=out, split_counters=counters)
+        unmerged = torch.zeros_like(out, dtype=torch.bool)
+        unmerged[m_tile * config.block_m : (m_tile + 1) * config.block_m,
+                 n_tile * config.block_n : (n_tile + 1) * config.block_n] = True  # fmt: skip
+        assert torch.equal(out.isnan(), unmerged)
+        assert torch.equal(out[~unmerged], two_kernels[~unmerged])
+        assert counters[tile] == 2 * config.split_k
+        assert counters.count_nonzero() == 1
+
+
 def test_split_counters_are_checked_and_unused_without_splits(device):
     weight = random_int4(40, 256, 64, offsets=False, device=device)
     x = _x(2, 256, torch.float16, device)
