@@ -109,14 +109,17 @@ MERGE_CONFIGS = {
 }
 
 
+def _merge_case(device):
+    """N = 37 (ragged tiles), K = 2 * 128 + 64: the splits take whole groups of 128 and mma's
+    second split runs past K; 3 rows: ragged row tiles in fma and gemv (2 rows a program)."""
+    k = 2 * 128 + 64
+    return random_int4(37, k, 128, offsets=True, device=device), _x(3, k, torch.bfloat16, device)
+
+
 @pytest.mark.parametrize("name", sorted(MERGE_CONFIGS))
 def test_split_counters_merge_in_the_kernel_to_the_same_bits_and_are_left_zero(name, device):
-    # N = 37 (ragged tiles), K = 2 * 128 + 64: the splits take whole groups of 128 and mma's
-    # second split runs past K; 3 rows: ragged row tiles in fma and gemv (2 rows a program).
     config = MERGE_CONFIGS[name]
-    k = 2 * 128 + 64
-    weight = random_int4(37, k, 128, offsets=True, device=device)
-    x = _x(3, k, torch.bfloat16, device)
+    weight, x = _merge_case(device)
     two_kernels = int4_matmul(x, *weight.args, config=config)
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     for _ in range(2):  # the counters the first call left serve the second
@@ -133,9 +136,7 @@ def test_each_tile_counts_on_its_own_counter(name, device):
     # and every other tile is. The interpreter runs the programs one after another, so a tile
     # counting on another's counter would not show in the test above; here it would.
     config = MERGE_CONFIGS[name]
-    k = 2 * 128 + 64
-    weight = random_int4(37, k, 128, offsets=True, device=device)
-    x = _x(3, k, torch.bfloat16, device)
+    weight, x = _merge_case(device)
     two_kernels = int4_matmul(x, *weight.args, config=config)
     n_tiles, m_tiles = triton.cdiv(37, config.block_n), triton.cdiv(3, config.block_m)
     for n_tile, m_tile in ((0, 0), (n_tiles - 1, m_tiles - 1)):
