@@ -19,7 +19,9 @@ the engine's time on average.
                (the slope of those steps' periods over their prompt tokens): each step's
                other prompts make its time past the median too noisy to price pieces by.
     allowance  the tokens whose predicted cost fits in `share x steady`, in every step (at most
-               twice the largest piece measured: noise must not turn into a huge step). When
+               twice the largest piece that kept within it, and short of a larger one that
+               did not: noise must not turn into a huge step, and a price measured on small
+               pieces does not hold for large ones on a GPU). When
                even the smallest piece does not fit (alone: the fixed part is over the share),
                pieces are spaced instead: each is as large as `spaced_steps` steady steps
                of extra time allow (at most twice the largest measured), and waits until the
@@ -126,12 +128,20 @@ class _Cost:
         """
         self._passes_weights = passes_weights
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
+        # The fewest tokens of a piece whose step went past the share, until a piece as large
+        # keeps within it (that one was slowed by something else): kept past the window, so
+        # that pieces do not grow back past it every `_FIT_WINDOW` steps.
+        self.ceiling: int | None = None
         # `fit()` of the samples as they are, and whether the two-part fit gave it.
         self._fitted: tuple[float, float, bool] | None = None
 
-    def add(self, num_tokens: int, extra_s: float) -> None:
+    def add(self, num_tokens: int, extra_s: float, past_share: bool = False) -> None:
         self._samples.append((num_tokens, extra_s))
         self._fitted = None
+        if past_share:
+            self.ceiling = min(num_tokens, self.ceiling or num_tokens)
+        elif self.ceiling is not None and num_tokens >= self.ceiling:
+            self.ceiling = None
 
     @property
     def known(self) -> bool:
@@ -256,9 +266,9 @@ class StepPacer:
         # pass over the other slot's weights for a handful of tokens, on a GPU).
         smallest = fixed + per_token if resolved else max(per_token, cost.cheapest)
         # What steady steps run over their median now and then is not the work's cost.
-        if smallest <= share_s + self._spread(num_serving_versions):  # fits in every step;
-            # at most twice what was measured so far
-            tokens = max(1, min(int((share_s - fixed) / per_token), 2 * cost.largest + 2))
+        within = share_s + self._spread(num_serving_versions)
+        if smallest <= within:  # fits in every step, within the sizes measured so far
+            tokens = max(1, min(int((share_s - fixed) / per_token), _grown(cost, within)))
             return Allowance(tokens, "share", per_token)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
         # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
@@ -390,9 +400,10 @@ class StepPacer:
         # Past the share, and past what steady steps of its kind take now and then: a busy
         # machine's slow step is not the work's (a CPU's 1-2.6 s steps spaced a canary that
         # fitted the share 128 steps apart: 178 s for 11 steps' work).
-        if extra > self.settings.share * steady + self._spread(work.num_serving_versions):
+        past_share = extra > self.settings.share * steady + self._spread(work.num_serving_versions)
+        if past_share:
             self._since_past_share = 0
-        self._cost[work.alone].add(work.num_tokens, extra)
+        self._cost[work.alone].add(work.num_tokens, extra, past_share)
         # Signed: a step's noise either way averages out (charging only the slow ones would
         # spend more than the share earns on a noisy machine); one outlier costs at most what
         # a spaced piece may.
@@ -450,6 +461,25 @@ class StepPacer:
         """The most a spaced piece may cost: `spaced_steps` steady steps, or the smallest
         piece if more."""
         return max(self.settings.spaced_steps * steady, smallest)
+
+
+def _grown(cost: _Cost, within_s: float) -> int:
+    """The most tokens the next piece priced into the share may take: twice the largest piece
+    that cost at most `within_s` (the share and the steady steps' spread), and 2; and no more
+    than halfway from it to the fewest tokens of a piece that went past it (`_Cost.ceiling`).
+
+    A price per token holds over the sizes it was measured on only. A GPU step is bound by its
+    pass over the weights up to some hundred tokens and by compute past them: on an H100 at
+    32 streams a migration's pieces doubled 64 -> 130 -> 262 at near 0.001 ms a token, the
+    262-token step took 19 ms (two-version steps 12), and the next piece, twice the largest
+    measured, took 485 tokens and 27 ms. Grown from the largest that kept within the share
+    instead, and fallen back between the two sizes once a piece went past it, pieces find
+    the knee in a few steps and stay under it."""
+    fitted = cost.largest_within(within_s)
+    grown = 2 * fitted + 2
+    if cost.ceiling is not None and cost.ceiling > fitted:
+        grown = min(grown, max(1, (fitted + cost.ceiling) // 2))
+    return grown
 
 
 def _most(fixed: float, per_token: float, steady: float) -> int:

@@ -639,3 +639,29 @@ def test_pieces_alone_whose_fixed_part_fits_below_zero_keep_the_price_that_lets_
     for n in (2, 3, 2, 3, 2, 3):
         fed.step(0.40 + (0.01 if n == 2 else 0.09), n, alone=True)
     assert fed.pacer.pace(1, alone=True).tokens == 4
+
+
+def test_pieces_priced_where_tokens_are_nearly_free_stop_growing_at_the_knee():
+    # An H100 at 32 streams: a step is bound by its pass over the weights up to some hundred
+    # tokens and by compute past them. A migration's pieces doubled at ~0.001 ms a token to
+    # 262 tokens (a 19 ms step where two-version steps took 12), then to 485 (27 ms): twice the
+    # largest measured. Past the knee they fall back between the sizes, and stay under it.
+    fed = FedPacer()  # steady 0.40 s, share 0.08 s, spread 0.02 s
+
+    def extra(n: int) -> float:  # flat to 256 tokens, then 5 ms a token
+        return 0.00005 * n + 0.005 * max(0, n - 256)
+
+    pieces = []
+    for _ in range(200):
+        allowance = fed.pacer.pace(1, alone=False)
+        if allowance.tokens == 0:  # the step in eight that keeps the steady time measured
+            fed.step(0.40, 0)
+            continue
+        pieces.append(allowance.tokens)
+        fed.step(0.40 + extra(allowance.tokens), allowance.tokens)
+    past = [n for n in pieces if extra(n) > 0.08 + 0.02]
+    assert len(past) <= 6, f"pieces went past the share {len(past)} times: {past}"
+    assert all(extra(n) <= 0.10 for n in pieces[-100:]), pieces[-100:]
+    # The linear price, fitted across the knee too, then says less than what fits (~120-270
+    # tokens where 300 would): safe, and no collapse to a few tokens a step.
+    assert min(pieces[-100:]) >= 100, pieces[-100:]
