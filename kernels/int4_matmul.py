@@ -239,7 +239,9 @@ def choose_int4_config(
     26.5 split in 4), and further until the grid has a program per SM; from 33 rows tiles of 64
     rows of x (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
-    cuBLAS's 45.8, 28.5, 210 and 112).
+    cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
+    takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
+    the second H100 run; o's 20.0 against 21.1 was within noise, qkv's default won).
 
     Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
     weight rows, 128-wide chunks; more: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles,
@@ -268,6 +270,8 @@ def choose_int4_config(
             block_m, split_k = max(16, next_power_of_2(num_rows)), 1
             while 2 * split_k * 8 <= groups and split_k < MMA_MAX_SPLIT:
                 split_k *= 2  # parts of about 8 groups
+        elif num_rows > 64 and k >= 8192 and not has_offsets:
+            block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
             block_m, split_k = (128 if large_n and not has_offsets else 64), 2
         tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
