@@ -1,16 +1,23 @@
 """Where a decode step's GPU time goes: kernel breakdown of graph replays, GEMM efficiency.
 
-Runs on the device machine: python3 -m bench.profile_decode. Llama-3-8B shapes, random bf16.
+Runs on the device machine: python3 -m bench.profile_decode [--precision int4-g128]
+[--batches 1,32,128]. Llama-3-8B shapes, random bf16 weights, served as they are or quantized
+at load by the precision's map (`bench.bench_quant_engine.PRECISIONS`, as `sitsd serve
+--quantize` does).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
+from bench.bench_quant_engine import PRECISIONS
 from bench.engine_setup import engine_config, fill_decode_inputs, random_checkpoint
 from bench.floors import copy_bandwidth
 from bench.shapes import LLAMA3_8B
@@ -19,14 +26,27 @@ from sitsd.builder import build_runner
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
+    parser.add_argument("--batches", default="1,32,128",
+                        type=lambda t: [int(b) for b in t.split(",") if b])  # fmt: skip
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.profile_decode needs a CUDA GPU")
     bw = copy_bandwidth()
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
-    runner, _ = build_runner(engine_config(128, util=0.5), LLAMA3_8B, ckpt.tensors, "prof")
+    config = engine_config(max(128, *args.batches), util=0.5)
+    body = PRECISIONS[args.precision]
+    with tempfile.TemporaryDirectory(prefix="sitsd-profile-") as tmp:
+        if body is not None:
+            map_file = Path(tmp) / "precision.yaml"
+            map_file.write_text(body, encoding="utf-8")
+            model = dataclasses.replace(config.model, quantize=str(map_file))
+            config = dataclasses.replace(config, model=model)
+        runner, _ = build_runner(config, LLAMA3_8B, ckpt.tensors, "prof")
+    print(f"weights: {runner.weights.precision}")
     fill_decode_inputs(runner, 256)
-    for b in (1, 32, 128):
+    for b in args.batches:
         bucket = runner.graphs.bucket_for(b)
         for _ in range(3):
             runner.graphs.replay(bucket)
@@ -39,9 +59,11 @@ def main() -> None:
         print(f"\n=== batch {b}: graph replay {replay_ms:.3f} ms; kernels over 5 replays ===")
         print(
             prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=14, max_name_column_width=70
+                sort_by="cuda_time_total", row_limit=24, max_name_column_width=70
             )
         )
+    if body is not None:
+        return  # cuBLAS per shape: for 16-bit weights
     w = runner.weights.layers[0]
     shapes = {"qkv": w.qkv_proj, "o": w.o_proj, "gate_up": w.gate_up_proj,
               "down": w.down_proj, "lm_head": runner.weights.lm_head}  # fmt: skip
