@@ -35,8 +35,9 @@ def main() -> None:
         sys.exit("bench.profile_decode needs a CUDA GPU")
     bw = copy_bandwidth()
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
-    config = engine_config(max(128, *args.batches), util=0.5)
     body = PRECISIONS[args.precision]
+    # A quantized runner keeps a standby slot as large as the 16-bit version beside its own.
+    config = engine_config(max(128, *args.batches), util=0.5 if body is None else 0.8)
     with tempfile.TemporaryDirectory(prefix="sitsd-profile-") as tmp:
         if body is not None:
             map_file = Path(tmp) / "precision.yaml"
