@@ -17,13 +17,15 @@ left out, any other variant that fails ends the run.
 1. Single layers qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096), down (4096 x
    14336) at M = 1, 8, 32, 128, 512 (`--rows`) and 2048 (`--prefill-rows`): bf16; INT4
    `int4_matmul` with its default configuration (and as the engine launches it,
-   `qlinear.QuantizedLinears`: PDL and the splits merged in the kernel where its rules say) and
+   `qlinear.QuantizedLinears`: PDL and the splits merged in the kernel where its rules say; past
+   `INT4_MERGE_ROWS` rows also the default with the splits merged, "default merged") and
    the best of a small sweep (winner printed;
    `--no-sweep` skips it), with zero points, and `int4_dequantize` + F.linear from 32 rows; FP8
    `fp8_matmul` through torch's scaled matmul and through Triton.
 2. 32 layers of qkv -> o -> gate_up -> silu_and_mul -> down in one graph, each layer with weights
    of its own (bf16: 14 GB, nothing stays in L2), M = 1, 8, 32, 128: bf16, INT4 (default
-   configurations; as the engine launches them; the sweep's winners), FP8; ms per 32 layers
+   configurations; as the engine launches them, and past `INT4_MERGE_ROWS` rows so with the
+   splits merged; the sweep's winners), FP8; ms per 32 layers
    against the format's floor.
 
     python -m bench.bench_quant_kernels [--no-sweep] [--skip-layers] [--rows 1,8,32,128,512]
@@ -57,7 +59,12 @@ from sitsd.kernels.int4_dequant import int4_dequantize
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_layout import pack_int4
 from sitsd.kernels.quant_reference import fp8_matmul_ref
-from sitsd.model.qlinear import INT4_DEQUANT_FROM_ROWS, QuantizedLinears, int4_split_counters
+from sitsd.model.qlinear import (
+    INT4_DEQUANT_FROM_ROWS,
+    INT4_MERGE_ROWS,
+    QuantizedLinears,
+    int4_split_counters,
+)
 from sitsd.quant.layout import Fp8Weight, Int4Weight, mark_integer_zeros, nbytes
 
 DTYPE, GROUP = torch.bfloat16, 128
@@ -112,9 +119,21 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def int4_linear(x: torch.Tensor, w: Int4Weight, *, config: Int4MatmulConfig | None = None):
+def int4_linear(
+    x: torch.Tensor,
+    w: Int4Weight,
+    *,
+    config: Int4MatmulConfig | None = None,
+    counters: torch.Tensor | None = None,
+):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                       zeros=w.zeros)  # fmt: skip
+                       zeros=w.zeros, split_counters=counters)  # fmt: skip
+
+
+def merge_counters(n: int, num_rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed split-K counters enough for any tile of an [num_rows, n] output (16 x 16 the
+    least)."""
+    return torch.zeros(-(-n // 16) * -(-num_rows // 16), dtype=torch.int32, device=device)
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
@@ -178,7 +197,12 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         # bytes of stack), twice the warps per SM scaled
         c("mma", 128, 64, 128, split_k=2, num_warps=8),
         c("mma", 128, 64, 128, split_k=2, num_warps=8, scaled=True),
-    ]
+        # x ordered by each program as it loads a group instead of by a copy before the
+        # kernel (3.4 us a layer in the batch-128 decode graph: 0.44 ms a step): 50% more
+        # instructions in the loop at 128 x 64, which is not issue-bound there
+        *(c("mma", m, 64, 128, split_k=s, order_x=False) for m, s in ((64, 2), (128, 2),
+                                                                      (128, 4))),
+    ]  # fmt: skip
 
 
 def describe(config: Int4MatmulConfig) -> str:
@@ -186,6 +210,7 @@ def describe(config: Int4MatmulConfig) -> str:
         f"{config.mode} m{config.block_m} n{config.block_n} k{config.block_k} "
         f"s{config.split_k} w{config.num_warps} p{config.num_stages}"
         + (" scaled" if config.scaled else "")
+        + ("" if config.order_x is None else " x ordered" if config.order_x else " x in place")
     )
 
 
@@ -206,6 +231,10 @@ def variants(
     if num_rows < INT4_DEQUANT_FROM_ROWS:  # the default as the engine launches it (PDL, merge)
         out[f"{label} as served"] = QuantizedLinears(
             None, workspace.device.type == "cuda", int4_split_counters(LLAMA3_8B, workspace.device)
+        )
+    if INT4_MERGE_ROWS < num_rows < INT4_DEQUANT_FROM_ROWS:  # the merge past where it is served
+        out[f"{label} default merged"] = functools.partial(
+            int4_linear, config=default, counters=merge_counters(n, num_rows, workspace.device)
         )
     for config in int4_sweep(num_rows) if sweep else []:
         if config != default:
@@ -344,9 +373,11 @@ def _config_of(winner: str | None) -> Int4MatmulConfig | None:
     """The configuration a sweep label describes ("sweep dot m64 n128 k64 s1 w4 p3"), or None."""
     if not winner or not winner.startswith("sweep"):
         return None
-    mode, m, n, k, s, w, p, *scaled = winner.removeprefix("sweep ").split()
+    mode, m, n, k, s, w, p, *flags = winner.removeprefix("sweep ").split()
+    rest = " ".join(flags)
+    order_x = False if "x in place" in rest else True if "x ordered" in rest else None
     return Int4MatmulConfig(mode, int(m[1:]), int(n[1:]), int(k[1:]), int(s[1:]), int(w[1:]),
-                            int(p[1:]), scaled == ["scaled"])  # fmt: skip
+                            int(p[1:]), "scaled" in flags, order_x)  # fmt: skip
 
 
 def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> list[Row]:
@@ -365,6 +396,11 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
                 served = QuantizedLinears(None, not bench.smoke, int4_split_counters(LLAMA3_8B,
                                           torch.device(bench.device)))  # fmt: skip
                 runs["int4 as served"] = {op: served for op in shapes}
+                if num_rows > INT4_MERGE_ROWS:  # the merge past the rows it is served at
+                    widest = max(n for n, _ in shapes.values())
+                    merged = QuantizedLinears(None, not bench.smoke, merge_counters(
+                        widest, num_rows, torch.device(bench.device)))  # fmt: skip
+                    runs["int4 as served, merged"] = {op: merged for op in shapes}
             if fmt == "int4" and winners:
                 runs["int4 swept best"] = {
                     op: functools.partial(
@@ -430,7 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every number here")
     parser.add_argument("--no-sweep", action="store_true", help="INT4 default configs only")
     parser.add_argument("--skip-layers", action="store_true", help="skip the 32-layer graphs")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--rows", default=None,
+                        help=f"rows of x per layer (default {','.join(map(str, ROWS))}; "
+                             "with --smoke 1,8,32)")  # fmt: skip
     parser.add_argument("--prefill-rows", default=",".join(map(str, PREFILL_ROWS)))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     args = parser.parse_args(argv)
@@ -439,11 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     torch.manual_seed(0)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    rows_m = (
-        (1, 8, 32)
-        if args.smoke
-        else tuple(int(r) for r in f"{args.rows},{args.prefill_rows}".split(",") if r)
-    )
+    if args.rows is None:
+        args.rows = "1,8,32" if args.smoke else ",".join(map(str, ROWS))
+    prefill = "" if args.smoke else args.prefill_rows
+    rows_m = tuple(int(r) for r in f"{args.rows},{prefill}".split(",") if r)
     bench = Bench(args.smoke, 1.0 if args.smoke else copy_bandwidth() / 1e9)  # bytes/s -> GB/s
     if not args.smoke:
         torch.cuda.empty_cache()  # the copy's buffers go before the weights

@@ -105,6 +105,10 @@ class Int4MatmulConfig:
     # mode mma: the scale multiplied into the 16-bit codes before the MMA (`_int4_mma` SCALED:
     # no float32 partial per group, one rounding more per weight, as a dequantized one has)
     scaled: bool = False
+    # mode mma: x put in slice-major order by one copy before the kernel (True: fewer
+    # instructions in the loop, one more kernel) or by each program as it loads a group
+    # (False); None: a copy for tiles of `MMA_ORDER_X_ROWS` rows of x or more
+    order_x: bool | None = None
 
 
 @triton.jit
@@ -330,6 +334,8 @@ def _check_config(config: Int4MatmulConfig) -> None:
         raise ValueError(f"split_k must be a power of two, got {config.split_k}")
     if config.scaled and config.mode != "mma":
         raise ValueError(f"scaled applies to mode 'mma' only, got mode {config.mode!r}")
+    if config.order_x is not None and config.mode != "mma":
+        raise ValueError(f"order_x applies to mode 'mma' only, got mode {config.mode!r}")
 
 
 def int4_matmul(
@@ -433,7 +439,9 @@ def int4_matmul(
         # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
         # rather than by every program that reads it (N / block_n of them): 25-33% fewer
         # instructions in the loop at 64-128 rows (`bench.sass_int4`, triton 3.6).
-        ordered = config.block_m >= MMA_ORDER_X_ROWS
+        ordered = config.order_x
+        if ordered is None:
+            ordered = config.block_m >= MMA_ORDER_X_ROWS
         xk = slice_major_x(x, perm) if ordered else x
         int4_mma_kernel[grid](
             xk, qweight, scales, scales if offsets is None else offsets,

@@ -96,6 +96,10 @@ def test_split_k_sums_the_same_bits_each_time(split_k, device):
 # 64-row tile (x ordered).
 SCALED_16 = Int4MatmulConfig("mma", 16, 32, 128, 2, scaled=True)
 SCALED_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, scaled=True)
+# x put in slice-major order by each program (a 64-row tile; by default a copy orders it) and
+# by a copy (a 16-row tile; by default each program does)
+IN_PLACE_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, order_x=False)
+ORDERED_16 = Int4MatmulConfig("mma", 16, 32, 128, 2, order_x=True)
 
 # Split-K tilings whose tiles are ragged along N and (where a tile holds rows) along M.
 MERGE_CONFIGS = {
@@ -186,7 +190,7 @@ def test_mma_mode_matches_reference_with_ragged_tiles_a_short_last_group_and_spl
     # padded past K. Scaled: the scale multiplied into the 16-bit codes before the MMA.
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
                    Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16,
-                   SCALED_64):  # fmt: skip
+                   SCALED_64, IN_PLACE_64, ORDERED_16):  # fmt: skip
         out = torch.full((5, 37), float("nan"), device=device, dtype=dtype)
         assert_close(int4_matmul(x, *weight.args, config=config, out=out), ref, dtype)
 
@@ -206,7 +210,8 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *case.args)
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
-                   Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16, SCALED_64):  # fmt: skip
+                   Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16, SCALED_64,
+                   IN_PLACE_64, ORDERED_16):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
         assert_close(out, ref, dtype)
 
@@ -288,6 +293,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", split_k=3))
     with pytest.raises(ValueError, match="scaled applies to mode 'mma' only, got mode 'gemv'"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 2, 16, 128, scaled=True))
+    with pytest.raises(ValueError, match="order_x applies to mode 'mma' only, got mode 'dot'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 16, 64, order_x=False))
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
