@@ -73,6 +73,7 @@ _FIT_WINDOW = 16  # steps with swap work the cost is fitted on, per kind of work
 _FREE_EVERY = 8  # one step in this many runs without swap work
 _MIN_PER_TOKEN_S = 1e-7  # a cost per token below this is noise
 _UNPRICED_RELEASE = 16  # prompt tokens a step for requests a drain held, until a token is priced
+_CEILING_HOLDS = 1.5  # a piece past the share bounds the next while steady steps grow less
 
 
 @dataclass(frozen=True)
@@ -128,20 +129,12 @@ class _Cost:
         """
         self._passes_weights = passes_weights
         self._samples: deque[tuple[int, float]] = deque(maxlen=_FIT_WINDOW)  # (tokens, extra)
-        # The fewest tokens of a piece whose step went past the share, until a piece as large
-        # keeps within it (that one was slowed by something else): kept past the window, so
-        # that pieces do not grow back past it every `_FIT_WINDOW` steps.
-        self.ceiling: int | None = None
         # `fit()` of the samples as they are, and whether the two-part fit gave it.
         self._fitted: tuple[float, float, bool] | None = None
 
-    def add(self, num_tokens: int, extra_s: float, past_share: bool = False) -> None:
+    def add(self, num_tokens: int, extra_s: float) -> None:
         self._samples.append((num_tokens, extra_s))
         self._fitted = None
-        if past_share:
-            self.ceiling = min(num_tokens, self.ceiling or num_tokens)
-        elif self.ceiling is not None and num_tokens >= self.ceiling:
-            self.ceiling = None
 
     @property
     def known(self) -> bool:
@@ -226,6 +219,11 @@ class StepPacer:
         # Steady periods by the number of weights versions serving in the step.
         self._steady: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
+        # By `alone`: (tokens, steady seconds of its kind) of the smallest piece whose step went
+        # past the share, until a piece as large keeps within it (that one was slowed by
+        # something else). Kept past the fit's window, so that pieces do not grow back past it
+        # every `_FIT_WINDOW` steps; it holds while the steady time stays near what it was.
+        self._ceiling: dict[bool, tuple[int, float]] = {}
         self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
         # Periods of one-version steady steps that computed prompts, by their prompt tokens.
         self._prefill = _Cost(False)
@@ -268,7 +266,8 @@ class StepPacer:
         # What steady steps run over their median now and then is not the work's cost.
         within = share_s + self._spread(num_serving_versions)
         if smallest <= within:  # fits in every step, within the sizes measured so far
-            tokens = max(1, min(int((share_s - fixed) / per_token), _grown(cost, within)))
+            grown = _grown(cost, within, self._ceiling_at(alone, steady))
+            tokens = max(1, min(int((share_s - fixed) / per_token), grown))
             return Allowance(tokens, "share", per_token)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
         # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
@@ -403,7 +402,13 @@ class StepPacer:
         past_share = extra > self.settings.share * steady + self._spread(work.num_serving_versions)
         if past_share:
             self._since_past_share = 0
-        self._cost[work.alone].add(work.num_tokens, extra, past_share)
+        self._cost[work.alone].add(work.num_tokens, extra)
+        ceiling = self._ceiling.get(work.alone)
+        if past_share:
+            if ceiling is None or work.num_tokens < ceiling[0]:
+                self._ceiling[work.alone] = (work.num_tokens, steady)
+        elif ceiling is not None and work.num_tokens >= ceiling[0]:
+            del self._ceiling[work.alone]
         # Signed: a step's noise either way averages out (charging only the slow ones would
         # spend more than the share earns on a noisy machine); one outlier costs at most what
         # a spaced piece may.
@@ -416,6 +421,15 @@ class StepPacer:
         """How far above their median one steady step in ten of that kind runs."""
         periods = sorted(self._steady[num_serving_versions])
         return periods[int(0.9 * (len(periods) - 1))] - statistics.median(periods)
+
+    def _ceiling_at(self, alone: bool, steady: float) -> int | None:
+        """The fewest tokens of a piece of that kind that went past the share, while the
+        steady time is at most `_CEILING_HOLDS` times what it was then (more streams make
+        longer steps with room for larger pieces); None: no such piece."""
+        ceiling = self._ceiling.get(alone)
+        if ceiling is None or steady > _CEILING_HOLDS * ceiling[1]:
+            return None
+        return ceiling[0]
 
     def _earn(self, steady: float | None) -> None:
         """Each busy step earns the share of its kind's steady time (None: not measured),
@@ -463,10 +477,11 @@ class StepPacer:
         return max(self.settings.spaced_steps * steady, smallest)
 
 
-def _grown(cost: _Cost, within_s: float) -> int:
+def _grown(cost: _Cost, within_s: float, ceiling: int | None) -> int:
     """The most tokens the next piece priced into the share may take: twice the largest piece
     that cost at most `within_s` (the share and the steady steps' spread), and 2; and no more
-    than halfway from it to the fewest tokens of a piece that went past it (`_Cost.ceiling`).
+    than halfway from it to `ceiling`, the fewest tokens of a piece that went past it
+    (`StepPacer._ceiling_at`).
 
     A price per token holds over the sizes it was measured on only. A GPU step is bound by its
     pass over the weights up to some hundred tokens and by compute past them: on an H100 at
@@ -477,8 +492,8 @@ def _grown(cost: _Cost, within_s: float) -> int:
     the knee in a few steps and stay under it."""
     fitted = cost.largest_within(within_s)
     grown = 2 * fitted + 2
-    if cost.ceiling is not None and cost.ceiling > fitted:
-        grown = min(grown, max(1, (fitted + cost.ceiling) // 2))
+    if ceiling is not None and ceiling > fitted:
+        grown = min(grown, max(1, (fitted + ceiling) // 2))
     return grown
 
 

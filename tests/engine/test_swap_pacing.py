@@ -665,3 +665,35 @@ def test_pieces_priced_where_tokens_are_nearly_free_stop_growing_at_the_knee():
     # The linear price, fitted across the knee too, then says less than what fits (~120-270
     # tokens where 300 would): safe, and no collapse to a few tokens a step.
     assert min(pieces[-100:]) >= 100, pieces[-100:]
+
+
+def test_a_knee_found_at_short_steps_does_not_hold_the_pieces_once_steps_grow_longer():
+    # The piece past the share that stops the pieces' growth holds while the steady time is
+    # near what it was: steady steps five times longer (more streams) leave room for larger
+    # pieces, found by growing again.
+    fed = FedPacer()
+
+    def extra(n: int) -> float:  # flat to 256 tokens, then 1 ms a token
+        return 0.00005 * n + 0.001 * max(0, n - 256)
+
+    def run(steady: float, num_steps: int) -> list[int]:
+        pieces = []
+        for _ in range(num_steps):
+            allowance = fed.pacer.pace(1, alone=False)
+            if allowance.tokens == 0:
+                fed.step(steady, 0)
+                continue
+            pieces.append(allowance.tokens)
+            fed.step(steady + extra(allowance.tokens), allowance.tokens)
+        return pieces
+
+    short = run(0.40, 200)
+    assert max(short[-50:]) < 360  # share 0.08 s: the knee near 330 tokens
+    for _ in range(20):  # small pieces fill the fit's window: no piece near the knee in it
+        fed.step(0.40 + extra(50), 50)
+    for _ in range(40):  # the steady steps grow to 2 s (share 0.4 s)
+        fed.step(2.0, 0)
+    assert fed.pacer.steady_s(1) == pytest.approx(2.0)
+    long = run(2.0, 200)
+    assert max(long) >= 450, long
+    assert all(extra(n) <= 0.4 for n in long[-50:]), long[-50:]
