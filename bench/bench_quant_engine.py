@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import json
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_gpu import run_batch
-from bench.engine_setup import engine_config, random_checkpoint
+from bench.engine_setup import engine_config, quantized_at_load, random_checkpoint
 from bench.floors import (
     copy_bandwidth,
     fp8_matmul_rate,
@@ -71,14 +70,11 @@ def step_bytes(weight_bytes: int, arch: LlamaArch, batch: int, context: float) -
 
 
 async def measure(
-    ckpt: Checkpoint, map_file: Path | None, batches: list[int], new_tokens: int
+    ckpt: Checkpoint, map_body: str | None, batches: list[int], new_tokens: int, tmp: Path
 ) -> dict:
-    """One engine on `ckpt` (quantized at load by `map_file`): decode per batch, then prefill."""
-    config = engine_config(max(*batches, PREFILL_REQUESTS))
-    if map_file is not None:
-        config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, quantize=str(map_file))
-        )
+    """One engine on `ckpt` (quantized at load by the map `map_body`, written into `tmp`):
+    decode per batch, then prefill."""
+    config = quantized_at_load(engine_config(max(*batches, PREFILL_REQUESTS)), map_body, tmp)
     engine = build_engine(config, checkpoint=ckpt)
     await engine.start()
     freeze_startup_objects()  # as the daemon does: no full collection scans them mid-run
@@ -174,13 +170,8 @@ def main() -> int:
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
     with tempfile.TemporaryDirectory(prefix="sitsd-quant-bench-") as tmp:
         for name in args.precisions:
-            body = PRECISIONS[name]
-            map_file = None
-            if body is not None:
-                map_file = Path(tmp) / f"{name}.yaml"
-                map_file.write_text(body, encoding="utf-8")
             results["runs"][name] = asyncio.run(
-                measure(ckpt, map_file, args.batches, args.new_tokens)
+                measure(ckpt, PRECISIONS[name], args.batches, args.new_tokens, Path(tmp))
             )
             gc.collect()
             torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ Which model shapes to use is `bench.shapes`'s; writing a model to disk is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,6 +82,18 @@ def engine_config(
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                                   max_num_waiting=4096, policy="fcfs", async_scheduling=ahead),
     )  # fmt: skip
+
+
+def quantized_at_load(config: SitsdConfig, map_body: str | None, directory: Path) -> SitsdConfig:
+    """`config` serving its checkpoint quantized at load by a precision map (`sitsd serve
+    --quantize`), the map's YAML `map_body` written into `directory`; None: as it is."""
+    if map_body is None:
+        return config
+    map_file = directory / "precision.yaml"
+    map_file.write_text(map_body, encoding="utf-8")
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, quantize=str(map_file))
+    )
 
 
 def fill_decode_inputs(runner, context: int) -> None:

@@ -9,7 +9,6 @@ at load by the precision's map (`bench.bench_quant_engine.PRECISIONS`, as `sitsd
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import sys
 import tempfile
@@ -18,7 +17,12 @@ from pathlib import Path
 import torch
 
 from bench.bench_quant_engine import PRECISIONS
-from bench.engine_setup import engine_config, fill_decode_inputs, random_checkpoint
+from bench.engine_setup import (
+    engine_config,
+    fill_decode_inputs,
+    quantized_at_load,
+    random_checkpoint,
+)
 from bench.floors import copy_bandwidth
 from bench.shapes import LLAMA3_8B
 from bench.timing import median_ms
@@ -39,11 +43,7 @@ def main() -> None:
     # A quantized runner keeps a standby slot as large as the 16-bit version beside its own.
     config = engine_config(max(128, *args.batches), util=0.5 if body is None else 0.8)
     with tempfile.TemporaryDirectory(prefix="sitsd-profile-") as tmp:
-        if body is not None:
-            map_file = Path(tmp) / "precision.yaml"
-            map_file.write_text(body, encoding="utf-8")
-            model = dataclasses.replace(config.model, quantize=str(map_file))
-            config = dataclasses.replace(config, model=model)
+        config = quantized_at_load(config, body, Path(tmp))
         runner, _ = build_runner(config, LLAMA3_8B, ckpt.tensors, "prof")
     print(f"weights: {runner.weights.precision}")
     fill_decode_inputs(runner, 256)
