@@ -219,11 +219,12 @@ class StepPacer:
         # Steady periods by the number of weights versions serving in the step.
         self._steady: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
-        # By `alone`: (tokens, steady seconds of its kind) of the smallest piece whose step went
-        # past the share, until a piece as large keeps within it (that one was slowed by
-        # something else). Kept past the fit's window, so that pieces do not grow back past it
-        # every `_FIT_WINDOW` steps; it holds while the steady time stays near what it was.
-        self._ceiling: dict[bool, tuple[int, float]] = {}
+        # By (`alone`, serving versions): (tokens, steady seconds of that kind of step) of the
+        # smallest piece whose step went past the share, until a piece as large keeps within
+        # it (that one was slowed by something else). Kept past the fit's window, so that
+        # pieces do not grow back past it every `_FIT_WINDOW` steps; it holds while the steady
+        # time stays near what it was.
+        self._ceiling: dict[tuple[bool, int], tuple[int, float]] = {}
         self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
         # Periods of one-version steady steps that computed prompts, by their prompt tokens.
         self._prefill = _Cost(False)
@@ -266,7 +267,7 @@ class StepPacer:
         # What steady steps run over their median now and then is not the work's cost.
         within = share_s + self._spread(num_serving_versions)
         if smallest <= within:  # fits in every step, within the sizes measured so far
-            grown = _grown(cost, within, self._ceiling_at(alone, steady))
+            grown = _grown(cost, within, self._ceiling_at(alone, num_serving_versions, steady))
             tokens = max(1, min(int((share_s - fixed) / per_token), grown))
             return Allowance(tokens, "share", per_token)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
@@ -403,12 +404,17 @@ class StepPacer:
         if past_share:
             self._since_past_share = 0
         self._cost[work.alone].add(work.num_tokens, extra)
-        ceiling = self._ceiling.get(work.alone)
-        if past_share:
-            if ceiling is None or work.num_tokens < ceiling[0]:
-                self._ceiling[work.alone] = (work.num_tokens, steady)
+        kind = (work.alone, work.num_serving_versions)
+        ceiling = self._ceiling.get(kind)
+        if past_share:  # a smaller one, or the first since the steady time moved
+            if (
+                ceiling is None
+                or work.num_tokens < ceiling[0]
+                or steady > _CEILING_HOLDS * ceiling[1]
+            ):
+                self._ceiling[kind] = (work.num_tokens, steady)
         elif ceiling is not None and work.num_tokens >= ceiling[0]:
-            del self._ceiling[work.alone]
+            del self._ceiling[kind]
         # Signed: a step's noise either way averages out (charging only the slow ones would
         # spend more than the share earns on a noisy machine); one outlier costs at most what
         # a spaced piece may.
@@ -422,11 +428,11 @@ class StepPacer:
         periods = sorted(self._steady[num_serving_versions])
         return periods[int(0.9 * (len(periods) - 1))] - statistics.median(periods)
 
-    def _ceiling_at(self, alone: bool, steady: float) -> int | None:
+    def _ceiling_at(self, alone: bool, num_serving_versions: int, steady: float) -> int | None:
         """The fewest tokens of a piece of that kind that went past the share, while the
         steady time is at most `_CEILING_HOLDS` times what it was then (more streams make
         longer steps with room for larger pieces); None: no such piece."""
-        ceiling = self._ceiling.get(alone)
+        ceiling = self._ceiling.get((alone, num_serving_versions))
         if ceiling is None or steady > _CEILING_HOLDS * ceiling[1]:
             return None
         return ceiling[0]

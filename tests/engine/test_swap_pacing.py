@@ -571,10 +571,10 @@ class FedPacer:
             self.step(period, 0)
         assert self.pacer.steady_s(1) == pytest.approx(0.40)
 
-    def step(self, period: float, work_tokens: int, alone: bool = False) -> None:
+    def step(self, period: float, work_tokens: int, alone: bool = False, versions: int = 1) -> None:
         sched_out = SchedulerOutput(num_scheduled_tokens={"r": 1 + work_tokens},
                                     total_num_scheduled_tokens=1 + work_tokens,
-                                    swap_work=SwapWork(work_tokens, alone, 1))  # fmt: skip
+                                    swap_work=SwapWork(work_tokens, alone, versions))  # fmt: skip
         start, self.clock = self.clock, self.clock + period
         self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
 
@@ -697,3 +697,34 @@ def test_a_knee_found_at_short_steps_does_not_hold_the_pieces_once_steps_grow_lo
     long = run(2.0, 200)
     assert max(long) >= 450, long
     assert all(extra(n) <= 0.4 for n in long[-50:]), long[-50:]
+
+
+def test_a_knee_found_in_one_kind_of_step_does_not_stand_for_another_kinds():
+    # A canary's pieces joined to one-version steps find a knee at ~64 tokens; a migration's
+    # pieces then join two-version steps (each reads both weight sets: 1 s here), whose knee
+    # is at 256 tokens. The first kind's knee neither holds the second's pieces nor keeps the
+    # second's own knee from being kept: its pieces go past their share a few times only.
+    fed = FedPacer()
+    for period in itertools.islice(itertools.cycle((0.98, 1.0, 1.02)), 30):
+        fed.step(period, 0, versions=2)
+
+    def run(versions: int, steady: float, extra, num_steps: int) -> list[int]:
+        pieces = []
+        for _ in range(num_steps):
+            allowance = fed.pacer.pace(versions, alone=False)
+            if allowance.tokens == 0:
+                fed.step(steady, 0, versions=versions)
+                continue
+            pieces.append(allowance.tokens)
+            fed.step(steady + extra(allowance.tokens), allowance.tokens, versions=versions)
+        return pieces
+
+    def knee(at: int):
+        return lambda n: 0.00005 * n + 0.005 * max(0, n - at)
+
+    one = run(1, 0.40, knee(64), 200)
+    assert max(one[-50:]) < 100
+    two = run(2, 1.0, knee(256), 200)
+    past = [n for n in two if knee(256)(n) > 0.2 + 0.02]
+    assert max(two) > 200, two[-20:]
+    assert len(past) <= 6, past
