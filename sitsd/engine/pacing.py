@@ -404,17 +404,8 @@ class StepPacer:
         if past_share:
             self._since_past_share = 0
         self._cost[work.alone].add(work.num_tokens, extra)
-        kind = (work.alone, work.num_serving_versions)
-        ceiling = self._ceiling.get(kind)
-        if past_share:  # a smaller one, or the first since the steady time moved
-            if (
-                ceiling is None
-                or work.num_tokens < ceiling[0]
-                or steady > _CEILING_HOLDS * ceiling[1]
-            ):
-                self._ceiling[kind] = (work.num_tokens, steady)
-        elif ceiling is not None and work.num_tokens >= ceiling[0]:
-            del self._ceiling[kind]
+        self._note_ceiling(work.alone, work.num_serving_versions, work.num_tokens, past_share,
+                           steady)  # fmt: skip
         # Signed: a step's noise either way averages out (charging only the slow ones would
         # spend more than the share earns on a noisy machine); one outlier costs at most what
         # a spaced piece may.
@@ -427,6 +418,19 @@ class StepPacer:
         """How far above their median one steady step in ten of that kind runs."""
         periods = sorted(self._steady[num_serving_versions])
         return periods[int(0.9 * (len(periods) - 1))] - statistics.median(periods)
+
+    def _note_ceiling(self, alone: bool, num_serving_versions: int, num_tokens: int,
+                      past_share: bool, steady: float) -> None:  # fmt: skip
+        """Keep the ceiling of that kind of piece: a piece past the share sets it where it is
+        smaller than the one that holds (or none holds: the first, or the first since the
+        steady time moved); a piece as large as it that kept within the share drops it."""
+        kind = (alone, num_serving_versions)
+        if past_share:
+            held = self._ceiling_at(alone, num_serving_versions, steady)
+            if held is None or num_tokens < held:
+                self._ceiling[kind] = (num_tokens, steady)
+        elif kind in self._ceiling and num_tokens >= self._ceiling[kind][0]:
+            del self._ceiling[kind]
 
     def _ceiling_at(self, alone: bool, num_serving_versions: int, steady: float) -> int | None:
         """The fewest tokens of a piece of that kind that went past the share, while the

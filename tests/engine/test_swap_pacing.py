@@ -578,6 +578,20 @@ class FedPacer:
         start, self.clock = self.clock, self.clock + period
         self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
 
+    def pieces(self, steady: float, extra, num_steps: int, versions: int = 1) -> list[int]:
+        """`num_steps` steps of `versions` serving versions, `steady` seconds long, each with
+        the joined piece the pacer allows, which adds `extra(tokens)` seconds (a step the
+        pacer keeps free, none); the pieces' sizes."""
+        pieces = []
+        for _ in range(num_steps):
+            allowance = self.pacer.pace(versions, alone=False)
+            if allowance.tokens == 0:
+                self.step(steady, 0, versions=versions)
+                continue
+            pieces.append(allowance.tokens)
+            self.step(steady + extra(allowance.tokens), allowance.tokens, versions=versions)
+        return pieces
+
     def prompt_step(self, period: float, prompt_tokens: int) -> None:
         """A steady step of 32 decodes and one new request's prompt."""
         scheduled = {f"d{i}": 1 for i in range(32)} | {"new": prompt_tokens}
@@ -651,14 +665,7 @@ def test_pieces_priced_where_tokens_are_nearly_free_stop_growing_at_the_knee():
     def extra(n: int) -> float:  # flat to 256 tokens, then 5 ms a token
         return 0.00005 * n + 0.005 * max(0, n - 256)
 
-    pieces = []
-    for _ in range(200):
-        allowance = fed.pacer.pace(1, alone=False)
-        if allowance.tokens == 0:  # the step in eight that keeps the steady time measured
-            fed.step(0.40, 0)
-            continue
-        pieces.append(allowance.tokens)
-        fed.step(0.40 + extra(allowance.tokens), allowance.tokens)
+    pieces = fed.pieces(0.40, extra, 200)
     past = [n for n in pieces if extra(n) > 0.08 + 0.02]
     assert len(past) <= 6, f"pieces went past the share {len(past)} times: {past}"
     assert all(extra(n) <= 0.10 for n in pieces[-100:]), pieces[-100:]
@@ -676,25 +683,14 @@ def test_a_knee_found_at_short_steps_does_not_hold_the_pieces_once_steps_grow_lo
     def extra(n: int) -> float:  # flat to 256 tokens, then 1 ms a token
         return 0.00005 * n + 0.001 * max(0, n - 256)
 
-    def run(steady: float, num_steps: int) -> list[int]:
-        pieces = []
-        for _ in range(num_steps):
-            allowance = fed.pacer.pace(1, alone=False)
-            if allowance.tokens == 0:
-                fed.step(steady, 0)
-                continue
-            pieces.append(allowance.tokens)
-            fed.step(steady + extra(allowance.tokens), allowance.tokens)
-        return pieces
-
-    short = run(0.40, 200)
+    short = fed.pieces(0.40, extra, 200)
     assert max(short[-50:]) < 360  # share 0.08 s: the knee near 330 tokens
     for _ in range(20):  # small pieces fill the fit's window: no piece near the knee in it
         fed.step(0.40 + extra(50), 50)
     for _ in range(40):  # the steady steps grow to 2 s (share 0.4 s)
         fed.step(2.0, 0)
     assert fed.pacer.steady_s(1) == pytest.approx(2.0)
-    long = run(2.0, 200)
+    long = fed.pieces(2.0, extra, 200)
     assert max(long) >= 450, long
     assert all(extra(n) <= 0.4 for n in long[-50:]), long[-50:]
 
@@ -708,23 +704,12 @@ def test_a_knee_found_in_one_kind_of_step_does_not_stand_for_another_kinds():
     for period in itertools.islice(itertools.cycle((0.98, 1.0, 1.02)), 30):
         fed.step(period, 0, versions=2)
 
-    def run(versions: int, steady: float, extra, num_steps: int) -> list[int]:
-        pieces = []
-        for _ in range(num_steps):
-            allowance = fed.pacer.pace(versions, alone=False)
-            if allowance.tokens == 0:
-                fed.step(steady, 0, versions=versions)
-                continue
-            pieces.append(allowance.tokens)
-            fed.step(steady + extra(allowance.tokens), allowance.tokens, versions=versions)
-        return pieces
-
     def knee(at: int):
         return lambda n: 0.00005 * n + 0.005 * max(0, n - at)
 
-    one = run(1, 0.40, knee(64), 200)
+    one = fed.pieces(0.40, knee(64), 200)
     assert max(one[-50:]) < 100
-    two = run(2, 1.0, knee(256), 200)
+    two = fed.pieces(1.0, knee(256), 200, versions=2)
     past = [n for n in two if knee(256)(n) > 0.2 + 0.02]
     assert max(two) > 200, two[-20:]
     assert len(past) <= 6, past
