@@ -130,12 +130,6 @@ def int4_linear(
                        zeros=w.zeros, split_counters=counters)  # fmt: skip
 
 
-def merge_counters(n: int, num_rows: int, device: torch.device) -> torch.Tensor:
-    """Zeroed split-K counters enough for any tile of an [num_rows, n] output (16 x 16 the
-    least)."""
-    return torch.zeros(-(-n // 16) * -(-num_rows // 16), dtype=torch.int32, device=device)
-
-
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
     deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm, out=workspace)
     return F.linear(x, deq)
@@ -234,8 +228,9 @@ def variants(
         )
     if INT4_MERGE_ROWS < num_rows < INT4_DEQUANT_FROM_ROWS:  # the merge past where it is served
         out[f"{label} default merged"] = functools.partial(
-            int4_linear, config=default, counters=merge_counters(n, num_rows, workspace.device)
-        )
+            int4_linear, config=default,
+            counters=int4_split_counters(LLAMA3_8B, workspace.device, num_rows),
+        )  # fmt: skip
     for config in int4_sweep(num_rows) if sweep else []:
         if config != default:
             out[f"sweep {describe(config)}"] = functools.partial(int4_linear, config=config)
@@ -397,9 +392,8 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
                                           torch.device(bench.device)))  # fmt: skip
                 runs["int4 as served"] = {op: served for op in shapes}
                 if num_rows > INT4_MERGE_ROWS:  # the merge past the rows it is served at
-                    widest = max(n for n, _ in shapes.values())
-                    merged = QuantizedLinears(None, not bench.smoke, merge_counters(
-                        widest, num_rows, torch.device(bench.device)))  # fmt: skip
+                    merged = QuantizedLinears(None, not bench.smoke, int4_split_counters(
+                        LLAMA3_8B, torch.device(bench.device), num_rows))  # fmt: skip
                     runs["int4 as served, merged"] = {op: merged for op in shapes}
             if fmt == "int4" and winners:
                 runs["int4 swept best"] = {

@@ -111,12 +111,14 @@ def int4_pdl_pays(rows: int) -> bool:
     return pdl_pays(rows) and rows <= INT4_PDL_MAX_ROWS
 
 
-def int4_split_counters(arch: LlamaArch, device: torch.device) -> torch.Tensor:
+def int4_split_counters(
+    arch: LlamaArch, device: torch.device, max_rows: int = INT4_MERGE_ROWS
+) -> torch.Tensor:
     """Zeroed counters for `QuantizedLinears.split_counters`: enough for any linear of `arch`
-    (the lm_head's vocabulary the widest, usually) up to `INT4_MERGE_ROWS` rows."""
+    (the lm_head's vocabulary the widest, usually) up to `max_rows` rows."""
     widest = max(arch.vocab_size, 2 * arch.intermediate_size, arch.hidden_size,
                  arch.q_size + 2 * arch.kv_size)  # fmt: skip
-    tiles = -(-widest // _LEAST_TILE) * (INT4_MERGE_ROWS // _LEAST_TILE)
+    tiles = -(-widest // _LEAST_TILE) * -(-max_rows // _LEAST_TILE)
     return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
