@@ -539,7 +539,8 @@ def table(r: dict) -> str:
         if ratios := t.get("receiving_p99_ratios"):
             rows.append((f"{t['transport']}: ITL P99 while receiving / steady, the "
                          f"{len(ratios)} pushes above: median / worst",
-                         f"{statistics.median(ratios):.2f}x / {max(ratios):.2f}x", ""))
+                         f"{statistics.median(ratios):.2f}x / {max(ratios):.2f}x",
+                         ""))  # fmt: skip
             first = r["pushes"].get(t["transport"])
             every = ([first["p99_ratio"]] if first else []) + ratios
             rows.append((f"{t['transport']}: ITL P99 while receiving / steady, all "

@@ -165,7 +165,12 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
                                                                        (128, 2), (128, 4))),
             c("gemv", m, 32, 128, split_k=8, num_warps=2, num_stages=1),  # loads not ahead
             c("gemv", m, 128, 128, split_k=8, num_warps=2, num_stages=1),
-            *(c("mma", 16, n, 128, split_k=s) for n, s in ((64, 8), (128, 8), (128, 16))),
+            # two chunks a program at K = 4096 (four at 8 parts): less of each program's time
+            # waiting on its own loads in turn
+            *(c("gemv", m, n, 128, split_k=16, num_warps=w) for n, w in ((64, 2), (128, 4))),
+            c("gemv", m, 64, 256, split_k=8, num_warps=2),  # each row's bytes twice as long
+            c("gemv", m, 256, 128, split_k=8, num_warps=8),
+            c("mma", 16, 64, 128, split_k=8),
         ]  # fmt: skip
     if num_rows <= 64:
         return [c("dot_swapped", m16, 64, 128, split_k=2)] + [

@@ -95,14 +95,18 @@ def loop_count(sass: str, codes_per_thread: float) -> LoopCount:
     )
 
 
-def gemv(rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2) -> LoopCount:
-    """`int4_gemv_kernel` (mode gemv) on 128-column chunks, split 8 ways, as the engine
+def gemv(
+    rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2, block_k: int = 128,
+    prefetch: bool = True, swiglu: bool = False,
+) -> LoopCount:  # fmt: skip
+    """`int4_gemv_kernel` (mode gemv) on `block_k`-column chunks, split 8 ways, as the engine
     launches it (PDL, the splits merged in the kernel)."""
-    constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=16, SPLIT_K=8,
+    constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=block_k // 8, SPLIT_K=8,
                      K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, EVEN=True,
-                     EVEN_K=True, PREFETCH=True, MERGE=True, PDL=True)  # fmt: skip
+                     EVEN_K=True, PREFETCH=prefetch, MERGE=True, SWIGLU=swiglu,
+                     PDL=True)  # fmt: skip
     sass = compile_sass(int4_gemv_kernel, constants, num_warps)
-    return loop_count(sass, block_n * 128 * rows / (32 * num_warps))
+    return loop_count(sass, block_n * block_k * rows / (32 * num_warps))
 
 
 def mma(
@@ -138,11 +142,11 @@ def main() -> None:
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, K = {args.k}")
     if args.mode in ("gemv", "all"):
-        for block_n in (32, 64, 128):
+        for block_n, block_k in ((32, 128), (64, 128), (128, 128), (64, 256)):
             for offsets in (False, True):
-                count = gemv(args.rows, block_n, args.k, offsets)
-                _show(f"gemv rows {args.rows} n{block_n} {'offsets' if offsets else 'sym'}",
-                      count, "code x row")  # fmt: skip
+                count = gemv(args.rows, block_n, args.k, offsets, block_k=block_k)
+                label = f"gemv rows {args.rows} n{block_n} k{block_k}"
+                _show(f"{label} {'offsets' if offsets else 'sym'}", count, "code x row")
     if args.mode in ("mma", "all"):
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
             for ordered in (False, True) if block_m >= 32 else (False,):

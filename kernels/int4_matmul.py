@@ -16,7 +16,9 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   instructions per code in the loop's SASS at 128 weight rows per program, 4.3-5.0 at 32
   (sm_90, `bench.sass_int4`; 5.3-7.3 before, with a shift, a bit-field extract, a LOP3, an add
   and an FMA). A float32 x keeps exact products (an add per code more). For decode batches of
-  one or two, with split-K for enough programs to keep every SM streaming.
+  one or two, with split-K for enough programs to keep every SM streaming. With `swiglu` it
+  reads `[gate | up]` and multiplies `silu(gate) * up` (the MLP's down projection without the
+  activation's own kernel).
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop: the 3-D formulation `gemv` replaced (kept as a second path for few rows; it
   converts every tile through shared memory and measures 1.3-2x slower).
@@ -77,13 +79,14 @@ from sitsd.kernels._utils import (
 )
 from sitsd.kernels.quant_layout import check_int4_layout
 
-__all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
+__all__ = ["GEMV_MAX_ROWS", "MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
 MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
 MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slice-major order
 MMA_MAX_ROWS = 256  # `choose_int4_config` picks mode "mma" below this many rows
+GEMV_MAX_ROWS = 2  # `choose_int4_config` picks mode "gemv" up to this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
 
@@ -230,11 +233,14 @@ def choose_int4_config(
     `bench/results/quant-kernels-h100.txt`).
 
     One or two rows: `gemv`, split along K into up to 8 parts (a power of two, into whole
-    128-column chunks). Without offsets, 128 weight rows per program and 4 warps (qkv 10.6, o
-    9.0, down 19.6 us against `mma`'s 12.4, 10.5 and 21.0), or for a large N (gate_up) 32 rows,
-    2 warps and no loads ahead (34.3 against 38.3 us with them, 36.6 on 128 rows); with offsets
-    64 rows and 2 warps (qkv 10.9, o 9.2, gate_up 36.8, down 20.2 us against `mma`'s 12.1,
-    10.7, 40.8 and 24.4). Two rows of x take 64 weight rows (registers).
+    chunks). Without offsets, 128 weight rows per program and 4 warps (qkv 10.6, o 9.0 us
+    against `mma`'s 12.4, 10.5), or for a large N (gate_up) 32 rows, 2 warps and no loads
+    ahead (34.3 against 38.3 us with them, 36.6 on 128 rows), or for a long K (down) 64 rows,
+    2 warps and 256-column chunks (17.4 against 20.0 us on 128 rows and 128-column chunks,
+    the H100 sweep of session 22; 255 registers, no spills); with offsets 64 rows and 2 warps
+    (qkv 10.9, o 9.2, gate_up 36.8, down 20.2 us against `mma`'s 12.1, 10.7, 40.8 and 24.4;
+    256-column chunks spill there: 62.1 us for gate_up). Two rows of x take 64 weight rows
+    (registers).
 
     Groups of 128 and 16-bit x, 3 to 255 rows: `mma`, on 64 weight rows per program, or 128
     with offsets (whose zero points cost the same per group whatever the tile: gate_up at 8
@@ -254,17 +260,20 @@ def choose_int4_config(
     """
     k_pow2 = next_power_of_2(k)
     large_n = n >= 16384
-    if num_rows <= 2:
-        split_k = 1
-        while split_k < 8 and k % (2 * split_k * 128) == 0:
-            split_k *= 2
+    if num_rows <= GEMV_MAX_ROWS:
+        block_k = 128
         if has_offsets:
             block_n, num_warps, num_stages = 64, 2, 3
         elif large_n:
             block_n, num_warps, num_stages = 32, 2, 1
+        elif num_rows == 1 and k >= 8192:
+            block_n, block_k, num_warps, num_stages = 64, 256, 2, 3
         else:
             block_n, num_warps, num_stages = (128, 4, 3) if num_rows == 1 else (64, 2, 3)
-        return Int4MatmulConfig("gemv", max(1, num_rows), block_n, 128, split_k, num_warps,
+        split_k = 1
+        while split_k < 8 and k % (2 * split_k * block_k) == 0:
+            split_k *= 2
+        return Int4MatmulConfig("gemv", max(1, num_rows), block_n, block_k, split_k, num_warps,
                                 num_stages)  # fmt: skip
     mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
     if mma and num_rows < MMA_MAX_ROWS:
@@ -351,6 +360,7 @@ def int4_matmul(
     pdl: bool = False,
     zeros: torch.Tensor | None = None,  # [G, N] uint8
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
+    swiglu: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -358,7 +368,8 @@ def int4_matmul(
     allocator), so it can be captured in a CUDA graph.
 
     Args:
-        x: Activations, fp32/fp16/bf16, last dimension contiguous, `[M, K]`.
+        x: Activations, fp32/fp16/bf16, last dimension contiguous, `[M, K]`; with `swiglu`,
+            `[M, 2K]`: a gate and up projection's output `[gate | up]`.
         qweight: `[N, K // 8]` int32 codes.
         scales: `[ceil(K / group_size), N]`, float16/bfloat16/float32.
         offsets: Same shape and dtypes as scales, or None (symmetric: zero point 8).
@@ -376,6 +387,10 @@ def int4_matmul(
             default configuration): with split-K the last program of each tile sums the partials
             (`_split_merge`, the same bits) instead of a second kernel, and zeroes its counter
             again. The caller owns them; two launches must not use them at once (one stream).
+        swiglu: Multiply `silu(gate) * up` (`reference.silu_and_mul_ref`, rounded as it
+            rounds) instead of x, computed as each chunk of x is read: the MLP's down
+            projection without the activation's own kernel. Mode "gemv" only (up to
+            `GEMV_MAX_ROWS` rows by default).
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -393,8 +408,11 @@ def int4_matmul(
     check_ndim("x", x, 2, "[M, K]")
     check_dtype("x", x, FLOAT_DTYPES)
     check_last_dim_contiguous("x", x)
-    if x.shape[1] != k:
-        raise ValueError(f"x must have shape [M, K] with K = {k} (qweight's), got {tuple(x.shape)}")
+    width = 2 * k if swiglu else k
+    if x.shape[1] != width:
+        what = "[M, 2K] ([gate | up])" if swiglu else "[M, K]"
+        raise ValueError(f"x must have shape {what} with K = {k} (qweight's), got "
+                         f"{tuple(x.shape)}")  # fmt: skip
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device}, the weight on {qweight.device}")
     num_rows = x.shape[0]
@@ -412,6 +430,9 @@ def int4_matmul(
         dtype=x.dtype,
     )
     _check_config(config)
+    if swiglu and config.mode != "gemv":
+        raise ValueError(f"swiglu is fused into mode 'gemv' only, got mode {config.mode!r} "
+                         f"({num_rows} rows)")  # fmt: skip
     if config.mode == "mma" and (group_size != MMA_GROUP_SIZE or x.dtype == torch.float32):
         raise ValueError(f"mode 'mma' takes group size {MMA_GROUP_SIZE} and float16 or bfloat16 "
                          f"x, got group size {group_size} and {x.dtype}")  # fmt: skip
@@ -462,7 +483,7 @@ def int4_matmul(
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
-            EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
+            EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, SWIGLU=swiglu, PDL=pdl,
             num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
