@@ -27,7 +27,7 @@ from sitsd.weights.export import perturbed, write_version
 from tests.e2e.daemon_process import DaemonProcess
 from tests.e2e.load import Record, StreamLoad
 from tests.e2e.test_hot_swap_load import FLAGS, QUESTIONS, generate_all
-from tests.http.harness import request
+from tests.http.requests import request
 from tests.observability.tools import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a busy 2-core machine

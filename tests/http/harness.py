@@ -4,10 +4,7 @@ event-loop thread; tests call it with the `openai` client and plain `urllib`, as
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -21,6 +18,9 @@ from sitsd.http.structured import GrammarChecker
 from sitsd.http.telemetry import HttpTelemetry
 from sitsd.observability.metrics import Metrics
 from tests.api.fake_engine import FakeEngine
+from tests.http.requests import request
+
+__all__ = ["MAX_TOKENS_DEFAULT", "HttpThread", "request"]
 
 T = TypeVar("T")
 MAX_TOKENS_DEFAULT = 20
@@ -64,22 +64,3 @@ class HttpThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
-
-
-def request(
-    base_url: str,
-    path: str,
-    body: dict | None = None,
-    headers: dict[str, str] | None = None,
-    raw: bytes | None = None,
-) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of a GET (no body) or POST; error statuses do not raise."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(
-        base_url + path, data=data, headers={"content-type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
