@@ -25,9 +25,7 @@ left out, any other variant that fails ends the run.
 2. 32 layers of qkv -> o -> gate_up -> silu_and_mul -> down in one graph, each layer with weights
    of its own (bf16: 14 GB, nothing stays in L2), M = 1, 8, 32, 128: bf16, INT4 (default
    configurations; as the engine launches them, and past `INT4_MERGE_ROWS` rows so with the
-   splits merged; at 1 row as served with SwiGLU fused into the down projection and apart,
-   the activation launched with PDL as the engine launches it; the sweep's winners), FP8; ms
-   per 32 layers
+   splits merged; the sweep's winners), FP8; ms per 32 layers
    against the format's floor.
 
     python -m bench.bench_quant_kernels [--no-sweep] [--skip-layers] [--rows 1,8,32,128,512]
@@ -58,20 +56,13 @@ from bench.timing import graph_ms
 from sitsd.kernels.activation import silu_and_mul
 from sitsd.kernels.fp8_matmul import fp8_matmul
 from sitsd.kernels.int4_dequant import int4_dequantize
-from sitsd.kernels.int4_matmul import (
-    GEMV_MAX_ROWS,
-    Int4MatmulConfig,
-    choose_int4_config,
-    int4_matmul,
-)
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_layout import pack_int4
 from sitsd.kernels.quant_reference import fp8_matmul_ref
-from sitsd.model.ops import with_pdl
 from sitsd.model.qlinear import (
     INT4_DEQUANT_FROM_ROWS,
     INT4_MERGE_ROWS,
     QuantizedLinears,
-    any_swiglu_linear,
     int4_split_counters,
 )
 from sitsd.quant.layout import Fp8Weight, Int4Weight, mark_integer_zeros, nbytes
@@ -370,26 +361,12 @@ def bench_shape(
 # ------------------------------------------------------------------------- 32 layers in a row
 
 
-def _layer(
-    x: torch.Tensor,
-    weights: dict[str, Weight],
-    linears: dict[str, Linear],
-    swiglu: Linear | None = None,
-):
-    """One decoder layer's linears (no attention or norms): qkv -> o -> gate_up -> down, the
-    last on silu_and_mul(gate_up), or `swiglu(gate_up, weight)` where given."""
+def _layer(x: torch.Tensor, weights: dict[str, Weight], linears: dict[str, Linear]):
+    """One decoder layer's linears (no attention or norms): qkv -> o -> gate_up -> down."""
     qkv = linears["qkv"](x, weights["qkv"])
     h = linears["o"](qkv[:, : x.shape[1]].contiguous(), weights["o"])  # stands in for attention
     gate_up = linears["gate_up"](h, weights["gate_up"])
-    if swiglu is not None:
-        return swiglu(gate_up, weights["down"])
     return linears["down"](silu_and_mul(gate_up), weights["down"])
-
-
-def _swiglu_apart(
-    silu: Callable[[torch.Tensor], torch.Tensor], linear: Linear, gate_up: torch.Tensor, w: Weight
-) -> torch.Tensor:
-    return linear(silu(gate_up), w)
 
 
 def _config_of(winner: str | None) -> Int4MatmulConfig | None:
@@ -414,34 +391,25 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
         total = sum(weight_bytes(w) for layer in layers for w in layer.values())
         for num_rows in LAYER_ROWS:
             x = torch.randn(num_rows, hidden, device=bench.device, dtype=DTYPE)
-            runs: dict[str, tuple[dict[str, Linear], Linear | None]] = {
-                fmt: ({op: linear for op in shapes}, None)
-            }
+            runs = {fmt: {op: linear for op in shapes}}
             if fmt == "int4":  # as the engine runs them (`qlinear.QuantizedLinears`, no dequant)
                 served = QuantizedLinears(None, not bench.smoke, int4_split_counters(LLAMA3_8B,
                                           torch.device(bench.device)))  # fmt: skip
-                runs["int4 as served"] = ({op: served for op in shapes}, None)
-                if num_rows <= GEMV_MAX_ROWS:  # SwiGLU in the down projection's kernel or not,
-                    # the activation launched as the engine launches it (PDL)
-                    silu = functools.partial(with_pdl, silu_and_mul, not bench.smoke)
-                    apart = functools.partial(_swiglu_apart, silu, served)
-                    runs["int4 as served, SwiGLU apart"] = ({op: served for op in shapes}, apart)
-                    fused = functools.partial(any_swiglu_linear, apart, silu, served, served)
-                    runs["int4 as served, SwiGLU fused"] = ({op: served for op in shapes}, fused)
+                runs["int4 as served"] = {op: served for op in shapes}
                 if num_rows > INT4_MERGE_ROWS:  # the merge past the rows it is served at
                     merged = QuantizedLinears(None, not bench.smoke, int4_split_counters(
                         LLAMA3_8B, torch.device(bench.device), num_rows))  # fmt: skip
-                    runs["int4 as served, merged"] = ({op: merged for op in shapes}, None)
+                    runs["int4 as served, merged"] = {op: merged for op in shapes}
             if fmt == "int4" and winners:
-                runs["int4 swept best"] = ({
+                runs["int4 swept best"] = {
                     op: functools.partial(
                         int4_linear, config=_config_of(winners.get((op, num_rows)))
                     )
                     for op in shapes
-                }, None)  # fmt: skip
+                }
             floor_ms = (total + 8 * num_rows * hidden * num_layers) / bench.copy_gbs / 1e6
-            for label, (linears, swiglu) in runs.items():
-                step = functools.partial(_layer, linears=linears, swiglu=swiglu)
+            for label, linears in runs.items():
+                step = functools.partial(_layer, linears=linears)
                 ms = bench.us([functools.partial(functools.reduce, step, layers, x)]) / 1e3
                 rows.append(
                     Row(

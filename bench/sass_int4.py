@@ -97,14 +97,13 @@ def loop_count(sass: str, codes_per_thread: float) -> LoopCount:
 
 def gemv(
     rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2, block_k: int = 128,
-    prefetch: bool = True, swiglu: bool = False,
+    prefetch: bool = True,
 ) -> LoopCount:  # fmt: skip
     """`int4_gemv_kernel` (mode gemv) on `block_k`-column chunks, split 8 ways, as the engine
     launches it (PDL, the splits merged in the kernel)."""
     constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=block_k // 8, SPLIT_K=8,
                      K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, EVEN=True,
-                     EVEN_K=True, PREFETCH=prefetch, MERGE=True, SWIGLU=swiglu,
-                     PDL=True)  # fmt: skip
+                     EVEN_K=True, PREFETCH=prefetch, MERGE=True, PDL=True)  # fmt: skip
     sass = compile_sass(int4_gemv_kernel, constants, num_warps)
     return loop_count(sass, block_n * block_k * rows / (32 * num_warps))
 

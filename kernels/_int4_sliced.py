@@ -83,19 +83,10 @@ def _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
-def _load_x(x_row, cols, k_mask, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(x_row + cols)
-    return tl.load(x_row + cols, mask=k_mask, other=0.0)
-
-
-@triton.jit
 def _x_slices(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
-              perm_ptr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+              perm_ptr, EVEN_K: tl.constexpr):  # fmt: skip
     """x's columns under the chunk's words, `[WORDS]` float32 per slice (zero past K): one
-    `[WORDS, 8]` load (8 consecutive columns per word), split into the slices. With SWIGLU
-    the row is `[gate | up]`, 2K wide, and x is `silu(gate) * up`, rounded as
-    `silu_and_mul_ref` rounds it (silu to x's dtype, then the product)."""
+    `[WORDS, 8]` load (8 consecutive columns per word), split into the slices."""
     cols = k0 + 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]  # [WORDS, 8]
     k_mask = cols < K
     if HAS_PERM:
@@ -103,13 +94,10 @@ def _x_slices(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, HAS_PERM:
             cols = tl.load(perm_ptr + cols)
         else:
             cols = tl.load(perm_ptr + cols, mask=k_mask, other=0)
-    a = _load_x(x_row, cols, k_mask, EVEN_K)
-    if SWIGLU:
-        gate = a.to(tl.float32)
-        up = _load_x(x_row + K, cols, k_mask, EVEN_K).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(a.dtype).to(tl.float32)
-        a = (silu * up).to(a.dtype)
-    x = a.to(tl.float32)
+    if EVEN_K:
+        x = tl.load(x_row + cols).to(tl.float32)
+    else:
+        x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
     # Column 8 w + i, i = 4 a + 2 b + c: split c, then b, then a.
     even, odd = tl.split(tl.reshape(x, [WORDS, 4, 2]))  # i = 2 j, 2 j + 1 (j = 2 a + b)
     e_lo, e_hi = tl.split(tl.reshape(even, [WORDS, 2, 2]))  # j even, odd
@@ -141,11 +129,11 @@ def _biased_pair(words, j: tl.constexpr, lo_mask, hi_mask, EXACT: tl.constexpr,
 @triton.jit
 def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr,
                  HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
-                 CENTRE: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+                 CENTRE: tl.constexpr):  # fmt: skip
     """For one row of x: `sum_i (q_i - CENTRE) x_i` per weight row and word (`[BLOCK_N,
     WORDS]`) and x's sum per word (`[WORDS]`)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_slices(x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
-                                              EVEN_K, SWIGLU)  # fmt: skip
+                                              EVEN_K)  # fmt: skip
     lo, hi = _biased_pair(words, 0, lo_mask, hi_mask, EXACT, CENTRE)
     p = lo * x0[None, :]
     p += hi * x1[None, :]
@@ -169,12 +157,12 @@ def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WO
 @triton.jit
 def _row_chunk(acc, words, scale, offset, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr,
                WORDS: tl.constexpr, HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr,
-               EXACT: tl.constexpr, HAS_OFFSETS: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+               EXACT: tl.constexpr, HAS_OFFSETS: tl.constexpr):  # fmt: skip
     """acc + one row of x times the chunk, dequantized: `(q * scale + offset) x`, or
     `(q - 8) scale x` without offsets."""
     CENTRE: tl.constexpr = 0.0 if HAS_OFFSETS else 8.0  # symmetric codes are q - 8
     p, s = _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
-                        EVEN_K, EXACT, CENTRE, SWIGLU)  # fmt: skip
+                        EVEN_K, EXACT, CENTRE)  # fmt: skip
     if HAS_OFFSETS:
         return acc + p * scale + offset * s[None, :]
     return acc + p * scale
@@ -208,7 +196,6 @@ def int4_gemv_kernel(
     EVEN_K: tl.constexpr,  # SPLIT_K * 8 * WORDS divides K
     PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
     MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
-    SWIGLU: tl.constexpr,  # x's rows are [gate | up], 2K wide: multiply silu(gate) * up
     PDL: tl.constexpr,
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
@@ -248,19 +235,19 @@ def int4_gemv_kernel(
                                                   GROUP, WORDS, HAS_OFFSETS)  # fmt: skip
         acc0 = _row_chunk(acc0, now_words, now_scale, now_offset, lo_mask, hi_mask, x0, k0,
                           offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                          HAS_OFFSETS, SWIGLU)  # fmt: skip
+                          HAS_OFFSETS)  # fmt: skip
         if ROWS > 1:
             acc1 = _row_chunk(acc1, now_words, now_scale, now_offset, lo_mask, hi_mask, x1, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS, SWIGLU)  # fmt: skip
+                              HAS_OFFSETS)  # fmt: skip
         if ROWS > 2:
             acc2 = _row_chunk(acc2, now_words, now_scale, now_offset, lo_mask, hi_mask, x2, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS, SWIGLU)  # fmt: skip
+                              HAS_OFFSETS)  # fmt: skip
         if ROWS > 3:
             acc3 = _row_chunk(acc3, now_words, now_scale, now_offset, lo_mask, hi_mask, x3, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS, SWIGLU)  # fmt: skip
+                              HAS_OFFSETS)  # fmt: skip
     out = out_ptr
     if SPLIT_K > 1:
         out = out_ptr + split * M * N

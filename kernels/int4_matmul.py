@@ -16,9 +16,7 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   instructions per code in the loop's SASS at 128 weight rows per program, 4.3-5.0 at 32
   (sm_90, `bench.sass_int4`; 5.3-7.3 before, with a shift, a bit-field extract, a LOP3, an add
   and an FMA). A float32 x keeps exact products (an add per code more). For decode batches of
-  one or two, with split-K for enough programs to keep every SM streaming. With `swiglu` it
-  reads `[gate | up]` and multiplies `silu(gate) * up` (the MLP's down projection without the
-  activation's own kernel).
+  one or two, with split-K for enough programs to keep every SM streaming.
 * `fma`: FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` float32 accumulator summed over K once after
   the loop: the 3-D formulation `gemv` replaced (kept as a second path for few rows; it
   converts every tile through shared memory and measures 1.3-2x slower).
@@ -360,7 +358,6 @@ def int4_matmul(
     pdl: bool = False,
     zeros: torch.Tensor | None = None,  # [G, N] uint8
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
-    swiglu: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -368,8 +365,7 @@ def int4_matmul(
     allocator), so it can be captured in a CUDA graph.
 
     Args:
-        x: Activations, fp32/fp16/bf16, last dimension contiguous, `[M, K]`; with `swiglu`,
-            `[M, 2K]`: a gate and up projection's output `[gate | up]`.
+        x: Activations, fp32/fp16/bf16, last dimension contiguous, `[M, K]`.
         qweight: `[N, K // 8]` int32 codes.
         scales: `[ceil(K / group_size), N]`, float16/bfloat16/float32.
         offsets: Same shape and dtypes as scales, or None (symmetric: zero point 8).
@@ -387,10 +383,6 @@ def int4_matmul(
             default configuration): with split-K the last program of each tile sums the partials
             (`_split_merge`, the same bits) instead of a second kernel, and zeroes its counter
             again. The caller owns them; two launches must not use them at once (one stream).
-        swiglu: Multiply `silu(gate) * up` (`reference.silu_and_mul_ref`, rounded as it
-            rounds) instead of x, computed as each chunk of x is read: the MLP's down
-            projection without the activation's own kernel. Mode "gemv" only (up to
-            `GEMV_MAX_ROWS` rows by default).
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -408,11 +400,8 @@ def int4_matmul(
     check_ndim("x", x, 2, "[M, K]")
     check_dtype("x", x, FLOAT_DTYPES)
     check_last_dim_contiguous("x", x)
-    width = 2 * k if swiglu else k
-    if x.shape[1] != width:
-        what = "[M, 2K] ([gate | up])" if swiglu else "[M, K]"
-        raise ValueError(f"x must have shape {what} with K = {k} (qweight's), got "
-                         f"{tuple(x.shape)}")  # fmt: skip
+    if x.shape[1] != k:
+        raise ValueError(f"x must have shape [M, K] with K = {k} (qweight's), got {tuple(x.shape)}")
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device}, the weight on {qweight.device}")
     num_rows = x.shape[0]
@@ -430,9 +419,6 @@ def int4_matmul(
         dtype=x.dtype,
     )
     _check_config(config)
-    if swiglu and config.mode != "gemv":
-        raise ValueError(f"swiglu is fused into mode 'gemv' only, got mode {config.mode!r} "
-                         f"({num_rows} rows)")  # fmt: skip
     if config.mode == "mma" and (group_size != MMA_GROUP_SIZE or x.dtype == torch.float32):
         raise ValueError(f"mode 'mma' takes group size {MMA_GROUP_SIZE} and float16 or bfloat16 "
                          f"x, got group size {group_size} and {x.dtype}")  # fmt: skip
@@ -483,7 +469,7 @@ def int4_matmul(
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
-            EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, SWIGLU=swiglu, PDL=pdl,
+            EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
             num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip

@@ -59,7 +59,7 @@ def _linears(
     linear = partial(any_linear, dense_linear, quantized)
     return {
         "linear": linear,
-        "swiglu_linear": partial(any_swiglu_linear, dense_swiglu, silu, linear, quantized),
+        "swiglu_linear": partial(any_swiglu_linear, dense_swiglu, silu, linear),
         "norm_linear": partial(
             any_norm_linear, dense_norm_linear, partial(norm_linear, rms_norm, add_rms_norm, linear)
         ),

@@ -6,9 +6,8 @@ a dense weight in the activations' dtype goes to them unchanged (the 16-bit path
 kernels, the same CUDA graphs; on the host one `isinstance` per call while a graph is captured
 or a step runs eagerly); a dense weight in another dtype (the bfloat16 lm_head of a CPU serving
 float32 activations) gets x cast to its dtype and back; a quantized one goes to
-`QuantizedLinears`, with the pre-norm unfused (the fused 16-bit kernels read 16-bit weights
-only) and SwiGLU fused into the down projection where `QuantizedLinears.swiglu` has a kernel
-for it (INT4 on CUDA at decode's one or two rows).
+`QuantizedLinears`, with the pre-norm and SwiGLU unfused (the fused 16-bit kernels read 16-bit
+weights only).
 
 `QuantizedLinears` picks the kernel of a layout: on CUDA an INT4 weight runs `int4_matmul` up to
 `INT4_DEQUANT_FROM_ROWS` rows of x (decode, short chunks) and, past it, `int4_dequantize` into one
@@ -98,35 +97,13 @@ class QuantizedLinears:
         from sitsd.kernels.int4_matmul import int4_matmul  # triton: CUDA hosts only
 
         rows = x.shape[0]
-        return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                           zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
-                           split_counters=self._counters(rows, n))  # fmt: skip
-
-    def swiglu(self, gate_up: torch.Tensor, weight: ServingWeight) -> torch.Tensor | None:
-        """`silu_and_mul(gate_up) @ W.T` in one kernel where that is fused: an INT4 weight on
-        CUDA at decode's few rows (`int4_matmul`'s gemv, which applies the activation to x as
-        it reads it, one launch fewer per layer). None: the caller runs the activation, then
-        this object."""
-        if not isinstance(weight, Int4Weight) or gate_up.device.type != "cuda":
-            return None
-        from sitsd.kernels.int4_matmul import GEMV_MAX_ROWS, int4_matmul
-
-        rows = gate_up.shape[0]
-        if rows > GEMV_MAX_ROWS:
-            return None
-        w = weight
-        return int4_matmul(gate_up, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                           zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
-                           split_counters=self._counters(rows, w.shape[0]),
-                           swiglu=True)  # fmt: skip
-
-    def _counters(self, rows: int, n: int) -> torch.Tensor | None:
-        """The runner's split counters where they cover a call's tiles, else None."""
         tiles = -(-n // _LEAST_TILE) * -(-rows // _LEAST_TILE)  # ceiling divisions
         counters = self.split_counters
         if counters is not None and counters.numel() < tiles:
-            return None
-        return counters
+            counters = None
+        return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
+                           zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
+                           split_counters=counters)  # fmt: skip
 
 
 def int4_pdl_pays(rows: int) -> bool:
@@ -166,18 +143,13 @@ def any_swiglu_linear(
     dense_swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
     linear: Callable[..., torch.Tensor],
-    quantized: QuantizedLinears,
     gate_up: torch.Tensor,
     weight: LinearWeight,
 ) -> torch.Tensor:
     """The down projection of SwiGLU(gate_up): the kernel set's (maybe fused) path for a dense
-    weight in gate_up's dtype, `quantized.swiglu` where it fuses a quantized one, else the
-    activation and then `linear` (`any_linear`)."""
-    if isinstance(weight, torch.Tensor):
-        if weight.dtype == gate_up.dtype:
-            return dense_swiglu(gate_up, weight)
-    elif (fused := quantized.swiglu(gate_up, weight)) is not None:
-        return fused
+    weight in gate_up's dtype, else the activation and then `linear` (`any_linear`)."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == gate_up.dtype:
+        return dense_swiglu(gate_up, weight)
     return linear(silu_and_mul(gate_up), weight)
 
 

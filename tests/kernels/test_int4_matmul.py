@@ -10,7 +10,6 @@ import triton  # make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
-from sitsd.kernels.reference import silu_and_mul_ref
 from tests.kernels.helpers import assert_close
 from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_int4
 
@@ -53,34 +52,6 @@ def test_act_order_gathers_x_through_the_permutation(mode, dtype, device):
     # The same weight without perm gives another product: perm is really applied.
     unpermuted = int4_matmul_ref(x, weight.qweight, weight.scales, weight.offsets, 32)
     assert not torch.allclose(out.float(), unpermuted.float(), atol=1e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("offsets", [False, True])
-@pytest.mark.parametrize("perm", [False, True])
-def test_gemv_fuses_swiglu_as_silu_and_mul_rounds_it(dtype, offsets, perm, device):
-    # x is [gate | up] (2K wide); the product is of silu(gate) * up rounded to x's dtype, as
-    # the activation's own kernel writes it: the same result as that kernel, then gemv. K = 160:
-    # a partial last chunk and, with perm, up's columns gathered through it as gate's are.
-    weight = random_int4(37, 160, 32, offsets=offsets, perm=perm, device=device)
-    gate_up = _x(2, 2 * 160, dtype, device)
-    config = Int4MatmulConfig("gemv", block_m=2, block_n=16, block_k=64, split_k=2)
-    fused = int4_matmul(gate_up, *weight.args, config=config, swiglu=True)
-    activated = silu_and_mul_ref(gate_up)
-    assert_close(fused, int4_matmul(activated, *weight.args, config=config), dtype)
-    assert_close(fused, int4_matmul_ref(activated, *weight.args), dtype)
-    # Without the activation the product differs: it is really applied.
-    plain = int4_matmul_ref(gate_up[:, :160].contiguous(), *weight.args)
-    assert not torch.allclose(fused.float(), plain.float(), atol=1e-1)
-
-
-def test_swiglu_is_refused_outside_gemv_and_needs_a_2k_wide_x(device):
-    weight = random_int4(16, 128, 128, offsets=False, device=device)
-    with pytest.raises(ValueError, match=r"\[M, 2K\]"):
-        int4_matmul(_x(1, 128, torch.bfloat16, device), *weight.args, swiglu=True)
-    mma = Int4MatmulConfig("mma", 16, 16, 128)
-    with pytest.raises(ValueError, match="mode 'gemv' only"):
-        int4_matmul(_x(1, 256, torch.bfloat16, device), *weight.args, config=mma, swiglu=True)
 
 
 @pytest.mark.parametrize("offsets", [False, True])
@@ -419,26 +390,6 @@ def test_gpu_merged_splits_give_the_same_bits_over_many_graph_replays(name, devi
             graph.replay()
             assert torch.equal(out, expected)
         assert not counters.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("offsets", [False, True])
-def test_gpu_swiglu_fused_into_the_down_projection_at_decode_rows(offsets, device):
-    # Llama-3-8B's down projection at 1 and 2 rows with the default (gemv) configuration,
-    # merged splits and PDL as served: silu_and_mul's kernel, then int4_matmul, to bf16.
-    from sitsd.kernels.activation import silu_and_mul
-
-    n, k = LLAMA3_8B_SHAPES["down"]
-    weight = random_int4(n, k, 128, offsets=offsets, device=device)
-    counters = torch.zeros(triton.cdiv(n, 16) * 2, dtype=torch.int32, device=device)
-    for num_rows in (1, 2):
-        gate_up = _x(num_rows, 2 * k, torch.bfloat16, device)
-        unfused = int4_matmul(silu_and_mul(gate_up), *weight.args)
-        fused = int4_matmul(gate_up, *weight.args, swiglu=True, split_counters=counters,
-                            pdl=True)  # fmt: skip
-        assert_close(fused, unfused, torch.bfloat16)
-        assert_close(fused, int4_matmul_ref(silu_and_mul_ref(gate_up), *weight.args),
-                     torch.bfloat16)  # fmt: skip
 
 
 @pytest.mark.gpu
