@@ -3,8 +3,9 @@
 #   scripts/device-check.sh tests   GPU tests (kernels + runtime), summary last
 #   scripts/device-check.sh bench   python3 -m bench.bench_gpu, table last
 #   scripts/device-check.sh run CMD...   CMD with the same set-up (e.g. python3 -m bench.bench_gemv)
-# Wheels for packages the device lacks travel in .whl/; the SmolLM2 GGUF travels in two parts
-# (.smol/part1, .smol2/part2: one call's transfer is capped at 64 MiB) and is joined here.
+# Wheels for packages the device lacks travel in .whl/ (scripts/device-wheels.sh makes them); the
+# SmolLM2 GGUF travels in two parts (.smol/part1, .smol2/part2: one call's transfer is capped at
+# 64 MiB) and is joined here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # A call that carries no wheels (its transfer went to something else) uses the ones a

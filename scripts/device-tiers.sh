@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SLA-tier overload benchmark on the GPU machine: random Llama-3-8B weights written as a
 # Hugging Face directory, then bench.bench_tiers against `sitsd serve --device cuda` with the
-# built-in (SITS, GPU) tier targets. Needs the daemon's wheels in .whl/ (see device README).
+# built-in (SITS, GPU) tier targets. Needs the daemon's wheels in .whl/ (scripts/device-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
