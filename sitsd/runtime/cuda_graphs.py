@@ -43,12 +43,13 @@ def capture_graph(
     """Warm `forward` up on `stream` (Triton compiles, cuBLAS picks algorithms), then capture
     it there; returns the graph and its static output.
 
-    One stream per model runner, for all its graphs, and never torch's process-wide default
-    capture stream: cuBLAS keeps a workspace per (handle, stream) whose address captured GEMMs
-    bake in, and destroying a graph drops the workspace of the stream it was captured on
-    (pytorch/pytorch#193402). On a shared stream, one runner's graphs going away would pull the
-    workspace from under another's. The eager warm-up allocates the stream's workspace
-    outside any graph's pool, before the first capture.
+    One stream per weight slot of a model runner, for all that slot's graphs, and never torch's
+    process-wide default capture stream: cuBLAS keeps a workspace per (handle, stream) whose
+    address captured GEMMs bake in, and destroying a graph drops the workspace of the stream it
+    was captured on (pytorch/pytorch#193402). On a shared stream, one set of graphs going away
+    (another runner's, or the other slot's when a version of another precision replaces them)
+    would pull the workspace from under the rest. The eager warm-up allocates the stream's
+    workspace outside any graph's pool, before the first capture.
     """
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

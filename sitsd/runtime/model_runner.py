@@ -78,8 +78,12 @@ class ModelRunner:
         self._decode_buckets: list[int] = []  # the decode graphs' batch buckets
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
-        # Every graph of this runner is captured on this stream (see `capture_graph`).
-        self._capture_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        # Each slot's graphs are captured on a stream of their own (see `capture_graph`): the
+        # graphs of a slot restaged across precisions go, and with them the cuBLAS workspace of
+        # the stream they were captured on, which the other slot's graphs must not share.
+        self._capture_streams = {
+            index: torch.cuda.Stream(self.device) for index in range(slots.num_slots)
+        } if on_cuda else {}  # fmt: skip
         # Two pinned buffers (and events) for the sampled ids, used in turn: with asynchronous
         # scheduling step N+1's copy is queued before the host has read step N's.
         self._tokens_host = [
@@ -123,7 +127,8 @@ class ModelRunner:
         for index in range(self.slots.num_slots):
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, buckets)
             pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
-            seconds += graphs.capture(self.slots.weights(index), pool, self._capture_stream)
+            seconds += graphs.capture(self.slots.weights(index), pool,
+                                      self._capture_streams[index])  # fmt: skip
             self.slot_graphs[index] = graphs
         return seconds
 
@@ -144,7 +149,7 @@ class ModelRunner:
             )
             if capture:
                 pool = self._graph_pools.setdefault(index, torch.cuda.graph_pool_handle())
-                seconds += mixed.capture(pool, self._capture_stream)
+                seconds += mixed.capture(pool, self._capture_streams[index])
             self.slot_mixed[index] = mixed
         return seconds
 
@@ -158,7 +163,8 @@ class ModelRunner:
         if decode is not None and pool is not None:
             del decode
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, self._decode_buckets)
-            seconds += graphs.capture(self.slots.weights(index), pool, self._capture_stream)
+            seconds += graphs.capture(self.slots.weights(index), pool,
+                                      self._capture_streams[index])  # fmt: skip
             self.slot_graphs[index] = graphs
         mixed = self.slot_mixed.get(index)
         if mixed is not None:
@@ -168,7 +174,7 @@ class ModelRunner:
             del mixed
             self.slot_mixed[index] = fresh
             if captured and pool is not None:
-                seconds += fresh.capture(pool, self._capture_stream)
+                seconds += fresh.capture(pool, self._capture_streams[index])
         return seconds
 
     @property
