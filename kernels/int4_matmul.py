@@ -77,7 +77,7 @@ from sitsd.kernels._utils import (
 )
 from sitsd.kernels.quant_layout import check_int4_layout
 
-__all__ = ["GEMV_MAX_ROWS", "MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
+__all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
 MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
