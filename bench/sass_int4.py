@@ -141,10 +141,13 @@ def main() -> None:
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, K = {args.k}")
     if args.mode in ("gemv", "all"):
-        for block_n, block_k in ((32, 128), (64, 128), (128, 128), (64, 256)):
+        # (rows of W, chunk, loads one chunk ahead): the 1-row defaults among them (gate_up
+        # without offsets: n32 without loads ahead; down: n64 k256; with offsets: n64 k128)
+        for block_n, block_k, ahead in ((32, 128, True), (32, 128, False), (64, 128, True),
+                                        (128, 128, True), (64, 256, True)):  # fmt: skip
             for offsets in (False, True):
-                count = gemv(args.rows, block_n, args.k, offsets, block_k=block_k)
-                label = f"gemv rows {args.rows} n{block_n} k{block_k}"
+                count = gemv(args.rows, block_n, args.k, offsets, block_k=block_k, prefetch=ahead)
+                label = f"gemv rows {args.rows} n{block_n} k{block_k}" + ("" if ahead else " p1")
                 _show(f"{label} {'offsets' if offsets else 'sym'}", count, "code x row")
     if args.mode in ("mma", "all"):
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
