@@ -83,7 +83,6 @@ MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
 MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slice-major order
-MMA_MAX_ROWS = 256  # `choose_int4_config` picks mode "mma" below this many rows
 GEMV_MAX_ROWS = 2  # `choose_int4_config` picks mode "gemv" up to this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
@@ -240,7 +239,7 @@ def choose_int4_config(
     256-column chunks spill there: 62.1 us for gate_up). Two rows of x take 64 weight rows
     (registers).
 
-    Groups of 128 and 16-bit x, 3 to 255 rows: `mma`, on 64 weight rows per program, or 128
+    Groups of 128 and 16-bit x, from 3 rows: `mma`, on 64 weight rows per program, or 128
     with offsets (whose zero points cost the same per group whatever the tile: gate_up at 8
     rows 43.6 us on 128, 55.3 on 64). Up to 32 rows all rows of x in one tile, K split into
     parts of about 8 groups (4 for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against
@@ -249,7 +248,13 @@ def choose_int4_config(
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
     cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
     takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
-    the second H100 run; o's 20.0 against 21.1 was within noise, qkv's default won).
+    the second H100 run; o's 20.0 against 21.1 was within noise, qkv's default won). The
+    same tiles from 256 rows, where the model runs `int4_matmul` below
+    `sitsd.model.qlinear.INT4_DEQUANT_FROM_ROWS` (512) and without the dequantize's workspace
+    (a version swapped into a slot of a 16-bit model): the four layers at 256 rows 386 us
+    (with zero points 421) against `dot`'s 622 (894), at 512 rows 770 (808) against 1121
+    (1580); the sweep's best per layer is at most 4% faster but for o (32.1 against 41.0 us
+    at 256 rows, 56.6 against 66.6 at 512).
 
     Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
     weight rows, 128-wide chunks; more: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles,
@@ -274,7 +279,7 @@ def choose_int4_config(
         return Int4MatmulConfig("gemv", max(1, num_rows), block_n, block_k, split_k, num_warps,
                                 num_stages)  # fmt: skip
     mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
-    if mma and num_rows < MMA_MAX_ROWS:
+    if mma:
         groups = cdiv(k, MMA_GROUP_SIZE)
         block_n = 128 if has_offsets else 64
         if num_rows <= 32:

@@ -47,9 +47,10 @@ __all__ = [
 
 # Rows of x from which INT4 runs dequantize + cuBLAS: on an H100 with Llama-3-8B's layers
 # (bench/bench_quant_kernels.py, 2026-12-06) int4_matmul's mma tiles win every layer at 128
-# rows (qkv 26.8 vs 45.8 us, gate_up 108 vs 210), at about half the dequantize's time for
-# twice the rows; the dequantize's cost does not grow with the rows.
-INT4_DEQUANT_FROM_ROWS = 256
+# rows (qkv 26.8 vs 45.8 us, gate_up 108 vs 210) and the four layers together at 256 (the
+# sweep's best 374 against 421 us, with zero points 422 against 429); at 512 the dequantize
+# wins (512 against 726 us): its cost does not grow with the rows.
+INT4_DEQUANT_FROM_ROWS = 512
 # The least tile of `int4_matmul`'s default configurations, on each side: `cdiv(N, 16) *
 # cdiv(M, 16)` counters cover every call's tiles.
 _LEAST_TILE = 16
