@@ -100,8 +100,10 @@ class WeightSlotsLike(Protocol):
 class ModelRunnerLike(Protocol):
     """The model runner (`sitsd.runtime.model_runner.ModelRunner`)."""
 
-    def recapture_graphs(self, index: int) -> float:
-        """Capture slot `index`'s CUDA graphs again (its tensors moved); seconds taken."""
+    def recapture_graphs(self, index: int, beside_serving: bool = False) -> float:
+        """Capture slot `index`'s CUDA graphs again (its tensors moved); seconds taken.
+        `beside_serving`: on another thread while the engine's serves from the other slot
+        (`index` reserved), else on the engine's thread between two steps."""
         ...
 
     @property

@@ -5,8 +5,9 @@ reaches it only through `sitsd.engine.swap_port.SwapPort`, whose calls run here:
 
     reserve_standby   release the standby slot to the stager once no request runs on it
     fill / release    the stager copied a version into it (or gave up on it); a version of
-                      another structure (another precision) has its CUDA graphs captured
-                      again first, between two steps
+                      another structure (another precision) whose CUDA graphs the stager
+                      could not capture beside serving (`SwapPort.capture_graphs`) has them
+                      captured here first, between two steps
     prompt_logprobs   a canary prompt on one version, handed to the scheduler as low-priority
                       work in the next steps (`sitsd.engine.probes`); its log-probabilities
                       come back from the runner once its last chunk has been computed
@@ -145,11 +146,12 @@ class SwapController:
 
     def fill(self, index: int, version: str) -> None:
         """Slot `index` now holds `version` (its copy has completed); graphs captured again
-        for it when its tensors moved (a version of another precision)."""
+        for it when its tensors moved (a version of another precision) and the stager did not
+        capture them beside serving."""
         if self._slots.take_restructured(index):
             seconds = self._runner.recapture_graphs(index)
-            log.info("weight slot %d holds a new structure: graphs captured in %.2fs", index,
-                     seconds)  # fmt: skip
+            log.warning("weight slot %d holds a new structure: graphs captured between two "
+                        "steps in %.2fs, the streams waiting", index, seconds)  # fmt: skip
         self._slots.fill(index, version)
 
     def release(self, index: int) -> None:

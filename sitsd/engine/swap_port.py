@@ -9,6 +9,8 @@ controller (`sitsd.engine.swap_controller`) runs it between two steps, and back:
     copy_into(index, tensors)      the caller's thread copies a version into the reserved slot
                                    (`copy_seconds`: the device time its transfers took)
     slot_writer(index)             or writes a pushed one into it, piece by piece (`SlotWriter`)
+    capture_graphs(index)          then captures its CUDA graphs again where the copy moved its
+                                   tensors (another precision), while serving goes on
     fill(index, version)           the copy is complete: the slot holds `version`
     release(index)                 give the slot back empty (a rejected version)
     prompt_logprobs(ids, version)  a canary prompt on that version, computed as low-priority
@@ -91,7 +93,8 @@ class SwapPort:
 
     async def fill(self, index: int, version: str) -> None:
         """Slot `index` holds `version` now. A step in flight cannot read a slot being filled;
-        one of another precision captures graphs again, which runs the model."""
+        one whose tensors moved and whose graphs were not captured beside serving
+        (`capture_graphs`) has them captured first, which runs the model."""
         waits: AheadWait = "any" if self._slots.restructured(index) else "none"
         await self._call(functools.partial(self._controller.fill, index, version), waits_for=waits)
 
@@ -134,6 +137,18 @@ class SwapPort:
         the bytes copied."""
         return self._slots.copy_into(index, tensors, chunk_bytes=chunk_bytes,
                                      on_progress=on_progress, source=source)  # fmt: skip
+
+    def capture_graphs(self, index: int) -> float | None:
+        """Capture reserved slot `index`'s CUDA graphs again where its copy moved its tensors
+        (a version of another precision), on the calling thread (never the engine's or the
+        loop's: it takes seconds) while the engine goes on serving from the other slot; the
+        seconds it took, None when its tensors stayed. Should it fail, `fill` captures them
+        on the engine's thread between two steps, the streams waiting."""
+        if not self._slots.restructured(index):
+            return None
+        seconds = self._core.runner.recapture_graphs(index, beside_serving=True)
+        self._slots.take_restructured(index)
+        return seconds
 
     def copy_seconds(self) -> float:
         """Device seconds the copies' host-to-device transfers took so far (0 on a CPU): the

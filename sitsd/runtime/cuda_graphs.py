@@ -8,11 +8,14 @@ output; a step pads its decode batch to the next bucket (padding rows have seq_l
 captured largest first so the smaller ones reuse its memory.
 
 Graphs are captured for one `LlamaWeights` object (a weight slot): replaying them with other
-weights means capturing again for those (hot-swap keeps one set of graphs per slot).
+weights means capturing again for those (hot-swap keeps one set of graphs per slot). A slot
+restaged with a version of another structure (another precision) is captured again beside
+serving: on another thread while the engine goes on with the other slot (`capture_graph`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -38,10 +41,23 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 def capture_graph(
-    forward: Callable[[], torch.Tensor], pool: GraphPool, stream: torch.cuda.Stream
+    forward: Callable[[], torch.Tensor],
+    pool: GraphPool,
+    stream: torch.cuda.Stream,
+    warm_up: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm `forward` up on `stream` (Triton compiles, cuBLAS picks algorithms), then capture
-    it there; returns the graph and its static output.
+    """Warm up on `stream` (Triton compiles, cuBLAS picks algorithms), then capture `forward`
+    there; returns the graph and its static output.
+
+    `warm_up` None: `forward` itself runs twice first, and the capture owns the process
+    (torch's `graph`: the device synchronized and the cache emptied first, any other thread's
+    CUDA call an error meanwhile): at start-up, or on the engine's thread between two steps.
+    Else the capture runs beside serving, on a thread of its own while the engine's goes on:
+    `warm_up` is the same forward over inputs of its own in which every sequence is empty
+    (the buffers `forward` reads hold a live step's slots, and a warm-up runs), run once; the
+    capture is thread-local (only this thread is bound by capture's rules) and neither
+    synchronizes the device nor frees cached memory, and nothing the engine queues waits for
+    the warm-up.
 
     One stream per weight slot of a model runner, for all that slot's graphs, and never torch's
     process-wide default capture stream: cuBLAS keeps a workspace per (handle, stream) whose
@@ -52,11 +68,20 @@ def capture_graph(
     workspace outside any graph's pool, before the first capture.
     """
     stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    if warm_up is not None:
+        with torch.cuda.stream(stream):
+            warm_up()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = forward()
+            finally:
+                graph.capture_end()
+        return graph, out
     with torch.cuda.stream(stream):
         for _ in range(2):
             forward()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = forward()
     return graph, out
@@ -92,35 +117,51 @@ class DecodeGraphs:
         weights: LlamaWeights,
         pool: GraphPool | None = None,
         stream: torch.cuda.Stream | None = None,
+        beside: StepInputBuilder | None = None,
     ) -> float:
         """Capture every bucket for `weights` (in `pool`, default a new one; on `stream`,
-        default a new one: see `capture_graph`); returns the seconds it took."""
+        default a new one: see `capture_graph`); returns the seconds it took.
+
+        `beside`: capture beside serving (`capture_graph`), the warm-ups running on this
+        builder's buffers, which the caller does not use otherwise; the serving builder's
+        buffers are then left as they are (a step is reading them).
+        """
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = stream if stream is not None else torch.cuda.Stream()
-        d = self.builder.dev
-        d.slot_mapping.fill_(-1)  # capture-time garbage must not write into the KV pool
-        d.seq_lens.zero_()
+        warmed = (beside if beside is not None else self.builder).dev
+        warmed.slot_mapping.fill_(-1)  # warm-up garbage must not write into the KV pool
+        warmed.seq_lens.zero_()
         for bucket in reversed(self.buckets):
-            self._capture_one(bucket, weights, pool, stream)
+            self._capture_one(bucket, weights, pool, stream, beside)
         torch.cuda.synchronize()
         return time.monotonic() - t0
 
     def _capture_one(
-        self, bucket: int, weights: LlamaWeights, pool: GraphPool, stream: torch.cuda.Stream
+        self,
+        bucket: int,
+        weights: LlamaWeights,
+        pool: GraphPool,
+        stream: torch.cuda.Stream,
+        beside: StepInputBuilder | None,
     ) -> None:
-        d = self.builder.dev
-        meta = self._static_meta(bucket)
-        ids, pos = d.input_ids[:bucket], d.positions[:bucket]
+        forward = functools.partial(self._forward, bucket, weights, self.builder)
+        warm_up = None if beside is None else functools.partial(
+            self._forward, bucket, weights, beside)  # fmt: skip
+        self._graphs[bucket], self._logits[bucket] = capture_graph(forward, pool, stream, warm_up)
 
-        def forward() -> torch.Tensor:
-            hidden = self.model.forward(weights, ids, pos, meta, self.kv_caches)
-            return self.model.compute_logits(weights, hidden)
+    def _forward(
+        self, bucket: int, weights: LlamaWeights, builder: StepInputBuilder
+    ) -> torch.Tensor:  # [bucket, vocab] float32
+        d = builder.dev
+        meta = self._static_meta(bucket, builder)
+        hidden = self.model.forward(
+            weights, d.input_ids[:bucket], d.positions[:bucket], meta, self.kv_caches
+        )  # [bucket, hidden]
+        return self.model.compute_logits(weights, hidden)
 
-        self._graphs[bucket], self._logits[bucket] = capture_graph(forward, pool, stream)
-
-    def _static_meta(self, bucket: int) -> AttentionMetadata:
-        d = self.builder.dev
+    def _static_meta(self, bucket: int, builder: StepInputBuilder) -> AttentionMetadata:
+        d = builder.dev
         return AttentionMetadata(
             slot_mapping=d.slot_mapping[:bucket],
             block_tables=d.block_tables[:bucket],  # full width: any context up to the maximum
@@ -129,7 +170,7 @@ class DecodeGraphs:
             prefill_query_start_loc=d.prefill_query_start_loc[:1],
             num_decodes=bucket,
             num_decode_tokens=bucket,
-            max_seq_len=self.builder.max_blocks_per_seq * self.builder.block_size,
+            max_seq_len=builder.max_blocks_per_seq * builder.block_size,
         )
 
     def replay(self, bucket: int) -> torch.Tensor:

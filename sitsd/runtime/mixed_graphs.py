@@ -90,14 +90,18 @@ class MixedGraphs:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)
 
-    def forward(self, bucket: int) -> torch.Tensor:  # [rows, vocab] float32
-        """The bucket's fixed-shape forward pass over the builder's buffers, eagerly.
+    def forward(
+        self, bucket: int, builder: StepInputBuilder | None = None
+    ) -> torch.Tensor:  # [rows, vocab] float32
+        """The bucket's fixed-shape forward pass over the builder's buffers (`builder`: another
+        one's, for a warm-up beside serving), eagerly.
 
         Rows past the step's sampled ones are padding (they gather token 0).
         """
-        d = self.builder.dev
-        rows = self.builder.mixed_logits_rows(bucket)
-        meta = self.builder.mixed_meta(bucket)
+        builder = builder if builder is not None else self.builder
+        d = builder.dev
+        rows = builder.mixed_logits_rows(bucket)
+        meta = builder.mixed_meta(bucket)
         hidden = self.model.forward(
             self.weights, d.input_ids[:bucket], d.positions[:bucket], meta, self.kv_caches
         )  # [bucket, hidden]
@@ -120,23 +124,28 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(
-        self, pool: GraphPool | None = None, stream: torch.cuda.Stream | None = None
+        self,
+        pool: GraphPool | None = None,
+        stream: torch.cuda.Stream | None = None,
+        beside: StepInputBuilder | None = None,
     ) -> float:
         """Capture every bucket, largest first, in `pool` (shared with the slot's decode
         graphs: they never run at the same time) and on `stream` (the runner's, see
-        `capture_graph`); returns the seconds it took."""
+        `capture_graph`); returns the seconds it took. `beside`: capture beside serving, the
+        warm-ups on this builder's buffers (`DecodeGraphs.capture`)."""
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = stream if stream is not None else torch.cuda.Stream()
-        d = self.builder.dev
-        # Capture-time inputs must be harmless: no KV written, every sequence empty.
+        d = (beside if beside is not None else self.builder).dev
+        # Warm-up inputs must be harmless: no KV written, every sequence empty.
         d.slot_mapping.fill_(-1)
         d.seq_lens.zero_()
         d.query_start_loc.zero_()
         d.logits_indices.zero_()
         for bucket in reversed(self.buckets):
+            warm_up = None if beside is None else functools.partial(self.forward, bucket, beside)
             self._graphs[bucket], self._logits[bucket] = capture_graph(
-                functools.partial(self.forward, bucket), pool, stream
+                functools.partial(self.forward, bucket), pool, stream, warm_up
             )
         torch.cuda.synchronize()
         return time.monotonic() - t0

@@ -76,6 +76,8 @@ class ModelRunner:
         self.slot_mixed: dict[int, MixedGraphs] = {}  # slot index -> its mixed-step graphs
         self._graph_pools: dict[int, GraphPool] = {}  # slot index -> the pool its graphs share
         self._decode_buckets: list[int] = []  # the decode graphs' batch buckets
+        self._mixed_buckets: list[int] = []  # the mixed steps' token buckets ([]: none)
+        self._mixed_captured = False  # ...captured as graphs (else run eagerly in those shapes)
         self.requests: dict[str, CachedRequestState] = {}
         on_cuda = self.device.type == "cuda"
         # Each slot's graphs are captured on a stream of their own (see `capture_graph`): the
@@ -143,6 +145,7 @@ class ModelRunner:
                 of what the graphs compute).
         """
         seconds = 0.0
+        self._mixed_buckets, self._mixed_captured = list(token_buckets), capture
         for index in range(self.slots.num_slots):
             mixed = MixedGraphs(
                 self.model, self.builder, self.kv_caches, self.slots.weights(index), token_buckets
@@ -153,28 +156,47 @@ class ModelRunner:
             self.slot_mixed[index] = mixed
         return seconds
 
-    def recapture_graphs(self, index: int) -> float:
+    def recapture_graphs(self, index: int, beside_serving: bool = False) -> float:
         """Capture slot `index`'s decode and mixed-step graphs again, for tensors that moved (a
         version of another structure was staged into it); returns the seconds it took. The
-        old graphs go first, so their pool memory is reused. Eager slots have nothing to do."""
+        old graphs go first, and their memory with them. Eager slots have nothing to do.
+
+        beside_serving: called on a thread of its own while the engine's goes on serving from
+            the other slot, which it may: slot `index` is reserved (`WeightSlots.release`), so
+            no step reads it or its graphs, and the capture touches nothing a step uses (the
+            warm-ups run on input buffers of their own, `capture_graph`). Else on the engine's
+            thread between two steps.
+        """
         seconds = 0.0
         pool = self._graph_pools.get(index)
-        decode = self.slot_graphs.pop(index, None)
-        if decode is not None and pool is not None:
-            del decode
+        stream = self._capture_streams.get(index)
+        beside = None  # the warm-ups' inputs beside serving: a builder of their own
+        if beside_serving and pool is not None:
+            b = self.builder
+            beside = StepInputBuilder(b.max_num_tokens, b.max_num_seqs, b.max_blocks_per_seq,
+                                      b.block_size, b.device)  # fmt: skip
+        # The old graphs first: their memory goes back to the pool. A capture that fails
+        # leaves the slot without graphs, and the next call captures what the runner captures.
+        self.slot_graphs.pop(index, None)
+        self.slot_mixed.pop(index, None)
+        if pool is not None:
+            # The new graphs take a pool of their own: torch's device and pinned-host
+            # allocators keep the record of a pool whose graphs have all gone, and a capture
+            # into it fails their checks unless both caches were emptied first (torch's
+            # `graph` does that between two steps). The old pool's memory goes back here.
+            pool = self._graph_pools[index] = torch.cuda.graph_pool_handle()
+            torch.cuda.empty_cache()
+        weights = self.slots.weights(index)
+        if self._decode_buckets and pool is not None:
             graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, self._decode_buckets)
-            seconds += graphs.capture(self.slots.weights(index), pool,
-                                      self._capture_streams[index])  # fmt: skip
+            seconds += graphs.capture(weights, pool, stream, beside)
             self.slot_graphs[index] = graphs
-        mixed = self.slot_mixed.get(index)
-        if mixed is not None:
-            fresh = MixedGraphs(self.model, self.builder, self.kv_caches,
-                                self.slots.weights(index), mixed.buckets)  # fmt: skip
-            captured = mixed.captured
-            del mixed
-            self.slot_mixed[index] = fresh
-            if captured and pool is not None:
-                seconds += fresh.capture(pool, self._capture_streams[index])
+        if self._mixed_buckets:
+            mixed = MixedGraphs(self.model, self.builder, self.kv_caches, weights,
+                                self._mixed_buckets)  # fmt: skip
+            if self._mixed_captured and pool is not None:
+                seconds += mixed.capture(pool, stream, beside)
+            self.slot_mixed[index] = mixed
         return seconds
 
     @property

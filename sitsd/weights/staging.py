@@ -6,7 +6,9 @@
                    the values it can test: `finite_scan`), the checkpoint   stager thread
     validate       against the serving model (`checks.validate`)           stager thread
     stage          reserve the standby slot (once no request runs on it:
-                   a drain may still hold it), copy into it                 stager thread
+                   a drain may still hold it), copy into it; a version of
+                   another structure (precision) has the slot's CUDA
+                   graphs captured again, beside serving                    stager thread
     canary         prompts on both slots (`canary.py`), as low-priority
                    work in the engine's steps, compared off the loop        engine thread
 
@@ -167,6 +169,20 @@ class StandbyStager:
                 await self.port.release(index)
                 raise VersionRejected(result.describe())
 
+    async def _capture_graphs(self, index: int) -> None:
+        """Where the copy moved the slot's tensors (a version of another precision), capture
+        its CUDA graphs again on a stager thread while serving goes on; should that fail,
+        `fill` captures them on the engine's thread between two steps (the streams wait)."""
+        try:
+            seconds = await run_off_engine(lambda: self.port.capture_graphs(index))
+        except Exception:
+            log.exception("weight slot %d: its graphs could not be captured beside serving; "
+                          "the engine captures them between two steps", index)  # fmt: skip
+            return
+        if seconds:  # None: the tensors stayed; 0: no graphs (a CPU)
+            log.info("weight slot %d holds a new structure: graphs captured beside serving "
+                     "in %.2fs", index, seconds)  # fmt: skip
+
     def _bytes(self, progress: ProgressSink, stage: str, version: str) -> ByteProgress:
         loop = asyncio.get_running_loop()
         return ByteProgress(loop, progress, stage, version, pace=self._host_pacer())
@@ -210,6 +226,7 @@ class StandbyStager:
                     index, tensors, chunk_bytes=chunk, on_progress=on_bytes, source=source
                 )
             )
+            await self._capture_graphs(index)
         await self.port.fill(index, version)
         if self.settings.canary_prompts:
             with trace.stage("canary"):

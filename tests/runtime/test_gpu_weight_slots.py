@@ -4,6 +4,7 @@ nothing, canary probes in captured mixed-step graphs (marker `gpu`)."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -184,6 +185,61 @@ def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_r
         assert {r: mixed[f"{r}-{version}"] for r in prompts} == want
         del eager
         torch.cuda.empty_cache()
+
+
+def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_other(rng, tmp_path):
+    # `recapture_graphs(beside_serving=True)` runs on a thread of its own while this one goes
+    # on serving from the active slot (graph replays, KV writes): what is served meanwhile is
+    # what an eager runner computes (the warm-ups wrote no KV, the capture stopped nothing),
+    # and the new graphs then replay the INT4 version as a fresh runner computes it.
+    from sitsd.weights import load_checkpoint
+    from tests.model.quant_checkpoints import write_quantized_llama
+    from tests.weights.tiny_models import write_tiny_llama
+
+    seed = random.randrange(1000)
+    write_tiny_llama(tmp_path / "dense", seed=seed)
+    write_quantized_llama(tmp_path / "int4", "awq", seed=seed)
+    dense, int4 = load_checkpoint(tmp_path / "dense"), load_checkpoint(tmp_path / "int4")
+    prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
+               for i in range(4)}  # fmt: skip
+    want = {}
+    for version, ckpt in (("dense", dense), ("int4", int4)):
+        eager, _ = build_fresh(ckpt, version)
+        want[version] = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
+        del eager
+        torch.cuda.empty_cache()
+    runner, _ = gpu_runner(dense.tensors, dense.arch, eager=False, version="dense")
+    slots = runner.slots
+    standby = slots.standby
+    slots.release(standby)
+    slots.copy_into(standby, int4.tensors, chunk_bytes=4096, source=int4.quant)
+    assert slots.take_restructured(standby)
+    done, outcome = threading.Event(), []
+
+    def capture() -> None:
+        try:
+            outcome.append(runner.recapture_graphs(standby, beside_serving=True))
+        except BaseException as exc:  # reported below, on the test's thread
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    served = 0
+    while not done.is_set() or not served:
+        assert greedy(runner, {r: (p, "dense") for r, p in prompts.items()}, 8) == want["dense"]
+        served += 1
+    thread.join()
+    assert isinstance(outcome[0], float), outcome
+    assert sorted(runner.slot_graphs) == [0, 1]
+    assert runner.slot_mixed[standby].captured
+    slots.fill(standby, "int4")
+    both = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()
+                           for v in ("dense", "int4")}, 8)  # fmt: skip
+    for version in ("dense", "int4"):
+        assert {r: both[f"{r}-{version}"] for r in prompts} == want[version], version
+    print(f"captured beside serving in {outcome[0]:.2f} s, {served} batches served meanwhile")
 
 
 def build_fresh(ckpt, version: str):
