@@ -419,6 +419,8 @@ def daemon_account(
             limit = entry.get("swap_work_limit", "")  # what set the piece's size
             if limit and entry.get("swap_work_token_ms"):
                 limit += f" at {entry['swap_work_token_ms']:.3g} ms a token"
+            if limit and entry.get("swap_work_smallest_ms"):
+                limit += f", the smallest piece {entry['swap_work_smallest_ms']:.3g} ms"
             what = (f"step {entry['step_ms']:.0f} ms ({entry['num_tokens']} tokens, "
                     f"{entry['num_requests']} requests, {entry['serving_versions']} versions, "
                     f"{work} of a swap's{' alone' if entry['swap_work_alone'] else ''}"

@@ -90,6 +90,7 @@ class SwapWork:
     # behind its deadline; "idle": nothing served; "recompute": a restart's); "" for none.
     limit: str = ""
     per_token_s: float = 0.0  # the pacer's price of one of its tokens then (0: not priced)
+    smallest_s: float = 0.0  # ...and of its smallest piece, the test of the share (0: none)
 
 
 @dataclass(slots=True)

@@ -209,6 +209,9 @@ class Allowance:
     # steady time measured; "fixed": `fixed_tokens`.
     limit: str
     per_token_s: float = 0.0  # the price of a token it was set at (0: not priced)
+    # What the smallest piece was predicted to cost, the test between "share" and "spaced"
+    # (0: not priced).
+    smallest_s: float = 0.0
 
 
 class StepPacer:
@@ -269,7 +272,7 @@ class StepPacer:
         if smallest <= within:  # fits in every step, within the sizes measured so far
             grown = _grown(cost, within, self._ceiling_at(alone, num_serving_versions, steady))
             tokens = max(1, min(int((share_s - fixed) / per_token), grown))
-            return Allowance(tokens, "share", per_token)
+            return Allowance(tokens, "share", per_token, smallest)
         # Spaced: one piece as large as a spaced piece may be, once the credit covers it
         # (fewer, fuller pieces: each pays the fixed part once), at most twice the largest
         # measured. Until the fit tells the fixed part from the per-token one (pieces of
@@ -277,11 +280,12 @@ class StepPacer:
         # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = self._spaced_cap(steady, smallest)
         if self._credit < cap or self._since_past_share < settings.spaced_every:
-            return Allowance(0, "spaced", per_token)
+            return Allowance(0, "spaced", per_token, smallest)
         grown = 2 * cost.largest + 2
         if not resolved:
-            return Allowance(grown, "spaced", per_token)
-        return Allowance(max(1, min(int((cap - fixed) / per_token), grown)), "spaced", per_token)
+            return Allowance(grown, "spaced", per_token, smallest)
+        tokens = max(1, min(int((cap - fixed) / per_token), grown))
+        return Allowance(tokens, "spaced", per_token, smallest)
 
     def most_tokens(self, num_serving_versions: int, alone: bool) -> int:
         """The most tokens of swap work a step may take even when more presses (a migration

@@ -55,7 +55,8 @@ class SwapWorkPhase:
         recomputed = self._swaps.num_recomputed
         limit = paced.limit if used else ("recompute" if recomputed else "")
         out.swap_work = SwapWork(used + recomputed, alone and used > 0, len(serving), limit,
-                                 paced.per_token_s if used else 0.0)  # fmt: skip
+                                 paced.per_token_s if used else 0.0,
+                                 paced.smallest_s if used else 0.0)  # fmt: skip
         out.weights_versions = frozenset(serving | versions) if used else frozenset(serving)
 
     def _schedule(
@@ -80,5 +81,5 @@ class SwapWorkPhase:
             most = pacer.most_tokens(num_serving, alone) if num_serving else allowance
             used = self._swaps.schedule_shadows(out, allowance, step_s, most)
             if used > allowance:  # the deadline's floor
-                paced = Allowance(used, "deadline", paced.per_token_s)
+                paced = Allowance(used, "deadline", paced.per_token_s, paced.smallest_s)
         return used + self._probes.schedule(out, allowance - used, versions), paced

@@ -80,6 +80,7 @@ class SlowStepLog:
             "swap_work_alone": work.alone if work is not None else False,
             "swap_work_limit": work.limit if work is not None else "",
             "swap_work_token_ms": round(work.per_token_s * 1e3, 3) if work is not None else 0.0,
+            "swap_work_smallest_ms": round(work.smallest_s * 1e3, 3) if work is not None else 0.0,
             "serving_versions": work.num_serving_versions if work is not None else 0,
             "scheduled_ahead": out.applied_ahead,
             "device_wait_ms": round(step.wait_s * 1e3, 2),
@@ -113,8 +114,11 @@ class SlowStepLog:
 
 
 def _limit_text(work: SwapWork | None) -> str:
-    """` (share, 1.25 ms a token)`: what set the size of the step's swap work."""
+    """` (share, 1.25 ms a token, the smallest piece 1.3 ms)`: what set the size of the
+    step's swap work."""
     if work is None or not work.limit:
         return ""
     price = f", {work.per_token_s * 1e3:.3g} ms a token" if work.per_token_s else ""
+    if work.smallest_s:
+        price += f", the smallest piece {work.smallest_s * 1e3:.3g} ms"
     return f" ({work.limit}{price})"

@@ -213,6 +213,10 @@ def test_a_canary_on_a_slot_whose_pass_exceeds_the_share_is_spaced_and_never_tri
     alone = sim.alone[-len(steps) :]
     standby = alone[alone.index(True) :]
     assert sum(standby) < len(standby) / 2, "pieces on the standby slot are spaced"
+    # Each spaced piece says what its smallest piece was priced at: past the share.
+    spaced = [w for w in sim.works[-len(steps) :] if w is not None and w.limit == "spaced"]
+    assert spaced
+    assert all(w.smallest_s > 0.2 * steady for w in spaced), [w.smallest_s for w in spaced]
 
 
 def test_one_step_slowed_by_something_else_does_not_shrink_the_pieces_after_it():

@@ -24,7 +24,8 @@ def step(
     for i in range(tokens):
         out.num_scheduled_tokens[f"r{i}"] = 1
     out.total_num_scheduled_tokens = tokens + swap
-    out.swap_work = SwapWork(swap, swap > 0, 1, "spaced" if swap else "", 0.00125 if swap else 0)
+    out.swap_work = SwapWork(swap, swap > 0, 1, "spaced" if swap else "", 0.00125 if swap else 0,
+                             0.0051 if swap else 0)  # fmt: skip
     return StepRecord(out, [], start, end, index, wait, host or HostTimes())
 
 
@@ -50,7 +51,10 @@ def test_a_step_far_past_the_recent_ones_is_logged_with_its_swap_work(caplog):
     assert record.swap_work_alone
     assert record.swap_work_limit == "spaced"
     assert record.swap_work_token_ms == 1.25
-    assert "37 of a swap's work (spaced, 1.25 ms a token);" in record.getMessage()
+    assert record.swap_work_smallest_ms == 5.1  # what the pacer weighed against the share
+    assert "37 of a swap's work (spaced, 1.25 ms a token, the smallest piece 5.1 ms);" in (
+        record.getMessage()
+    )
     assert abs(record.median_step_ms - base * 1e3) < 0.15 * base * 1e3
     assert slow.num_slow == 1
 
