@@ -219,6 +219,41 @@ def test_a_canary_on_a_slot_whose_pass_exceeds_the_share_is_spaced_and_never_tri
     assert all(w.smallest_s > 0.2 * steady for w in spaced), [w.smallest_s for w in spaced]
 
 
+class ShortMeasuredSim(SimEngine):
+    """Asynchronous scheduling's periods: a step runs from the end of the last one, so when
+    that one ended late (the host) the device's work ran into it, and this step measures
+    short. Here the `short`-th piece on the standby slot measures its pass as nearly free."""
+
+    def __init__(self, *args, short: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.short, self.num_alone = short, 0
+
+    def cost(self, so, req_ids):
+        cost = super().cost(so, req_ids)
+        whole_step = set(req_ids) == set(so.num_scheduled_tokens)
+        if whole_step and so.swap_work is not None and so.swap_work.alone:
+            if self.num_alone == self.short:
+                cost -= 0.95 * self.weights_s
+            self.num_alone += 1
+        return cost
+
+
+@pytest.mark.parametrize("short", [0, 3])
+def test_a_piece_on_the_standby_slot_measured_short_does_not_unspace_the_pieces_after_it(short):
+    # On an H100 a drain's canary priced a one-token piece alone at 0.68 ms where each was a
+    # 5 ms pass over the other slot's weights, and ran such pieces in consecutive steps: the
+    # least a piece had cost stood for the smallest piece's price while the fit could not
+    # tell the pass from the tokens, and one piece measured short set it.
+    sim = ShortMeasuredSim(share=0.2, token_s=0.0002, weights_s=0.07, short=short)
+    sim.runner.slots.load(V1)
+    steady = sim.steady(num_requests=32)
+    steps = run_canary(sim, probe_prompts(sim.rng, 4, length=(60, 120)), max_steps=20000)
+    works = [w for w in sim.works[-len(steps) :] if w is not None and w.alone and w.num_tokens]
+    assert sim.num_alone > short, "the short piece ran"
+    assert [w.limit for w in works].count("share") <= 1, [w.limit for w in works]
+    assert p99([p for p, *_ in steps]) <= (1 + 0.2) * steady + 0.0002 + 1e-9
+
+
 def test_one_step_slowed_by_something_else_does_not_shrink_the_pieces_after_it():
     # As on a GPU: a piece on the standby slot pays a pass over its weights as long as a steady
     # step, and its tokens cost little. The fourth piece's step is slowed by something else
