@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -139,6 +140,24 @@ def kernels_for(
     counters = torch.zeros(max_num_seqs * arch.num_kv_heads, dtype=torch.int32, device=device)
     return triton_kernels(pdl=mcfg.pdl, split_counters=counters, int4_workspace=int4_workspace,
                           int4_split_counters=int4_split_counters(arch, device))  # fmt: skip
+
+
+def model_beside_serving(
+    arch: LlamaArch,
+    device: torch.device,
+    mcfg: ModelConfig,
+    max_num_seqs: int,
+    max_position: int,
+    int4_workspace: torch.Tensor | None,
+) -> LlamaModel:
+    """A model like the runner's whose kernels keep scratch of their own (`KernelSet.scratch`:
+    new split counters, and a workspace as large as the runner's `int4_workspace`, made now):
+    what the warm-ups of a capture beside serving compute with (`ModelRunner.recapture_graphs`).
+    They run on another stream while the engine's steps do, so they must not write what the
+    steps' kernels use between two launches."""
+    workspace = torch.empty_like(int4_workspace) if int4_workspace is not None else None
+    kernels = kernels_for(device, mcfg, arch, max_num_seqs, workspace)
+    return LlamaModel(arch, kernels, max_position, device)
 
 
 def int4_workspace_for(weights: LlamaWeights, dtype: torch.dtype) -> torch.Tensor | None:
@@ -298,9 +317,12 @@ def build_runner(
     max_model_len = served_max_model_len(mcfg, arch)
     fmt = serving_format(mcfg, device, dtype)
     weights = build_weights(arch, tensors, device, dtype, source=source, fmt=fmt)
-    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs,
-                          int4_workspace_for(weights, dtype))  # fmt: skip
+    int4_workspace = int4_workspace_for(weights, dtype)
+    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs, int4_workspace)
     model = LlamaModel(arch, kernels, max_model_len, device)
+    # For a weight slot's graphs captured again while the engine serves (CUDA).
+    model_beside = functools.partial(model_beside_serving, arch, device, mcfg, scfg.max_num_seqs,
+                                     max_model_len, int4_workspace)  # fmt: skip
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
     mixed = device.type == "cuda" and mcfg.mixed_graphs is not False and not mcfg.enforce_eager
@@ -338,7 +360,8 @@ def build_runner(
         max_blocks_per_seq=-(-max_model_len // ccfg.block_size), block_size=ccfg.block_size,
         device=device,
     )  # fmt: skip
-    runner = ModelRunner(model, slots, kv_caches, builder)
+    runner = ModelRunner(model, slots, kv_caches, builder,
+                         model_beside=model_beside if device.type == "cuda" else None)  # fmt: skip
     _stop_if_cancelled(cancel)
     _warm_up(runner, min(16, max_model_len - 1))
     if device.type == "cuda":  # a canary's kernels, loaded before the first swap needs them

@@ -44,6 +44,10 @@ class KernelSet:
     # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
     # the pre-norm projection, `norm_linear` below or a fused kernel
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # What the kernels keep between launches (split counters they leave zero, the INT4
+    # dequantize workspace): two sets whose forwards run at the same time, on two streams,
+    # must not share one (`triton_kernels` makes them for each set).
+    scratch: tuple[torch.Tensor, ...] = ()
 
 
 def _linears(
@@ -207,4 +211,6 @@ def triton_kernels(
             tuned.linear, tuned.swiglu_linear, tuned.norm_linear, swiglu, norm,
             add_norm, QuantizedLinears(int4_workspace, pdl, int4_split_counters),
         ),  # type: ignore[arg-type]
+        scratch=tuple(t for t in (split_counters, int4_workspace, int4_split_counters)
+                      if t is not None),
     )  # fmt: skip

@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,18 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     buckets += list(range(16, max_num_seqs, 8))
     return sorted(set(buckets) | {max_num_seqs})
+
+
+@dataclass(frozen=True)
+class BesideServing:
+    """What the warm-ups of a capture beside serving run on (`capture_graph`): input buffers
+    of their own, every sequence empty (the serving builder's hold a live step's slots), and
+    a model whose kernels keep scratch of their own (`KernelSet.scratch`: split counters that
+    each launch counts in and leaves zero, the INT4 dequantize workspace), since they run on
+    another stream while the engine's steps do."""
+
+    builder: StepInputBuilder
+    model: LlamaModel
 
 
 def capture_graph(
@@ -117,19 +130,19 @@ class DecodeGraphs:
         weights: LlamaWeights,
         pool: GraphPool | None = None,
         stream: torch.cuda.Stream | None = None,
-        beside: StepInputBuilder | None = None,
+        beside: BesideServing | None = None,
     ) -> float:
         """Capture every bucket for `weights` (in `pool`, default a new one; on `stream`,
         default a new one: see `capture_graph`); returns the seconds it took.
 
-        `beside`: capture beside serving (`capture_graph`), the warm-ups running on this
-        builder's buffers, which the caller does not use otherwise; the serving builder's
-        buffers are then left as they are (a step is reading them).
+        `beside`: capture beside serving (`capture_graph`), the warm-ups running on its
+        buffers and model; the serving builder's buffers are then left as they are (a step is
+        reading them).
         """
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = stream if stream is not None else torch.cuda.Stream()
-        warmed = (beside if beside is not None else self.builder).dev
+        warmed = (beside.builder if beside is not None else self.builder).dev
         warmed.slot_mapping.fill_(-1)  # warm-up garbage must not write into the KV pool
         warmed.seq_lens.zero_()
         for bucket in reversed(self.buckets):
@@ -143,22 +156,22 @@ class DecodeGraphs:
         weights: LlamaWeights,
         pool: GraphPool,
         stream: torch.cuda.Stream,
-        beside: StepInputBuilder | None,
+        beside: BesideServing | None,
     ) -> None:
-        forward = functools.partial(self._forward, bucket, weights, self.builder)
+        forward = functools.partial(self._forward, bucket, weights, self.builder, self.model)
         warm_up = None if beside is None else functools.partial(
-            self._forward, bucket, weights, beside)  # fmt: skip
+            self._forward, bucket, weights, beside.builder, beside.model)  # fmt: skip
         self._graphs[bucket], self._logits[bucket] = capture_graph(forward, pool, stream, warm_up)
 
     def _forward(
-        self, bucket: int, weights: LlamaWeights, builder: StepInputBuilder
+        self, bucket: int, weights: LlamaWeights, builder: StepInputBuilder, model: LlamaModel
     ) -> torch.Tensor:  # [bucket, vocab] float32
         d = builder.dev
         meta = self._static_meta(bucket, builder)
-        hidden = self.model.forward(
+        hidden = model.forward(
             weights, d.input_ids[:bucket], d.positions[:bucket], meta, self.kv_caches
         )  # [bucket, hidden]
-        return self.model.compute_logits(weights, hidden)
+        return model.compute_logits(weights, hidden)
 
     def _static_meta(self, bucket: int, builder: StepInputBuilder) -> AttentionMetadata:
         d = builder.dev

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sitsd.model.llama import LlamaModel, LlamaWeights
-from sitsd.runtime.cuda_graphs import capture_graph
+from sitsd.runtime.cuda_graphs import BesideServing, capture_graph
 from sitsd.runtime.input_batch import StepInputBuilder
 
 if TYPE_CHECKING:
@@ -91,23 +91,24 @@ class MixedGraphs:
         return next(b for b in self.buckets if b >= num_tokens)
 
     def forward(
-        self, bucket: int, builder: StepInputBuilder | None = None
+        self, bucket: int, beside: BesideServing | None = None
     ) -> torch.Tensor:  # [rows, vocab] float32
-        """The bucket's fixed-shape forward pass over the builder's buffers (`builder`: another
-        one's, for a warm-up beside serving), eagerly.
+        """The bucket's fixed-shape forward pass over the builder's buffers (`beside`: over its
+        buffers and with its model, a warm-up beside serving), eagerly.
 
         Rows past the step's sampled ones are padding (they gather token 0).
         """
-        builder = builder if builder is not None else self.builder
+        builder, model = (self.builder, self.model) if beside is None else (
+            beside.builder, beside.model)  # fmt: skip
         d = builder.dev
         rows = builder.mixed_logits_rows(bucket)
         meta = builder.mixed_meta(bucket)
-        hidden = self.model.forward(
+        hidden = model.forward(
             self.weights, d.input_ids[:bucket], d.positions[:bucket], meta, self.kv_caches
         )  # [bucket, hidden]
         self._hidden[bucket] = hidden  # kept alive, so a capture never reuses its memory
         sampled = torch.index_select(hidden, 0, d.logits_indices[:rows])  # [rows, hidden]
-        return self.model.compute_logits(self.weights, sampled)
+        return model.compute_logits(self.weights, sampled)
 
     def hidden(self, bucket: int) -> torch.Tensor:  # [bucket, hidden]
         """Every token's final hidden state in the bucket's last run (valid until the next
@@ -127,16 +128,16 @@ class MixedGraphs:
         self,
         pool: GraphPool | None = None,
         stream: torch.cuda.Stream | None = None,
-        beside: StepInputBuilder | None = None,
+        beside: BesideServing | None = None,
     ) -> float:
         """Capture every bucket, largest first, in `pool` (shared with the slot's decode
         graphs: they never run at the same time) and on `stream` (the runner's, see
         `capture_graph`); returns the seconds it took. `beside`: capture beside serving, the
-        warm-ups on this builder's buffers (`DecodeGraphs.capture`)."""
+        warm-ups on its buffers and model (`DecodeGraphs.capture`)."""
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = stream if stream is not None else torch.cuda.Stream()
-        d = (beside if beside is not None else self.builder).dev
+        d = (beside.builder if beside is not None else self.builder).dev
         # Warm-up inputs must be harmless: no KV written, every sequence empty.
         d.slot_mapping.fill_(-1)
         d.seq_lens.zero_()

@@ -25,7 +25,7 @@ over; the probe's blocks are the scheduler's, like any request's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,7 +33,7 @@ import torch
 
 from sitsd.model.llama import LlamaModel, LlamaWeights
 from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
-from sitsd.runtime.cuda_graphs import DecodeGraphs
+from sitsd.runtime.cuda_graphs import BesideServing, DecodeGraphs
 from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import (
     CachedRequestState,
@@ -65,8 +65,15 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         builder: StepInputBuilder,
         grammars: GrammarCompiler | None = None,
+        model_beside: Callable[[], LlamaModel] | None = None,
     ) -> None:
+        """Args:
+        model_beside: makes a model like `model` whose kernels keep scratch of their own
+            (`KernelSet.scratch`), for the warm-ups of a capture beside serving
+            (`recapture_graphs`); None: this runner captures between two steps only.
+        """
         self.model = model
+        self._model_beside = model_beside
         self.slots = slots
         self.kv_caches = kv_caches
         self.builder = builder
@@ -164,17 +171,23 @@ class ModelRunner:
         beside_serving: called on a thread of its own while the engine's goes on serving from
             the other slot, which it may: slot `index` is reserved (`WeightSlots.release`), so
             no step reads it or its graphs, and the capture touches nothing a step uses (the
-            warm-ups run on input buffers of their own, `capture_graph`). Else on the engine's
+            warm-ups, which run beside the steps, read input buffers of their own and write
+            their kernels' scratch of their own: `BesideServing`). Else on the engine's
             thread between two steps.
         """
         seconds = 0.0
         pool = self._graph_pools.get(index)
         stream = self._capture_streams.get(index)
-        beside = None  # the warm-ups' inputs beside serving: a builder of their own
+        beside = None  # what the warm-ups beside serving run on: inputs and scratch of their own
         if beside_serving and pool is not None:
+            if self._model_beside is None:
+                raise RuntimeError("this runner has no model to warm up beside serving with")
             b = self.builder
-            beside = StepInputBuilder(b.max_num_tokens, b.max_num_seqs, b.max_blocks_per_seq,
-                                      b.block_size, b.device)  # fmt: skip
+            beside = BesideServing(
+                StepInputBuilder(b.max_num_tokens, b.max_num_seqs, b.max_blocks_per_seq,
+                                 b.block_size, b.device),
+                self._model_beside(),
+            )  # fmt: skip
         # The old graphs first: their memory goes back to the pool. A capture that fails
         # leaves the slot without graphs, and the next call captures what the runner captures.
         self.slot_graphs.pop(index, None)

@@ -3,6 +3,7 @@ nothing, canary probes in captured mixed-step graphs (marker `gpu`)."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -190,8 +191,11 @@ def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_r
 def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_other(rng, tmp_path):
     # `recapture_graphs(beside_serving=True)` runs on a thread of its own while this one goes
     # on serving from the active slot (graph replays, KV writes): what is served meanwhile is
-    # what an eager runner computes (the warm-ups wrote no KV, the capture stopped nothing),
-    # and the new graphs then replay the INT4 version as a fresh runner computes it.
+    # what an eager runner computes (the warm-ups wrote no KV and none of the serving kernels'
+    # scratch, the capture stopped nothing), and the new graphs then replay the INT4 version
+    # as a fresh runner computes it. Contexts of up to 1024 tokens make decode attention split
+    # (4 splits at 8 sequences) and merge through its counters, which the warm-ups of their
+    # own model must not touch.
     from sitsd.weights import load_checkpoint
     from tests.model.quant_checkpoints import write_quantized_llama
     from tests.weights.tiny_models import write_tiny_llama
@@ -199,6 +203,11 @@ def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_o
     seed = random.randrange(1000)
     write_tiny_llama(tmp_path / "dense", seed=seed)
     write_quantized_llama(tmp_path / "int4", "awq", seed=seed)
+    for name in ("dense", "int4"):  # RoPE takes any position: longer contexts, same weights
+        config_path = tmp_path / name / "config.json"
+        config = json.loads(config_path.read_text())
+        config["max_position_embeddings"] = 1024
+        config_path.write_text(json.dumps(config))
     dense, int4 = load_checkpoint(tmp_path / "dense"), load_checkpoint(tmp_path / "int4")
     prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
                for i in range(4)}  # fmt: skip
@@ -208,7 +217,15 @@ def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_o
         want[version] = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
         del eager
         torch.cuda.empty_cache()
-    runner, _ = gpu_runner(dense.tensors, dense.arch, eager=False, version="dense")
+    cfg = SitsdConfig(
+        model=ModelConfig(device="cuda", dtype="float32", max_model_len=1024),
+        cache=CacheConfig(num_blocks=64, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        weights=WeightsConfig(weight_slots="2"),
+    )
+    runner, _ = build_runner(cfg, dense.arch, dense.tensors, "dense")
+    serving_scratch = runner.model.kernels.scratch
+    assert serving_scratch, "decode attention merges its splits through counters"
     slots = runner.slots
     standby = slots.standby
     slots.release(standby)
@@ -234,12 +251,37 @@ def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_o
     assert isinstance(outcome[0], float), outcome
     assert sorted(runner.slot_graphs) == [0, 1]
     assert runner.slot_mixed[standby].captured
+    torch.cuda.synchronize()
+    for t in serving_scratch:  # each launch leaves its counters zero; nothing else wrote them
+        if t.dtype == torch.int32:
+            assert not t.count_nonzero(), t
     slots.fill(standby, "int4")
     both = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()
                            for v in ("dense", "int4")}, 8)  # fmt: skip
     for version in ("dense", "int4"):
         assert {r: both[f"{r}-{version}"] for r in prompts} == want[version], version
     print(f"captured beside serving in {outcome[0]:.2f} s, {served} batches served meanwhile")
+
+
+def test_a_model_beside_serving_keeps_kernel_scratch_of_its_own(tmp_path):
+    # What the warm-ups beside serving compute with: the same kernels, other counters and
+    # (for an INT4 start-up version) another dequantize workspace of the same size.
+    from sitsd.builder import model_beside_serving
+    from sitsd.weights import load_checkpoint
+    from tests.model.quant_checkpoints import write_quantized_llama
+
+    write_quantized_llama(tmp_path / "int4", "awq")
+    ckpt = load_checkpoint(tmp_path / "int4")
+    runner, _ = build_fresh(ckpt, "int4")
+    serving = runner.model.kernels
+    cfg = ModelConfig(device="cuda", dtype="float32")
+    workspace = next((t for t in serving.scratch if t.dtype == torch.float32), None)
+    twin = model_beside_serving(ckpt.arch, torch.device("cuda"), cfg, 8, 256, workspace).kernels
+    assert twin.name == serving.name
+    assert workspace is not None, "an INT4 start-up version has a dequantize workspace"
+    shapes = [(t.dtype, t.shape) for t in serving.scratch]
+    assert [(t.dtype, t.shape) for t in twin.scratch] == shapes
+    assert not {t.data_ptr() for t in twin.scratch} & {t.data_ptr() for t in serving.scratch}
 
 
 def build_fresh(ckpt, version: str):
