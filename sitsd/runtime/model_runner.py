@@ -175,19 +175,24 @@ class ModelRunner:
             their kernels' scratch of their own: `BesideServing`). Else on the engine's
             thread between two steps.
         """
-        seconds = 0.0
         pool = self._graph_pools.get(index)
-        stream = self._capture_streams.get(index)
-        beside = None  # what the warm-ups beside serving run on: inputs and scratch of their own
-        if beside_serving and pool is not None:
-            if self._model_beside is None:
-                raise RuntimeError("this runner has no model to warm up beside serving with")
+        if not beside_serving or pool is None:
+            return self._recapture(index, None)
+        if self._model_beside is None:
+            raise RuntimeError("this runner has no model to warm up beside serving with")
+        with torch.cuda.device(self.device):  # the calling thread's, for its launches and syncs
             b = self.builder
             beside = BesideServing(
                 StepInputBuilder(b.max_num_tokens, b.max_num_seqs, b.max_blocks_per_seq,
                                  b.block_size, b.device),
                 self._model_beside(),
             )  # fmt: skip
+            return self._recapture(index, beside)
+
+    def _recapture(self, index: int, beside: BesideServing | None) -> float:
+        seconds = 0.0
+        pool = self._graph_pools.get(index)
+        stream = self._capture_streams.get(index)
         # The old graphs first: their memory goes back to the pool. A capture that fails
         # leaves the slot without graphs, and the next call captures what the runner captures.
         self.slot_graphs.pop(index, None)
