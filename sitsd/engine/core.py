@@ -17,8 +17,10 @@ commits, `sitsd.engine.swap_controller`) and an `EngineObserver` (telemetry), to
 request added (and where it queued), refused, preempted, migrated and finished (and how), of
 every step and of the status after each turn. Swap commands, and engine calls that may run the
 model, first finish a step launched ahead. Nothing else touches the scheduler or the runner, so
-no lock guards them; other threads read `status()`, a snapshot replaced after every turn, and
-`admission_refusal()`, which checks a new request against the queue snapshot of the last turn.
+no lock guards them (but for a weight slot the stager holds reserved: its copy, and the
+capture of its graphs beside serving, `SwapPort.capture_graphs`); other threads read
+`status()`, a snapshot replaced after every turn, and `admission_refusal()`, which checks a new
+request against the queue snapshot of the last turn.
 """
 
 from __future__ import annotations
