@@ -253,8 +253,9 @@ def choose_int4_config(
     `sitsd.model.qlinear.INT4_DEQUANT_FROM_ROWS` (512) and without the dequantize's workspace
     (a version swapped into a slot of a 16-bit model): the four layers at 256 rows 386 us
     (with zero points 421) against `dot`'s 622 (894), at 512 rows 770 (808) against 1121
-    (1580); the sweep's best per layer is at most 4% faster but for o (32.1 against 41.0 us
-    at 256 rows, 56.6 against 66.6 at 512).
+    (1580); the sweep's best tile per layer is faster for o at 256 rows (32.1 against 41.0
+    us), within 6% for the others, and at 512 rows by up to 18% (o 56.6 against 66.6, down
+    184 against 206).
 
     Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
     weight rows, 128-wide chunks; more: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles,
