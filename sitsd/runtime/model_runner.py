@@ -187,6 +187,9 @@ class ModelRunner:
                                  b.block_size, b.device),
                 self._model_beside(),
             )  # fmt: skip
+            serving = {t.data_ptr() for t in self.model.kernels.scratch}
+            if serving & {t.data_ptr() for t in beside.model.kernels.scratch}:
+                raise RuntimeError("the warm-ups' kernels share scratch with the serving ones")
             return self._recapture(index, beside)
 
     def _recapture(self, index: int, beside: BesideServing | None) -> float:
