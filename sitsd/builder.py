@@ -51,6 +51,7 @@ from sitsd.runtime.kv_cache import (
 from sitsd.runtime.memory_plan import decide_weight_slots, profile_peak_memory, size_kv_pool
 from sitsd.runtime.mixed_graphs import token_buckets
 from sitsd.runtime.model_runner import ModelRunner
+from sitsd.runtime.precompile import Int4Launches, precompile_int4
 from sitsd.runtime.weight_slots import WeightSlots
 from sitsd.types import SamplingParams, Tier
 from sitsd.weights import Checkpoint, load_checkpoint, resolve_model_path
@@ -167,6 +168,16 @@ def int4_workspace_for(weights: LlamaWeights, dtype: torch.dtype) -> torch.Tenso
     if not sizes or weights.norm.device.type != "cuda":
         return None
     return torch.empty(max(sizes), dtype=dtype, device=weights.norm.device)
+
+
+def standby_int4_workspace_numel(arch: LlamaArch) -> int:
+    """Elements of the INT4 dequantize workspace a two-slot daemon serving dense weights keeps
+    for a version staged later whose linears are INT4: the largest decoder linear (gate_up for
+    Llama-3-8B, 235 MB in bf16). The lm_head is left out (a GiB for a 128k vocabulary): it
+    takes as many rows as a step samples, which stays under the dequantize's threshold."""
+    h = arch.hidden_size
+    return max((arch.q_size + 2 * arch.kv_size) * h, h * arch.q_size,
+               2 * arch.intermediate_size * h, h * arch.intermediate_size)  # fmt: skip
 
 
 def standby_slot_bytes(weights: LlamaWeights, arch: LlamaArch, dtype: torch.dtype) -> int:
@@ -318,11 +329,6 @@ def build_runner(
     fmt = serving_format(mcfg, device, dtype)
     weights = build_weights(arch, tensors, device, dtype, source=source, fmt=fmt)
     int4_workspace = int4_workspace_for(weights, dtype)
-    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs, int4_workspace)
-    model = LlamaModel(arch, kernels, max_model_len, device)
-    # For a weight slot's graphs captured again while the engine serves (CUDA).
-    model_beside = functools.partial(model_beside_serving, arch, device, mcfg, scfg.max_num_seqs,
-                                     max_model_len, int4_workspace)  # fmt: skip
     max_num_tokens = max(scfg.max_num_batched_tokens, scfg.max_num_seqs)
     vocab_bytes = scfg.max_num_seqs * arch.vocab_size * 4
     mixed = device.type == "cuda" and mcfg.mixed_graphs is not False and not mcfg.enforce_eager
@@ -332,11 +338,29 @@ def build_runner(
     mixed_logits_bytes = sum(min(b, scfg.max_num_seqs) for b in mixed_buckets) * arch.vocab_size * 4
     graph_reserve = 256 * 2**20 + vocab_bytes + mixed_logits_bytes
     standby_bytes = standby_slot_bytes(weights, arch, dtype)
+    # Dense weights on a GPU: a version staged into the standby slot may be INT4, and its
+    # steps of INT4_DEQUANT_FROM_ROWS rows or more want the dequantize workspace (without it
+    # they run `int4_matmul`, 1.5x slower at 512 rows on an H100).
+    spare_numel = standby_int4_workspace_numel(arch) if (
+        int4_workspace is None and device.type == "cuda") else 0  # fmt: skip
     num_slots, why = decide_weight_slots(
-        config, device, standby_bytes,
+        config, device, standby_bytes + spare_numel * dtype.itemsize,
         kv_floor=-(-max_model_len // ccfg.block_size) * bytes_per_block(arch, ccfg.block_size,
                                                                       dtype),
         reserve=2 * graph_reserve + 2 * vocab_bytes,
+    )  # fmt: skip
+    if num_slots == 2 and spare_numel:
+        int4_workspace = torch.empty(spare_numel, dtype=dtype, device=device)
+    kernels = kernels_for(device, mcfg, arch, scfg.max_num_seqs, int4_workspace)
+    model = LlamaModel(arch, kernels, max_model_len, device)
+    # For a weight slot's graphs captured again while the engine serves (CUDA).
+    model_beside = functools.partial(model_beside_serving, arch, device, mcfg, scfg.max_num_seqs,
+                                     max_model_len, int4_workspace)  # fmt: skip
+    # ...with the INT4 kernels of a version of another precision compiled in a child first.
+    launches = Int4Launches(
+        device.index or 0, str(dtype).removeprefix("torch."), mcfg.pdl,
+        int4_workspace.numel() if int4_workspace is not None else 0,
+        int4_split_counters(arch, torch.device("meta")).numel(),
     )  # fmt: skip
     _stop_if_cancelled(cancel)
     # Allocated before the profiling pass, so the KV budget accounts for the second slot.
@@ -360,8 +384,11 @@ def build_runner(
         max_blocks_per_seq=-(-max_model_len // ccfg.block_size), block_size=ccfg.block_size,
         device=device,
     )  # fmt: skip
+    on_cuda = device.type == "cuda"
     runner = ModelRunner(model, slots, kv_caches, builder,
-                         model_beside=model_beside if device.type == "cuda" else None)  # fmt: skip
+                         model_beside=model_beside if on_cuda else None,
+                         precompile=functools.partial(precompile_int4, launches) if on_cuda
+                         else None)  # fmt: skip
     _stop_if_cancelled(cancel)
     _warm_up(runner, min(16, max_model_len - 1))
     if device.type == "cuda":  # a canary's kernels, loaded before the first swap needs them

@@ -25,6 +25,7 @@ over; the probe's blocks are the scheduler's, like any request's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,8 @@ from sitsd.types import TokenLogprob
 if TYPE_CHECKING:
     from sitsd.runtime.cuda_graphs import GraphPool
 
+log = logging.getLogger(__name__)
+
 # Row counts a canary chunk's logits are warmed at: one of each kind of launch the linear layer
 # routes to by rows (a few rows, a skinny GEMM, cuBLAS) and of each class Triton compiles a
 # row count into (1, a multiple of 16, any other).
@@ -66,14 +69,19 @@ class ModelRunner:
         builder: StepInputBuilder,
         grammars: GrammarCompiler | None = None,
         model_beside: Callable[[], LlamaModel] | None = None,
+        precompile: Callable[[LlamaWeights, Sequence[int]], float] | None = None,
     ) -> None:
         """Args:
         model_beside: makes a model like `model` whose kernels keep scratch of their own
             (`KernelSet.scratch`), for the warm-ups of a capture beside serving
             (`recapture_graphs`); None: this runner captures between two steps only.
+        precompile: compiles the kernels of a slot's weights at the given row counts where
+            this process's interpreter is not held (`sitsd.runtime.precompile`), before a
+            capture beside serving; returns its seconds. None: the capture compiles them.
         """
         self.model = model
         self._model_beside = model_beside
+        self._precompile = precompile
         self.slots = slots
         self.kv_caches = kv_caches
         self.builder = builder
@@ -180,6 +188,16 @@ class ModelRunner:
             return self._recapture(index, None)
         if self._model_beside is None:
             raise RuntimeError("this runner has no model to warm up beside serving with")
+        if self._precompile is not None:
+            try:
+                seconds = self._precompile(self.slots.weights(index), self.capture_rows())
+            except RuntimeError as exc:  # the warm-ups compile them, the engine's steps waiting
+                log.warning("weight slot %d: its kernels could not be compiled ahead (%s); the "
+                            "capture compiles them beside serving", index, exc)  # fmt: skip
+            else:
+                if seconds:
+                    log.info("weight slot %d: its kernels compiled in a child process in "
+                             "%.1fs", index, seconds)  # fmt: skip
         with torch.cuda.device(self.device):  # the calling thread's, for its launches and syncs
             b = self.builder
             beside = BesideServing(
@@ -191,6 +209,13 @@ class ModelRunner:
             if serving & {t.data_ptr() for t in beside.model.kernels.scratch}:
                 raise RuntimeError("the warm-ups' kernels share scratch with the serving ones")
             return self._recapture(index, beside)
+
+    def capture_rows(self) -> tuple[int, ...]:
+        """Every row count a capture runs the linears at: the decode graphs' batches, the
+        mixed graphs' token buckets and their logits rows, and a canary chunk's logits."""
+        rows = {*self._decode_buckets, *self._mixed_buckets, *PROBE_WARM_ROWS}
+        rows.update(self.builder.mixed_logits_rows(b) for b in self._mixed_buckets)
+        return tuple(sorted(rows))
 
     def _recapture(self, index: int, beside: BesideServing | None) -> float:
         seconds = 0.0

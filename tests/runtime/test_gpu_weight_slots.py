@@ -14,6 +14,7 @@ import torch
 from sitsd.builder import build_runner
 from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
 from sitsd.model.llama import weight_copy_plan
+from sitsd.model.qlinear import INT4_DEQUANT_FROM_ROWS
 from tests.runtime.test_prompt_logprobs import serve, transformers_logprobs
 from tests.runtime.test_weight_slots import greedy, tiny
 
@@ -159,6 +160,9 @@ def test_canary_probes_in_captured_mixed_graphs_equal_transformers_log_softmax(r
 def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_runner(
     rng, tmp_path
 ):
+    # Steps of up to 1024 tokens: the INT4 slot's prompts (~600 tokens in one step) run as
+    # dequantize + cuBLAS in the workspace a two-slot dense start-up keeps for such a version.
+    from sitsd.builder import standby_int4_workspace_numel
     from sitsd.weights import load_checkpoint
     from tests.model.quant_checkpoints import write_quantized_llama
     from tests.weights.tiny_models import write_tiny_llama
@@ -167,7 +171,9 @@ def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_r
     write_tiny_llama(tmp_path / "dense", seed=seed)
     write_quantized_llama(tmp_path / "int4", "awq", seed=seed)
     dense, int4 = load_checkpoint(tmp_path / "dense"), load_checkpoint(tmp_path / "int4")
-    runner, _ = gpu_runner(dense.tensors, dense.arch, eager=False, version="dense")
+    runner, _ = build_fresh(dense, "dense", eager=False, max_tokens=1024)
+    workspace = [t.numel() for t in runner.model.kernels.scratch if t.dtype == torch.float32]
+    assert workspace == [standby_int4_workspace_numel(dense.arch)]
     slots = runner.slots
     standby = slots.standby
     slots.release(standby)
@@ -178,12 +184,18 @@ def test_a_slot_restaged_across_precisions_replays_new_graphs_equal_to_a_fresh_r
     assert slots.precision(standby).startswith("int4-g32")
     prompts = {f"r{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(rng.randrange(4, 30))]
                for i in range(4)}  # fmt: skip
+    long = {f"long{i}": [rng.randrange(dense.arch.vocab_size) for _ in range(200)]
+            for i in range(3)}  # fmt: skip
+    assert sum(map(len, long.values())) >= INT4_DEQUANT_FROM_ROWS
     mixed = greedy(runner, {f"{r}-{v}": (p, v) for r, p in prompts.items()
                             for v in ("dense", "int4")}, 8)  # fmt: skip
+    long_int4 = greedy(runner, {r: (p, "int4") for r, p in long.items()}, 4)
     for version, ckpt in (("dense", dense), ("int4", int4)):
-        eager, _ = build_fresh(ckpt, version)  # as start-up builds it, without graphs
+        eager, _ = build_fresh(ckpt, version, max_tokens=1024)  # as start-up builds it, eager
         want = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
         assert {r: mixed[f"{r}-{version}"] for r in prompts} == want
+        if version == "int4":
+            assert long_int4 == greedy(eager, {r: (p, "int4") for r, p in long.items()}, 4)
         del eager
         torch.cuda.empty_cache()
 
@@ -284,11 +296,11 @@ def test_a_model_beside_serving_keeps_kernel_scratch_of_its_own(tmp_path):
     assert not {t.data_ptr() for t in twin.scratch} & {t.data_ptr() for t in serving.scratch}
 
 
-def build_fresh(ckpt, version: str):
+def build_fresh(ckpt, version: str, eager: bool = True, max_tokens: int = 256):
     cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256),
+        model=ModelConfig(device="cuda", dtype="float32", enforce_eager=eager, max_model_len=256),
         cache=CacheConfig(num_blocks=64, block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens),
         weights=WeightsConfig(weight_slots="2"),
     )
     return build_runner(cfg, ckpt.arch, ckpt.tensors, version, source=ckpt.quant)
