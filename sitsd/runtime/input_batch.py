@@ -82,6 +82,10 @@ class _Buffers:
                 self.block_tables]  # fmt: skip
 
 
+# Host buffer sets a CUDA builder writes in turn: a step of two weights versions builds twice.
+HOST_SETS = 4
+
+
 class StepInputBuilder:
     """Builds `StepInputs` into persistent buffers; one host-to-device copy per buffer a step."""
 
@@ -92,6 +96,7 @@ class StepInputBuilder:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        host_sets: int = HOST_SETS,
     ) -> None:
         self.block_size = block_size
         self.device = device
@@ -100,14 +105,24 @@ class StepInputBuilder:
         self.max_blocks_per_seq = max_blocks_per_seq
         on_cuda = device.type == "cuda"
         cpu = torch.device("cpu")
-        self.host = _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, cpu, on_cuda)
+        # On CUDA the builds take `host_sets` host buffer sets in turn: a build waits until the
+        # copies out of its set, `host_sets` builds ago, have run, and the copies of a step's
+        # second sub-batch queue behind the first one's forward (one stream): with one set, the
+        # next build waited for that forward on the host, which then showed as launch time.
+        self._hosts = [
+            _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, cpu, on_cuda)
+            for _ in range(host_sets if on_cuda else 1)
+        ]  # fmt: skip
+        self._nps = [{name: t.numpy() for name, t in vars(h).items()} for h in self._hosts]
+        self._copied = [torch.cuda.Event() for _ in self._hosts] if on_cuda else []
+        self._turn = 0  # the set the last build wrote
+        self.host = self._hosts[0]
+        self._np = self._nps[0]
         # On the CPU the host buffers are the inputs: no copy.
         self.dev = (
             _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device, False)
             if on_cuda else self.host
         )  # fmt: skip
-        self._np = {name: t.numpy() for name, t in vars(self.host).items()}
-        self._copied = torch.cuda.Event() if on_cuda else None
 
     def build(
         self,
@@ -127,8 +142,10 @@ class StepInputBuilder:
                 the inputs are padded to it and to `max_num_seqs` sequences, and `meta` is
                 `mixed_meta(pad_tokens_to)` (one unified attention call).
         """
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copies have left the host buffers
+        if self._copied:
+            self._turn = (self._turn + 1) % len(self._hosts)
+            self.host, self._np = self._hosts[self._turn], self._nps[self._turn]
+            self._copied[self._turn].synchronize()  # the set's last copies have left it
         # A decode computes the one token it then samples from; a one-token chunk that does not
         # reach the end of its prompt (or a shadow's, which never samples) goes with the prefills.
         decodes = [
@@ -294,8 +311,7 @@ class StepInputBuilder:
         d.block_tables[:num_seqs, :max_blocks].copy_(
             h.block_tables[:num_seqs, :max_blocks], non_blocking=True
         )
-        assert self._copied is not None
-        self._copied.record()
+        self._copied[self._turn].record()
 
 
 def build_step_inputs(

@@ -37,6 +37,7 @@ from sitsd.outputs import ModelRunnerOutput, SchedulerOutput
 from sitsd.runtime.cuda_graphs import BesideServing, DecodeGraphs
 from sitsd.runtime.grammar import GrammarCompiler
 from sitsd.runtime.input_batch import (
+    HOST_SETS,
     CachedRequestState,
     StepInputBuilder,
     StepInputs,
@@ -200,9 +201,9 @@ class ModelRunner:
                              "%.1fs", index, seconds)  # fmt: skip
         with torch.cuda.device(self.device):  # the calling thread's, for its launches and syncs
             b = self.builder
-            beside = BesideServing(
+            beside = BesideServing(  # one host set: pinned memory made while serving
                 StepInputBuilder(b.max_num_tokens, b.max_num_seqs, b.max_blocks_per_seq,
-                                 b.block_size, b.device),
+                                 b.block_size, b.device, host_sets=1),
                 self._model_beside(),
             )  # fmt: skip
             serving = {t.data_ptr() for t in self.model.kernels.scratch}
@@ -525,13 +526,17 @@ class PendingStep:
 
 class _InputPatch:
     """Writes tokens a previous step sampled, still on the device, into a step's input ids
-    (asynchronous scheduling): the rows and source indices go over in one pinned copy."""
+    (asynchronous scheduling): the rows and source indices go over in one pinned copy, out of
+    host buffers taken in turn (as `StepInputBuilder`'s: a step's second sub-batch must not
+    wait on the host for the first one's forward, behind which its copy queues)."""
 
     def __init__(self, max_num_seqs: int, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
-        self._host = torch.zeros(2, max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
-        self._dev = self._host.to(device) if on_cuda else self._host
-        self._copied = torch.cuda.Event() if on_cuda else None
+        sets = HOST_SETS if on_cuda else 1
+        self._host = torch.zeros(sets, 2, max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
+        self._dev = self._host[0].to(device) if on_cuda else self._host[0]
+        self._copied = [torch.cuda.Event() for _ in range(sets)] if on_cuda else []
+        self._turn = 0
 
     def apply(
         self, inputs: StepInputs, awaiting: dict[str, int] | None, source: torch.Tensor | None
@@ -545,12 +550,14 @@ class _InputPatch:
             return
         assert source is not None
         n = len(patch)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last patch's copy has left the host buffer
-        host = self._host.numpy()
-        host[:, :n] = np.array(patch).T  # rows (decodes come first: row i is token i), sources
+        if self._copied:
+            self._turn = (self._turn + 1) % len(self._copied)
+            self._copied[self._turn].synchronize()  # the set's last copy has left it
+        pinned = self._host[self._turn]
+        # rows (decodes come first: row i is token i), sources
+        pinned.numpy()[:, :n] = np.array(patch).T
         index = self._dev[:, :n]
-        if self._copied is not None:
-            index.copy_(self._host[:, :n], non_blocking=True)
-            self._copied.record()
+        if self._copied:
+            index.copy_(pinned[:, :n], non_blocking=True)
+            self._copied[self._turn].record()
         inputs.input_ids.index_copy_(0, index[0], source.index_select(0, index[1]))

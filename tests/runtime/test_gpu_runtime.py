@@ -203,3 +203,25 @@ def test_kv_pool_fits_the_memory_limit():
     assert got["runner_bytes"] <= 0.5 * limit
     assert 0.25 * limit < got["pool_bytes"] < 0.5 * limit  # the CUDA context, graphs: the rest
     assert got["graphs"]
+
+
+def test_builds_of_one_step_do_not_wait_on_the_host_for_the_forward_their_copies_queue_behind():
+    # A step of two weights versions builds twice; the second build's copies queue behind the
+    # first sub-batch's forward (one stream). The builds write host buffer sets in turn, so
+    # the second returns while the stream is still busy (here: a kernel sleeping seconds).
+    from sitsd.runtime.input_batch import HOST_SETS, StepInputBuilder
+
+    builder = StepInputBuilder(64, 4, 8, BLOCK, torch.device("cuda"))
+    params = SamplingParams(max_tokens=4)
+    states = [CachedRequestState(f"r{i}", [1, 2, 3, 4], 3, params, 0, [i], 3) for i in range(2)]
+    torch.cuda._sleep(5 * 10**9)  # a few seconds of the GPU's cycles ahead of every copy
+    busy = torch.cuda.Event()
+    busy.record()
+    assert HOST_SETS >= 2
+    builder.build(states[:1], {"r0": 1})  # the first version's sub-batch
+    builder.build(states[1:], {"r1": 1})  # the second's
+    assert not busy.query(), "a build waited for the stream"
+    torch.cuda.synchronize()
+    inputs = builder.build(states, {"r0": 1, "r1": 1})
+    assert inputs.input_ids.tolist() == [4, 4]
+    assert inputs.meta.slot_mapping.tolist() == [0 * BLOCK + 3, 1 * BLOCK + 3]
