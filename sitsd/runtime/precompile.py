@@ -47,8 +47,10 @@ class Int4Structure:
     n: int  # output features
     k: int  # input features
     group_size: int
-    scale_dtype: str  # "bfloat16", "float16" or "float32" (the scales' and offsets')
-    offsets: bool  # zero points other than 8 (`Int4Weight.offsets`)
+    scale_dtype: str  # "bfloat16", "float16" or "float32"
+    # The offsets' dtype, "" without (zero point 8): a kernel is compiled per pointer type,
+    # and converted checkpoints keep float32 offsets beside 16-bit scales
+    offset_dtype: str
     zeros: bool  # ...integer ones (`Int4Weight.zeros`)
     perm: bool  # act-order (`Int4Weight.perm`)
 
@@ -91,12 +93,15 @@ def int4_structures(weights: LlamaWeights) -> tuple[Int4Structure, ...]:
     for w in weights.linears():
         if isinstance(w, Int4Weight):
             n, k = w.shape
-            structure = Int4Structure(
-                n, k, w.group_size, str(w.scales.dtype).removeprefix("torch."),
-                w.offsets is not None, w.zeros is not None, w.perm is not None,
-            )  # fmt: skip
+            offsets = "" if w.offsets is None else _dtype_name(w.offsets.dtype)
+            structure = Int4Structure(n, k, w.group_size, _dtype_name(w.scales.dtype), offsets,
+                                      w.zeros is not None, w.perm is not None)  # fmt: skip
             seen.setdefault(structure, None)
     return tuple(seen)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def compile_in_child(plan: Int4Plan, timeout_s: float = CHILD_TIMEOUT_S) -> float:
@@ -132,13 +137,17 @@ def precompile_int4(launches: Int4Launches, weights: LlamaWeights, rows: Sequenc
 
 def random_int4_weight(s: Int4Structure, device: torch.device) -> Int4Weight:
     """An Int4Weight of structure `s` with random codes, scales in [0.01, 0.02) and integer
-    zero points (offsets = -zeros * scales, as `mark_integer_zeros` would find them)."""
+    zero points (offsets = -zeros * scales, as `mark_integer_zeros` would find them).
+    Its tensors have the dtypes `s` names, contiguous, freshly allocated (16-byte aligned):
+    what Triton specializes a launch on besides the shapes, as the slot's own have."""
     groups = -(-s.k // s.group_size)
     dtype = getattr(torch, s.scale_dtype)
     qweight = torch.randint(-(2**31), 2**31 - 1, (s.n, s.k // 8), dtype=torch.int32, device=device)
     scales = (torch.rand(groups, s.n, device=device) * 0.01 + 0.01).to(dtype)
     zeros = torch.randint(0, 16, (groups, s.n), dtype=torch.uint8, device=device)
-    offsets = -zeros.to(dtype) * scales if s.offsets else None
+    offsets = None
+    if s.offset_dtype:
+        offsets = (-zeros.float() * scales.float()).to(getattr(torch, s.offset_dtype))
     perm = torch.randperm(s.k, device=device).to(torch.int32) if s.perm else None
     return Int4Weight(qweight, scales, offsets, s.group_size, perm,
                       zeros if s.zeros else None)  # fmt: skip
@@ -154,7 +163,7 @@ def run_plan(plan: Int4Plan) -> int:
     spec = plan.launches
     device = torch.device("cuda", spec.device_index)
     torch.cuda.set_device(device)
-    dtype = getattr(torch, spec.dtype)
+    dtype = getattr(torch, spec.dtype)  # the activations'
     workspace = (torch.empty(spec.workspace_numel, dtype=dtype, device=device)
                  if spec.workspace_numel else None)  # fmt: skip
     counters = (torch.zeros(spec.counters_numel, dtype=torch.int32, device=device)
