@@ -51,7 +51,7 @@ class Int4Structure:
     # The offsets' dtype, "" without (zero point 8): a kernel is compiled per pointer type,
     # and converted checkpoints keep float32 offsets beside 16-bit scales
     offset_dtype: str
-    zeros: bool  # ...integer ones (`Int4Weight.zeros`)
+    zeros: bool  # the zero points are integers (`Int4Weight.zeros`)
     perm: bool  # act-order (`Int4Weight.perm`)
 
 
