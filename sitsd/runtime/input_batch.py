@@ -116,13 +116,16 @@ class StepInputBuilder:
         self._nps = [{name: t.numpy() for name, t in vars(h).items()} for h in self._hosts]
         self._copied = [torch.cuda.Event() for _ in self._hosts] if on_cuda else []
         self._turn = 0  # the set the last build wrote
-        self.host = self._hosts[0]
-        self._np = self._nps[0]
         # On the CPU the host buffers are the inputs: no copy.
         self.dev = (
             _Buffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device, False)
-            if on_cuda else self.host
+            if on_cuda else self._hosts[0]
         )  # fmt: skip
+
+    @property
+    def host(self) -> _Buffers:
+        """The host buffers the last build wrote (the inputs themselves on the CPU)."""
+        return self._hosts[self._turn]
 
     def build(
         self,
@@ -144,7 +147,6 @@ class StepInputBuilder:
         """
         if self._copied:
             self._turn = (self._turn + 1) % len(self._hosts)
-            self.host, self._np = self._hosts[self._turn], self._nps[self._turn]
             self._copied[self._turn].synchronize()  # the set's last copies have left it
         # A decode computes the one token it then samples from; a one-token chunk that does not
         # reach the end of its prompt (or a shadow's, which never samples) goes with the prefills.
@@ -158,7 +160,7 @@ class StepInputBuilder:
         decode_ids = {s.req_id for s in decodes}
         prefills = [s for s in states if s.req_id not in decode_ids]
         ordered = decodes + prefills
-        h = self._np
+        h = self._nps[self._turn]
         bs = self.block_size
         # Decodes: one token each, laid out with list comprehensions (the hot path at large
         # batch), then one numpy assignment per buffer.
@@ -271,7 +273,7 @@ class StepInputBuilder:
         """Pad the laid-out host buffers to `bucket` tokens and `max_num_seqs` sequences."""
         if not num_tokens <= bucket <= self.max_num_tokens:
             raise ValueError(f"{num_tokens} tokens do not fit bucket {bucket}")
-        h = self._np
+        h = self._nps[self._turn]
         h["input_ids"][num_tokens:bucket] = 0
         h["positions"][num_tokens:bucket] = 0
         h["slot_mapping"][num_tokens:bucket] = -1
