@@ -35,7 +35,9 @@ the engine's time on average.
                such step in five (what the share alone would space them by) shows in every
                inter-token P99; one in 128 shows in none. Both tests (a piece fits the
                share; a step grew past it) allow for what steady steps of the kind run over
-               their median one time in ten: a busy machine's slow step is not the work's.
+               their median one time in ten (of those without prompt tokens, where enough
+               were measured: arrivals' prompts are work, not noise): a busy machine's slow
+               step is not the work's.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
                took back all at once recompute that much a step (`recompute_tokens`); those
@@ -226,6 +228,9 @@ class StepPacer:
         self.settings = settings or PacingSettings()
         # Steady periods by the number of weights versions serving in the step.
         self._steady: dict[int, deque[float]] = {}
+        # ...of those that computed no prompt tokens: their spread is the machine's noise,
+        # where all steady steps' is arrivals' prompts too (`_spread`).
+        self._decodes: dict[int, deque[float]] = {}
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
         # By (`alone`, serving versions): (tokens, steady seconds of that kind of step) of the
         # smallest piece whose step went past the share, until a piece as large keeps within
@@ -268,10 +273,7 @@ class StepPacer:
             return Allowance(1, "first")  # a smallest piece: what it costs is measured next
         fixed, per_token, resolved = self._price(alone)
         share_s = settings.share * steady
-        # Until the fit tells the fixed part from the per-token one, an all-per-token fit
-        # would price the smallest piece below what every piece so far has cost (a whole
-        # pass over the other slot's weights for a handful of tokens, on a GPU).
-        smallest = fixed + per_token if resolved else max(per_token, cost.cheapest)
+        smallest = self._smallest(alone)
         # What steady steps run over their median now and then is not the work's cost.
         within = share_s + self._spread(num_serving_versions)
         if smallest <= within:  # fits in every step, within the sizes measured so far
@@ -395,6 +397,8 @@ class StepPacer:
             # Tokens past one a request: the prompts this steady step computed.
             sched_out = record.sched_out
             prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
+            if prompts == 0:
+                self._decodes.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
             if key == 1 and prompts > 0 and steady is not None:
                 self._prompts.add(prompts, period - steady)
                 self._prefill.add(prompts, period)
@@ -424,8 +428,14 @@ class StepPacer:
     # ------------------------------------------------------------------------------ internal
 
     def _spread(self, num_serving_versions: int) -> float:
-        """How far above their median one steady step in ten of that kind runs."""
-        periods = sorted(self._steady[num_serving_versions])
+        """How far above their median one steady step in ten of that kind runs, of those that
+        computed no prompts where enough did: under churning load the others' spread is the
+        arrivals' prompts (a simulated CPU at 32 streams: a spread past a whole pass over the
+        other slot's weights, so one-token pieces alone "fitted" and ran in every step, each
+        doubling it), not the noise this allowance is for."""
+        decodes = self._decodes.get(num_serving_versions, ())
+        periods = sorted(decodes if len(decodes) >= _MIN_STEADY_SAMPLES
+                         else self._steady[num_serving_versions])  # fmt: skip
         return periods[int(0.9 * (len(periods) - 1))] - statistics.median(periods)
 
     def _note_ceiling(self, alone: bool, num_serving_versions: int, num_tokens: int,
@@ -485,10 +495,19 @@ class StepPacer:
         as the prompts of steady steps did."""
         return self._cost[False] if self._cost[False].known else self._prompts
 
+    def _smallest(self, alone: bool) -> float:
+        """What the smallest piece of that kind costs (its cost measured at least once).
+        Until the fit tells the fixed part from the per-token one, an all-per-token fit
+        would price it below what every piece so far has cost (a whole pass over the other
+        slot's weights for a handful of tokens, on a GPU): at least the least but one."""
+        fixed, per_token, resolved = self._price(alone)
+        return fixed + per_token if resolved else max(per_token, self._cost[alone].cheapest)
+
     def _cap(self, steady: float) -> float:
-        """The most a spaced piece may cost, in steps `steady` long."""
+        """The most a spaced piece may cost, in steps `steady` long: what `pace` waits for
+        the credit to cover (a cap below it would starve the pieces)."""
         alone = self._cost[True]
-        return self._spaced_cap(steady, sum(alone.fit()) if alone.known else 0.0)
+        return self._spaced_cap(steady, self._smallest(True) if alone.known else 0.0)
 
     def _spaced_cap(self, steady: float, smallest: float) -> float:
         """The most a spaced piece may cost: `spaced_steps` steady steps, or the smallest

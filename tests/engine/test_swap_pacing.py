@@ -219,6 +219,43 @@ def test_a_canary_on_a_slot_whose_pass_exceeds_the_share_is_spaced_and_never_tri
     assert all(w.smallest_s > 0.2 * steady for w in spaced), [w.smallest_s for w in spaced]
 
 
+def test_a_spaced_canary_piece_waits_for_a_step_without_arriving_prompts():
+    # A CPU at 32 streams (swap-cpu run N): a canary piece alone, priced at 28 ms, went into a
+    # step computing 284 prompt tokens of arriving requests: 2.42x the steady P99. A spaced
+    # piece now waits for a step whose prompt tokens are no more than its decodes. And under
+    # this churning load the steady steps' spread (arrivals' prompts) made a pass over the
+    # other slot's weights look like it fitted the share: one-token pieces alone in nearly
+    # every step, each doubling it. The spread is now the decode-only steps'.
+    sim = SimEngine(share=0.2, base_s=0.2, token_s=0.00225, weights_s=0.3, deadline_s=1e6)
+    load = ChurningLoad(sim, max_tokens=(100, 200))
+    for _ in range(150):
+        load.step()
+    sim.runner.slots.load(V1)
+    done = []
+    for prompt in probe_prompts(sim.rng, 4, length=(60, 120)):
+        sim.sched.probes.add(prompt, V1, lambda probe_id, error: done.append(error))
+    heavy_offers, pieces = 0, []
+    first = len(sim.steps)
+    while sim.sched.probes.pending:
+        so = load.step()
+        serving = [r for r in so.num_scheduled_tokens if r in sim.sched.requests]
+        prompts = sum(so.num_scheduled_tokens[r] for r in serving) - len(serving)
+        work = sim.works[-1]
+        if work is not None and work.alone and work.num_tokens and work.limit == "spaced":
+            pieces.append((prompts, len(serving)))
+        heavy_offers += prompts > len(serving)
+        # ~10 pieces 128 steps apart: the credit must reach what a piece costs (a cap below
+        # the price of the smallest piece held every piece back for thousands of steps)
+        assert len(sim.steps) - first < 3000, "the canary starved"
+    assert done == [None] * 4
+    works = [w for w in sim.works[first:] if w is not None and w.alone and w.num_tokens]
+    assert {w.limit for w in works} <= {"first", "spaced"}, [w.limit for w in works]
+    assert len(works) <= 1 + (len(sim.steps) - first) // 100, "under 1% of the steps"
+    assert len(pieces) >= 2, "the canary's pieces were spaced"
+    assert heavy_offers, "steps computed arriving prompts meanwhile"
+    assert all(p <= n for p, n in pieces), pieces
+
+
 class ShortMeasuredSim(SimEngine):
     """Asynchronous scheduling's periods: a step runs from the end of the last one, so when
     that one ended late (the host) the device's work ran into it, and this step measures
