@@ -31,7 +31,8 @@ from sitsd.engine.probes import Probes
 from sitsd.engine.swap_policies import SwapPolicies
 from sitsd.outputs import SchedulerOutput, SwapWork
 
-# Steps a spaced piece waits at most for one whose prompt tokens are no more than its decodes.
+# Steps a spaced piece (or the first alone) waits at most for one whose prompt tokens are no
+# more than its decodes.
 SPACED_WAIT_STEPS = 16
 
 
