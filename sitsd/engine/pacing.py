@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,6 +108,11 @@ class PacingSettings:
     # context is one gap in many (a CPU at 128 streams: contexts recomputed over ~10 steps
     # within the share made gaps of 16 s, 6.5x the steady P99).
     restart_steps: int = 2
+
+
+def _window() -> deque[float]:
+    """The last `_STEADY_WINDOW` steady periods of one kind of step."""
+    return deque(maxlen=_STEADY_WINDOW)
 
 
 class FinishedStep(Protocol):
@@ -227,10 +232,10 @@ class StepPacer:
     def __init__(self, settings: PacingSettings | None = None) -> None:
         self.settings = settings or PacingSettings()
         # Steady periods by the number of weights versions serving in the step.
-        self._steady: dict[int, deque[float]] = {}
+        self._steady: defaultdict[int, deque[float]] = defaultdict(_window)
         # ...of those that computed no prompt tokens: their spread is the machine's noise,
         # where all steady steps' is arrivals' prompts too (`_spread`).
-        self._decodes: dict[int, deque[float]] = {}
+        self._decodes: defaultdict[int, deque[float]] = defaultdict(_window)
         self._cost = {False: _Cost(False), True: _Cost(True)}  # by `alone`
         # By (`alone`, serving versions): (tokens, steady seconds of that kind of step) of the
         # smallest piece whose step went past the share, until a piece as large keeps within
@@ -391,14 +396,14 @@ class StepPacer:
         if work.num_tokens == 0:
             self._num_busy = 0
             key = work.num_serving_versions
-            self._steady.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
+            self._steady[key].append(period)
             steady = self.steady_s(key)
             self._earn(steady)
             # Tokens past one a request: the prompts this steady step computed.
             sched_out = record.sched_out
             prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
             if prompts == 0:
-                self._decodes.setdefault(key, deque(maxlen=_STEADY_WINDOW)).append(period)
+                self._decodes[key].append(period)
             if key == 1 and prompts > 0 and steady is not None:
                 self._prompts.add(prompts, period - steady)
                 self._prefill.add(prompts, period)

@@ -42,7 +42,8 @@ def test_a_capture_into_int4_beside_serving_compiles_no_int4_kernel_itself(tmp_p
     assert any("compiled in a child process" in m for m in report["logged"]), report["logged"]
     int4_compiled = [n for n in report["capture_compiled"] if n in INT4_KERNELS]
     assert not int4_compiled, "compiled in the capture's process:\n" + "\n".join(
-        report["compiled_for"])
+        report["compiled_for"]
+    )
     assert set(report["capture_loaded"]) & INT4_KERNELS, "the capture loaded INT4 kernels"
     assert report["served"] == 4 * 6, "the INT4 slot's graphs serve"
 
@@ -55,9 +56,8 @@ def _capture_in_a_fresh_process(root: Path) -> dict[str, object]:
 
     import triton
 
-    from sitsd.builder import build_runner
-    from sitsd.config import CacheConfig, ModelConfig, SchedulerConfig, SitsdConfig, WeightsConfig
     from sitsd.weights import load_checkpoint
+    from tests.runtime.test_gpu_weight_slots import build_fresh
     from tests.runtime.test_weight_slots import greedy
 
     heard: list[tuple[str, bool]] = []
@@ -80,13 +80,7 @@ def _capture_in_a_fresh_process(root: Path) -> dict[str, object]:
 
     logging.getLogger("sitsd.runtime.model_runner").addHandler(Record())
     logging.getLogger("sitsd.runtime.model_runner").setLevel(logging.INFO)
-    cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="bfloat16", max_model_len=256),
-        cache=CacheConfig(num_blocks=64, block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        weights=WeightsConfig(weight_slots="2"),
-    )
-    runner, _ = build_runner(cfg, dense.arch, dense.tensors, "dense")
+    runner, _ = build_fresh(dense, "dense", eager=False, dtype="bfloat16")
     build_compiled = [name for name, hit in heard if not hit]
     heard.clear()
     slots = runner.slots

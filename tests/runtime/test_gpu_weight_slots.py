@@ -229,13 +229,7 @@ def test_a_slot_restaged_across_precisions_is_captured_beside_serving_from_the_o
         want[version] = greedy(eager, {r: (p, version) for r, p in prompts.items()}, 8)
         del eager
         torch.cuda.empty_cache()
-    cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="float32", max_model_len=1024),
-        cache=CacheConfig(num_blocks=64, block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        weights=WeightsConfig(weight_slots="2"),
-    )
-    runner, _ = build_runner(cfg, dense.arch, dense.tensors, "dense")
+    runner, _ = build_fresh(dense, "dense", eager=False, max_model_len=1024)
     serving_scratch = runner.model.kernels.scratch
     assert serving_scratch, "decode attention merges its splits through counters"
     slots = runner.slots
@@ -296,9 +290,13 @@ def test_a_model_beside_serving_keeps_kernel_scratch_of_its_own(tmp_path):
     assert not {t.data_ptr() for t in twin.scratch} & {t.data_ptr() for t in serving.scratch}
 
 
-def build_fresh(ckpt, version: str, eager: bool = True, max_tokens: int = 256):
+def build_fresh(ckpt, version: str, eager: bool = True, max_tokens: int = 256,
+                dtype: str = "float32", max_model_len: int = 256):  # fmt: skip
+    """A two-slot runner on CUDA for `ckpt` (a fixed KV pool: runners coexist)."""
     cfg = SitsdConfig(
-        model=ModelConfig(device="cuda", dtype="float32", enforce_eager=eager, max_model_len=256),
+        model=ModelConfig(
+            device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=max_model_len
+        ),
         cache=CacheConfig(num_blocks=64, block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens),
         weights=WeightsConfig(weight_slots="2"),
