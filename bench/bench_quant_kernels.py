@@ -127,7 +127,8 @@ def int4_linear(
     counters: torch.Tensor | None = None,
 ):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                       zeros=w.zeros, split_counters=counters)  # fmt: skip
+                       zeros=w.zeros, split_counters=counters,
+                       slice_major=w.slice_major)  # fmt: skip
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):

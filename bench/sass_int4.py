@@ -97,12 +97,12 @@ def loop_count(sass: str, codes_per_thread: float) -> LoopCount:
 
 def gemv(
     rows: int, block_n: int, k: int, offsets: bool, num_warps: int = 2, block_k: int = 128,
-    prefetch: bool = True,
+    prefetch: bool = True, sliced: bool = False,
 ) -> LoopCount:  # fmt: skip
     """`int4_gemv_kernel` (mode gemv) on `block_k`-column chunks, split 8 ways, as the engine
     launches it (PDL, the splits merged in the kernel)."""
     constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=block_k // 8, SPLIT_K=8,
-                     K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, EVEN=True,
+                     K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, SLICED=sliced, EVEN=True,
                      EVEN_K=True, PREFETCH=prefetch, MERGE=True, PDL=True)  # fmt: skip
     sass = compile_sass(int4_gemv_kernel, constants, num_warps)
     return loop_count(sass, block_n * block_k * rows / (32 * num_warps))
@@ -146,9 +146,12 @@ def main() -> None:
         for block_n, block_k, ahead in ((32, 128, True), (32, 128, False), (64, 128, True),
                                         (128, 128, True), (64, 256, True)):  # fmt: skip
             for offsets in (False, True):
-                count = gemv(args.rows, block_n, args.k, offsets, block_k=block_k, prefetch=ahead)
-                label = f"gemv rows {args.rows} n{block_n} k{block_k}" + ("" if ahead else " p1")
-                _show(f"{label} {'offsets' if offsets else 'sym'}", count, "code x row")
+                for sliced in (False, True):
+                    count = gemv(args.rows, block_n, args.k, offsets, block_k=block_k,
+                                 prefetch=ahead, sliced=sliced)  # fmt: skip
+                    label = f"gemv rows {args.rows} n{block_n} k{block_k}"
+                    label += ("" if ahead else " p1") + (" sliced" if sliced else "")
+                    _show(f"{label} {'offsets' if offsets else 'sym'}", count, "code x row")
     if args.mode in ("mma", "all"):
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
             for ordered in (False, True) if block_m >= 32 else (False,):

@@ -83,10 +83,36 @@ def _load_words(qw_ptr, offs_n, n_mask, offs_w, k0, K: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
+def _x_sliced(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_x_slices` for codes stored slice-major (`quant_layout.SLICE_MAJOR_BLOCK`): slice i of
+    word w multiplies column `k0 + 128 b + 16 i + v` (w = 16 b + v), so each slice's columns are
+    runs of 16 consecutive ones: eight loads in the words' own layout, nothing to split."""
+    base = k0 + (offs_w // 16) * 128 + (offs_w % 16)  # [WORDS]
+    x0 = _x_run(x_row, base, K, EVEN_K)
+    x1 = _x_run(x_row, base + 16, K, EVEN_K)
+    x2 = _x_run(x_row, base + 32, K, EVEN_K)
+    x3 = _x_run(x_row, base + 48, K, EVEN_K)
+    x4 = _x_run(x_row, base + 64, K, EVEN_K)
+    x5 = _x_run(x_row, base + 80, K, EVEN_K)
+    x6 = _x_run(x_row, base + 96, K, EVEN_K)
+    x7 = _x_run(x_row, base + 112, K, EVEN_K)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_run(x_row, cols, K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_row + cols).to(tl.float32)
+    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _x_slices(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
-              perm_ptr, EVEN_K: tl.constexpr):  # fmt: skip
+              perm_ptr, EVEN_K: tl.constexpr, SLICED: tl.constexpr):  # fmt: skip
     """x's columns under the chunk's words, `[WORDS]` float32 per slice (zero past K): one
     `[WORDS, 8]` load (8 consecutive columns per word), split into the slices."""
+    if SLICED:
+        return _x_sliced(x_row, k0, offs_w, K, WORDS, EVEN_K)
     cols = k0 + 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]  # [WORDS, 8]
     k_mask = cols < K
     if HAS_PERM:
@@ -129,11 +155,11 @@ def _biased_pair(words, j: tl.constexpr, lo_mask, hi_mask, EXACT: tl.constexpr,
 @triton.jit
 def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr,
                  HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
-                 CENTRE: tl.constexpr):  # fmt: skip
+                 CENTRE: tl.constexpr, SLICED: tl.constexpr):  # fmt: skip
     """For one row of x: `sum_i (q_i - CENTRE) x_i` per weight row and word (`[BLOCK_N,
     WORDS]`) and x's sum per word (`[WORDS]`)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_slices(x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
-                                              EVEN_K)  # fmt: skip
+                                              EVEN_K, SLICED)  # fmt: skip
     lo, hi = _biased_pair(words, 0, lo_mask, hi_mask, EXACT, CENTRE)
     p = lo * x0[None, :]
     p += hi * x1[None, :]
@@ -157,12 +183,12 @@ def _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr, WO
 @triton.jit
 def _row_chunk(acc, words, scale, offset, lo_mask, hi_mask, x_row, k0, offs_w, K: tl.constexpr,
                WORDS: tl.constexpr, HAS_PERM: tl.constexpr, perm_ptr, EVEN_K: tl.constexpr,
-               EXACT: tl.constexpr, HAS_OFFSETS: tl.constexpr):  # fmt: skip
+               EXACT: tl.constexpr, HAS_OFFSETS: tl.constexpr, SLICED: tl.constexpr):  # fmt: skip
     """acc + one row of x times the chunk, dequantized: `(q * scale + offset) x`, or
     `(q - 8) scale x` without offsets."""
     CENTRE: tl.constexpr = 0.0 if HAS_OFFSETS else 8.0  # symmetric codes are q - 8
     p, s = _row_partial(words, lo_mask, hi_mask, x_row, k0, offs_w, K, WORDS, HAS_PERM, perm_ptr,
-                        EVEN_K, EXACT, CENTRE)  # fmt: skip
+                        EVEN_K, EXACT, CENTRE, SLICED)  # fmt: skip
     if HAS_OFFSETS:
         return acc + p * scale + offset * s[None, :]
     return acc + p * scale
@@ -192,6 +218,7 @@ def int4_gemv_kernel(
     K_SPLIT: tl.constexpr,  # K elements per split, a multiple of 8 * WORDS
     HAS_OFFSETS: tl.constexpr,
     HAS_PERM: tl.constexpr,
+    SLICED: tl.constexpr,  # codes stored slice-major (x read in runs; HAS_PERM is then False)
     EVEN: tl.constexpr,  # BLOCK_N divides N and SPLIT_K * 8 * WORDS divides K: no weight masks
     EVEN_K: tl.constexpr,  # SPLIT_K * 8 * WORDS divides K
     PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
@@ -235,19 +262,19 @@ def int4_gemv_kernel(
                                                   GROUP, WORDS, HAS_OFFSETS)  # fmt: skip
         acc0 = _row_chunk(acc0, now_words, now_scale, now_offset, lo_mask, hi_mask, x0, k0,
                           offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                          HAS_OFFSETS)  # fmt: skip
+                          HAS_OFFSETS, SLICED)  # fmt: skip
         if ROWS > 1:
             acc1 = _row_chunk(acc1, now_words, now_scale, now_offset, lo_mask, hi_mask, x1, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS)  # fmt: skip
+                              HAS_OFFSETS, SLICED)  # fmt: skip
         if ROWS > 2:
             acc2 = _row_chunk(acc2, now_words, now_scale, now_offset, lo_mask, hi_mask, x2, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS)  # fmt: skip
+                              HAS_OFFSETS, SLICED)  # fmt: skip
         if ROWS > 3:
             acc3 = _row_chunk(acc3, now_words, now_scale, now_offset, lo_mask, hi_mask, x3, k0,
                               offs_w, K, WORDS, HAS_PERM, perm_ptr, EVEN_K, EXACT,
-                              HAS_OFFSETS)  # fmt: skip
+                              HAS_OFFSETS, SLICED)  # fmt: skip
     out = out_ptr
     if SPLIT_K > 1:
         out = out_ptr + split * M * N

@@ -75,7 +75,7 @@ from sitsd.kernels._utils import (
     num_sms,
     runs_in_interpreter,
 )
-from sitsd.kernels.quant_layout import check_int4_layout
+from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout
 
 __all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
@@ -364,6 +364,7 @@ def int4_matmul(
     pdl: bool = False,
     zeros: torch.Tensor | None = None,  # [G, N] uint8
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
+    slice_major: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -389,6 +390,10 @@ def int4_matmul(
             default configuration): with split-K the last program of each tile sums the partials
             (`_split_merge`, the same bits) instead of a second kernel, and zeroes its counter
             again. The caller owns them; two launches must not use them at once (one stream).
+        slice_major: The codes are slice-major (`quant_layout.to_slice_major`) and `perm` is
+            `slice_major_perm(K)` (not checked: a host sync); groups of 128. Modes `mma` and
+            `gemv` (on chunks of whole groups) then read x in order; the others gather it
+            through `perm` as for any act-order.
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -415,6 +420,10 @@ def int4_matmul(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
+    if slice_major and (perm is None or group_size != SLICE_MAJOR_BLOCK):
+        raise ValueError(f"slice-major codes need their perm and group size {SLICE_MAJOR_BLOCK}, "
+                         f"got perm {'given' if perm is not None else 'None'} and group size "
+                         f"{group_size}")  # fmt: skip
     config = config or choose_int4_config(
         num_rows,
         n,
@@ -452,29 +461,34 @@ def int4_matmul(
         # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
         # rather than by every program that reads it (N / block_n of them): 25-33% fewer
         # instructions in the loop at 64-128 rows (`bench.sass_int4`, triton 3.6).
+        # Slice-major codes take x as it is, already in their order.
         ordered = config.order_x
         if ordered is None:
             ordered = config.block_m >= MMA_ORDER_X_ROWS
-        xk = slice_major_x(x, perm) if ordered else x
+        ordered = ordered or slice_major
+        xk = slice_major_x(x, perm) if ordered and not slice_major else x
         int4_mma_kernel[grid](
             xk, qweight, scales, scales if offsets is None else offsets,
             qweight if zeros is None else zeros, qweight if perm is None else perm, target,
             out, counters, num_rows, n, xk.stride(0),
             K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
             K_SPLIT=k_split, HAS_OFFSETS=offsets is not None, HAS_ZEROS=zeros is not None,
-            HAS_PERM=perm is not None,
+            HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
+        # Slice-major codes in chunks of whole blocks: x's slices are runs of columns.
+        sliced = slice_major and config.block_k % SLICE_MAJOR_BLOCK == 0
         int4_gemv_kernel[grid](
             x, qweight, scales, scales if offsets is None else offsets,
             qweight if perm is None else perm, target, out, counters, num_rows, n, x.stride(0),
             *MASKS,
             K=k, GROUP=group_size, ROWS=config.block_m, BLOCK_N=config.block_n,
             WORDS=config.block_k // 8, SPLIT_K=config.split_k, K_SPLIT=k_split,
-            HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None, EVEN=even,
+            HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced,
+            SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
             num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,

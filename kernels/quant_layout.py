@@ -30,6 +30,14 @@ FP8. W is `weight` `[N, K]` float8_e4m3fn and `weight_scale` `[N]` float32, W[n,
 weight[n, :] * weight_scale[n] in float32 (a per-tensor scale is the same value N times);
 activations are quantized per token at run time (`quant_reference.per_token_quant_fp8_ref`).
 
+Slice-major codes. A weight with groups of 128 may hold each block of 128 layout columns in
+the order the INT4 kernels multiply them: word `16 b + v` of a block, nibble i, holds the code
+of input column `128 b + 16 i + v`, so nibble i of the block's 16 words (the kernels' slice i)
+covers 16 consecutive input columns. It is an act-order permutation like any other (`perm` =
+`slice_major_perm(K)`, the groups unchanged), so every path that reads `perm` stays right; the
+`gemv` and `mma` kernels, told the codes are slice-major, read x in order instead of gathering
+it through `perm` or copying it into slice order first. `to_slice_major` reorders the codes.
+
 This module only defines the layouts (constants, packing, argument checks) and imports no
 triton; converting checkpoint formats into them is `sitsd.quant`'s job, torch's own packing for
 its CPU int4 matmul is `sitsd.quant.cpu`'s.
@@ -50,16 +58,20 @@ __all__ = [
     "GROUP_SIZES",
     "PACK",
     "SCALE_DTYPES",
+    "SLICE_MAJOR_BLOCK",
     "check_fp8_layout",
     "check_int4_layout",
     "num_groups",
     "pack_int4",
+    "slice_major_perm",
+    "to_slice_major",
     "unpack_int4",
 ]
 
 GROUP_SIZES = (32, 64, 128)  # the group sizes the kernels are built and tested for
 PACK = 8  # 4-bit codes per int32 word
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SLICE_MAJOR_BLOCK = 128  # layout columns a slice-major reordering stays within (a group of 128)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # Floor of a per-token activation scale: an all-zero row gets this one instead of 0 (no 0 / 0),
@@ -91,6 +103,25 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K] uint8, codes 0
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
     codes = (qweight.unsqueeze(-1) >> shifts) & 0xF  # [N, K // 8, 8]
     return codes.reshape(qweight.shape[0], -1).to(torch.uint8)
+
+
+def slice_major_perm(k: int, device: torch.device | str = "cpu") -> torch.Tensor:  # [K] int32
+    """The act-order permutation of slice-major codes: layout column `8 (16 b + v) + i` holds
+    input column `128 b + 16 i + v`. K must be a multiple of `SLICE_MAJOR_BLOCK`."""
+    if k % SLICE_MAJOR_BLOCK:
+        raise ValueError(f"slice-major codes need K a multiple of {SLICE_MAJOR_BLOCK}, got {k}")
+    words = SLICE_MAJOR_BLOCK // PACK
+    b = torch.arange(k // SLICE_MAJOR_BLOCK, device=device).view(-1, 1, 1)
+    v = torch.arange(words, device=device).view(1, -1, 1)
+    i = torch.arange(PACK, device=device).view(1, 1, -1)
+    return (SLICE_MAJOR_BLOCK * b + words * i + v).reshape(k).to(torch.int32)
+
+
+def to_slice_major(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
+    """`qweight`'s codes (input columns in order, no act-order) reordered slice-major: the
+    layout column j of the result holds the code of column `slice_major_perm(K)[j]`."""
+    perm = slice_major_perm(qweight.shape[1] * PACK, qweight.device).long()
+    return pack_int4(unpack_int4(qweight).index_select(1, perm))
 
 
 def check_int4_layout(

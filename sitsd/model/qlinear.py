@@ -104,7 +104,7 @@ class QuantizedLinears:
             counters = None
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
                            zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
-                           split_counters=counters)  # fmt: skip
+                           split_counters=counters, slice_major=w.slice_major)  # fmt: skip
 
 
 def int4_pdl_pays(rows: int) -> bool:

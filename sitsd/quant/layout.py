@@ -12,7 +12,9 @@ quantized W is held as one of three frozen dataclasses of tensors, on the device
   the integer zero points z when every offset is `-z * scale` exactly (found from the values by
   `mark_integer_zeros` at load and staging: AWQ, GPTQ, compressed-tensors and RTN weights, not
   GGUF's Q4_1 and Q4_K minima); the INT4 kernel then subtracts z from each code as it unpacks
-  them instead of summing x per group. On the CPU torch's int4 matmul wants its own packing:
+  them instead of summing x per group. On CUDA, weights with groups of 128 hold their codes
+  slice-major (`to_slice_major_weight`: an act-order permutation the INT4 kernels know, so they
+  read x in order). On the CPU torch's int4 matmul wants its own packing:
   `sitsd.quant.cpu.CpuInt4Weight` is made from an `Int4Weight` once.
 * `Fp8Weight`, what `sitsd.kernels.fp8_matmul` reads: `weight [N, K]` float8_e4m3fn and one
   float32 scale per output row (`scale [N]`; a per-tensor scale is the same value N times).
@@ -44,7 +46,10 @@ from sitsd.kernels.quant_layout import (
     GROUP_SIZES,
     PACK,
     SCALE_DTYPES,
+    SLICE_MAJOR_BLOCK,
     num_groups,
+    slice_major_perm,
+    to_slice_major,
 )
 from sitsd.kernels.quant_reference import dequantize_int4_ref, dequantize_int8_ref
 from sitsd.quant.errors import QuantFormatError
@@ -62,6 +67,7 @@ __all__ = [
     "narrow_rows",
     "nbytes",
     "select_rows",
+    "to_slice_major_weight",
     "validate_weight",
     "with_tensors",
 ]
@@ -93,6 +99,10 @@ class Int4Weight:
     # values by `mark_integer_zeros`; None is always correct). Part of the slot's structure:
     # the kernel variant, and so the captured CUDA graphs, depend on it.
     zeros: torch.Tensor | None = field(default=None, metadata=_rows(1))
+    # The codes are slice-major (`sitsd.kernels.quant_layout`: perm is `slice_major_perm(K)`),
+    # so the INT4 kernels read x in order; set by `to_slice_major_weight`. Part of the slot's
+    # structure, as zeros is.
+    slice_major: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -127,6 +137,15 @@ class Int4Weight:
                 self.perm.dtype == torch.int32 and tuple(self.perm.shape) == (k,),
                 f"perm must be [K] = ({k},) int32, got {self.perm.dtype} {tuple(self.perm.shape)}",
             )
+        if self.slice_major:
+            _check(
+                self.perm is not None
+                and self.group_size == SLICE_MAJOR_BLOCK
+                and k % SLICE_MAJOR_BLOCK == 0,
+                f"slice-major codes need groups of {SLICE_MAJOR_BLOCK}, K a multiple of it and "
+                f"their perm; got group size {self.group_size}, K {k}, perm "
+                f"{'given' if self.perm is not None else 'None'}",
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -147,6 +166,27 @@ class Int4Weight:
         return dataclasses.replace(
             self, scales=self.scales.to(scale_dtype), offsets=offsets.to(offset_dtype)
         )
+
+
+def to_slice_major_weight(weight: Int4Weight) -> Int4Weight:
+    """`weight` with its codes slice-major (the same W; see `sitsd.kernels.quant_layout`) where
+    it can be: groups of 128, K a multiple of 128, no act-order of its own. Otherwise, or when
+    already so, `weight` itself."""
+    k = weight.shape[1]
+    if (
+        weight.slice_major
+        or weight.perm is not None
+        or weight.group_size != SLICE_MAJOR_BLOCK
+        or k % SLICE_MAJOR_BLOCK
+    ):
+        return weight
+    device = weight.qweight.device
+    return dataclasses.replace(
+        weight,
+        qweight=to_slice_major(weight.qweight),
+        perm=slice_major_perm(k, device),
+        slice_major=True,
+    )
 
 
 def mark_integer_zeros(weight: Int4Weight) -> Int4Weight:

@@ -3,11 +3,12 @@ multiply it.
 
 `LinearWeight` is a 16-bit (or float32) tensor `[N, K]` or a `ServingWeight`: a quantized layout
 in the form its device's kernels read (`to_serving_layout`: INT4 in torch's CPU packing on a
-CPU, the layouts as they are on CUDA). The helpers below treat every form alike, as the model's
-weight table and the weight slots need: `weight_tensors` / `weight_nbytes` (what a slot holds),
-`empty_weight_like` and `copy_weight_into` (a standby slot allocated once, filled in place),
-`same_structure` (whether a new version fits a slot's tensors as they are) and `precision_of`
-(the name an operator reads: `int4-g128`, `fp8`, `bf16`, ...).
+CPU; on CUDA the layouts as they are, INT4 codes in groups of 128 made slice-major). The
+helpers below treat every form alike, as the model's weight table and the weight slots need:
+`weight_tensors` / `weight_nbytes` (what a slot holds), `empty_weight_like` and
+`copy_weight_into` (a standby slot allocated once, filled in place), `same_structure` (whether
+a new version fits a slot's tensors as they are) and `precision_of` (the name an operator
+reads: `int4-g128`, `fp8`, `bf16`, ...).
 
 `quantized_linear(x, weight)` is the plain route of every layout on every device (torch's CPU
 int4 GEMM, `int4_matmul`, `fp8_matmul` (W8A8) on CUDA and FP8 weight-only on a CPU, torch's
@@ -31,6 +32,7 @@ from sitsd.quant.layout import (
     QuantizedWeight,
     mark_integer_zeros,
     move_to,
+    to_slice_major_weight,
 )
 
 __all__ = [
@@ -57,7 +59,7 @@ def to_serving_layout(weight: QuantizedWeight, device: torch.device | str) -> Se
     if isinstance(weight, Int4Weight):
         if device.type == "cpu":
             return CpuInt4Weight.from_int4(weight)
-        return mark_integer_zeros(move_to(weight, device))
+        return mark_integer_zeros(to_slice_major_weight(move_to(weight, device)))
     if isinstance(weight, Fp8Weight):  # one call per layout: move_to keeps the layout's type
         return move_to(weight, device)
     return move_to(weight, device)
@@ -72,7 +74,7 @@ def quantized_linear(x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  #
 
         w = weight
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                           zeros=w.zeros)  # fmt: skip
+                           zeros=w.zeros, slice_major=w.slice_major)  # fmt: skip
     if isinstance(weight, Fp8Weight):
         return _fp8_linear(x, weight)
     if isinstance(weight, Int8Weight) and x.device.type == "cpu":

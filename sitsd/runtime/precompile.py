@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sitsd.kernels.quant_layout import slice_major_perm
 from sitsd.model.weights import LlamaWeights
 from sitsd.quant.layout import Int4Weight
 
@@ -53,6 +54,7 @@ class Int4Structure:
     offset_dtype: str
     zeros: bool  # the zero points are integers (`Int4Weight.zeros`)
     perm: bool  # act-order (`Int4Weight.perm`)
+    slice_major: bool = False  # the codes are slice-major (`Int4Weight.slice_major`)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def int4_structures(weights: LlamaWeights) -> tuple[Int4Structure, ...]:
             n, k = w.shape
             offsets = "" if w.offsets is None else _dtype_name(w.offsets.dtype)
             structure = Int4Structure(n, k, w.group_size, _dtype_name(w.scales.dtype), offsets,
-                                      w.zeros is not None, w.perm is not None)  # fmt: skip
+                                      w.zeros is not None, w.perm is not None,
+                                      w.slice_major)  # fmt: skip
             seen.setdefault(structure, None)
     return tuple(seen)
 
@@ -149,8 +152,10 @@ def random_int4_weight(s: Int4Structure, device: torch.device) -> Int4Weight:
     if s.offset_dtype:
         offsets = (-zeros.float() * scales.float()).to(getattr(torch, s.offset_dtype))
     perm = torch.randperm(s.k, device=device).to(torch.int32) if s.perm else None
-    return Int4Weight(qweight, scales, offsets, s.group_size, perm,
-                      zeros if s.zeros else None)  # fmt: skip
+    if s.slice_major:
+        perm = slice_major_perm(s.k, device)
+    return Int4Weight(qweight, scales, offsets, s.group_size, perm, zeros if s.zeros else None,
+                      s.slice_major)  # fmt: skip
 
 
 @torch.inference_mode()

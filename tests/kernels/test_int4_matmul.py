@@ -9,6 +9,7 @@ import torch
 import triton  # make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
+from sitsd.kernels.quant_layout import slice_major_perm, to_slice_major, unpack_int4
 from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
 from tests.kernels.helpers import assert_close
 from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_int4
@@ -249,6 +250,67 @@ def test_mma_mode_refuses_other_groups_float32_x_and_other_chunks(device):
                     config=Int4MatmulConfig("mma", 16, 32, 64))  # fmt: skip
 
 
+def _slice_major(case):
+    """The same W with its codes slice-major: (qweight, scales, offsets, group, perm)."""
+    k = case.qweight.shape[1] * 8
+    return (to_slice_major(case.qweight), case.scales, case.offsets, case.group_size,
+            slice_major_perm(k, case.qweight.device))  # fmt: skip
+
+
+# Every mode on slice-major codes: gemv on chunks of whole blocks reads x's runs (128 and 256
+# columns) or gathers it (64), mma takes x as it is at 16- and 64-row tiles, the dot modes and
+# fma gather x through the permutation.
+SLICE_MAJOR_CONFIGS = {
+    "gemv k128": Int4MatmulConfig("gemv", block_m=2, block_n=16, block_k=128),
+    "gemv k256": Int4MatmulConfig("gemv", block_m=4, block_n=32, block_k=256),
+    "gemv k64": Int4MatmulConfig("gemv", block_m=1, block_n=16, block_k=64, split_k=2),
+    "mma m16": Int4MatmulConfig("mma", 16, 32, 128, 2),
+    "mma m64": Int4MatmulConfig("mma", 64, 16, 128),
+    "dot": CONFIGS["dot"],
+    "dot_swapped": CONFIGS["dot_swapped"],
+    "fma": CONFIGS["fma"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICE_MAJOR_CONFIGS))
+@pytest.mark.parametrize("offsets", [False, True])
+def test_slice_major_codes_give_the_product_of_the_same_weight(name, offsets, device):
+    # N = 37 (masked weight rows), K = 3 blocks of 128; the codes reordered slice-major with
+    # their permutation, told so or not, give the reference's product of the original W.
+    config = SLICE_MAJOR_CONFIGS[name]
+    case = random_int4(37, 384, 128, offsets=offsets, device=device)
+    num_rows = 2 if config.mode == "fma" else 5 if config.mode != "gemv" else config.block_m
+    x = _x(num_rows, 384, torch.bfloat16, device)
+    ref = int4_matmul_ref(x, *case.args)
+    sliced = _slice_major(case)
+    assert_close(int4_matmul(x, *sliced, config=config, slice_major=True), ref, torch.bfloat16)
+    assert_close(int4_matmul(x, *sliced, config=config), ref, torch.bfloat16)
+    # The codes alone, without their permutation, are another W.
+    assert not torch.allclose(int4_matmul(x, *sliced[:4], None, config=config).float(),
+                              ref.float(), atol=1e-2)  # fmt: skip
+
+
+def test_slice_major_needs_its_permutation_and_groups_of_128(device):
+    case = random_int4(16, 256, 128, offsets=False, device=device)
+    x = _x(2, 256, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="slice-major codes need their perm and group size 128"):
+        int4_matmul(x, *case.args, slice_major=True)
+    w64 = random_int4(16, 256, 64, offsets=False, perm=True, device=device)
+    with pytest.raises(ValueError, match="got perm given and group size 64"):
+        int4_matmul(x, *w64.args, slice_major=True)
+
+
+def test_slice_major_permutation_keeps_each_block_and_matches_the_reordered_codes():
+    perm = slice_major_perm(256)
+    assert sorted(perm.tolist()) == list(range(256))
+    assert perm[:10].tolist() == [0, 16, 32, 48, 64, 80, 96, 112, 1, 17]
+    assert (perm[128:] // 128 == 1).all()  # a block's columns stay in the block (its group)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32)
+    assert torch.equal(unpack_int4(to_slice_major(qweight)), unpack_int4(qweight)[:, perm.long()])
+    with pytest.raises(ValueError, match="need K a multiple of 128, got 576"):
+        slice_major_perm(576)
+
+
 @pytest.mark.parametrize(("name", "num_rows"), [("kv", 1), ("o", 5)])
 def test_smollm2_shapes_with_the_default_config(name, num_rows, device):
     n, k = SMOLLM2_SHAPES[name]
@@ -409,3 +471,18 @@ def test_gpu_replays_in_a_cuda_graph(device):
             x.copy_(torch.randn_like(x))
             graph.replay()
             assert_close(out, int4_matmul_ref(x, *weight.args), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [False, True])
+def test_gpu_slice_major_codes_on_llama_layers_from_1_to_512_rows(offsets, device):
+    # How CUDA serves INT4 weights with groups of 128 (`to_serving_layout`): the defaults at
+    # every row count the model runs `int4_matmul` at, against the reference's product.
+    for name in ("qkv", "down"):
+        n, k = LLAMA3_8B_SHAPES[name]
+        case = random_int4(n, k, 128, offsets=offsets, device=device)
+        sliced = _slice_major(case)
+        for num_rows in (1, 2, 3, 8, 32, 64, 65, 128, 256):
+            x = _x(num_rows, k, torch.bfloat16, device)
+            assert_close(int4_matmul(x, *sliced, slice_major=True), int4_matmul_ref(x, *case.args),
+                         torch.bfloat16)  # fmt: skip
