@@ -65,7 +65,13 @@ from sitsd.model.qlinear import (
     QuantizedLinears,
     int4_split_counters,
 )
-from sitsd.quant.layout import Fp8Weight, Int4Weight, mark_integer_zeros, nbytes
+from sitsd.quant.layout import (
+    Fp8Weight,
+    Int4Weight,
+    mark_integer_zeros,
+    nbytes,
+    to_slice_major_weight,
+)
 
 DTYPE, GROUP = torch.bfloat16, 128
 NUM_LAYERS = LLAMA3_8B.num_layers
@@ -93,8 +99,9 @@ class Row:
     unit: str = "us"
 
 
-def make_weight(fmt: str, n: int, k: int, device: str) -> Weight:
-    """Random weights of one format, giving outputs of order 1."""
+def make_weight(fmt: str, n: int, k: int, device: str, *, slice_major: bool = True) -> Weight:
+    """Random weights of one format, giving outputs of order 1; INT4 codes slice-major, as CUDA
+    serves them (`sitsd.quant.linear.to_serving_layout`), unless `slice_major` is False."""
     if fmt == "bf16":
         return torch.empty(n, k, device=device, dtype=DTYPE).normal_(0.0, k**-0.5)
     if fmt == "fp8":
@@ -105,7 +112,8 @@ def make_weight(fmt: str, n: int, k: int, device: str) -> Weight:
     offsets = None
     if fmt == "int4 zp":
         offsets = -(torch.randint(0, 16, scales.shape, device=device).float() * scales.float())
-    return mark_integer_zeros(Int4Weight(pack_int4(codes), scales, offsets, GROUP))
+    weight = Int4Weight(pack_int4(codes), scales, offsets, GROUP)
+    return mark_integer_zeros(to_slice_major_weight(weight) if slice_major else weight)
 
 
 def weight_bytes(w: Weight) -> int:
@@ -254,6 +262,7 @@ class Bench:
 
     smoke: bool
     copy_gbs: float
+    slice_major: bool = True  # INT4 codes as CUDA serves them
 
     @property
     def device(self) -> str:
@@ -269,11 +278,12 @@ class Bench:
 
     def copies(self, fmt: str, n: int, k: int) -> list[Weight]:
         """Copies of one random weight, enough that a graph of calls never hits L2."""
-        first = make_weight(fmt, n, k, self.device)
+        first = make_weight(fmt, n, k, self.device, slice_major=self.slice_major)
         count = (
             1 if self.smoke else min(max(_ROTATE_BYTES // weight_bytes(first), 1), _CALLS_PER_GRAPH)
         )
-        return [first] + [make_weight(fmt, n, k, self.device) for _ in range(count - 1)]
+        return [first] + [make_weight(fmt, n, k, self.device, slice_major=self.slice_major)
+                          for _ in range(count - 1)]  # fmt: skip
 
     def time_linear(self, fn: Linear, x: torch.Tensor, copies: list[Weight]) -> float:
         calls = [functools.partial(fn, x, copies[i % len(copies)]) for i in range(_CALLS_PER_GRAPH)]
@@ -383,10 +393,8 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
     """`num_layers` layers in one graph per format, each layer with weights of its own."""
     hidden, rows = shapes["o"][1], []
     for fmt, linear in (("bf16", bf16_linear), ("int4", int4_linear), ("fp8", fp8_linear)):
-        layers = [
-            {op: make_weight(fmt, *shapes[op], bench.device) for op in shapes}
-            for _ in range(num_layers)
-        ]
+        make = functools.partial(make_weight, device=bench.device, slice_major=bench.slice_major)
+        layers = [{op: make(fmt, *shapes[op]) for op in shapes} for _ in range(num_layers)]
         total = sum(weight_bytes(w) for layer in layers for w in layer.values())
         for num_rows in LAYER_ROWS:
             x = torch.randn(num_rows, hidden, device=bench.device, dtype=DTYPE)
@@ -469,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
                              "with --smoke 1,8,32)")  # fmt: skip
     parser.add_argument("--prefill-rows", default=",".join(map(str, PREFILL_ROWS)))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
+    parser.add_argument("--plain-codes", action="store_true",
+                        help="INT4 codes in column order (not slice-major, as served)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_quant_kernels needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
@@ -479,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         args.rows = "1,8,32" if args.smoke else ",".join(map(str, ROWS))
     prefill = "" if args.smoke else args.prefill_rows
     rows_m = tuple(int(r) for r in f"{args.rows},{prefill}".split(",") if r)
-    bench = Bench(args.smoke, 1.0 if args.smoke else copy_bandwidth() / 1e9)  # bytes/s -> GB/s
+    bench = Bench(args.smoke, 1.0 if args.smoke else copy_bandwidth() / 1e9,  # bytes/s -> GB/s
+                  slice_major=not args.plain_codes)  # fmt: skip
     if not args.smoke:
         torch.cuda.empty_cache()  # the copy's buffers go before the weights
     print(f"copy {bench.copy_gbs:.0f} GB/s (read + write)", flush=True)
