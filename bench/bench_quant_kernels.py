@@ -140,7 +140,8 @@ def int4_linear(
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
-    deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm, out=workspace)
+    deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm, out=workspace,
+                          slice_major=w.slice_major)  # fmt: skip
     return F.linear(x, deq)
 
 

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="8,16,32,64,128")
     parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU")
     args = parser.parse_args(argv)
-    bench = Bench(smoke=args.smoke, copy_gbs=0.0 if args.smoke else copy_bandwidth() / 1e9)
+    bench = Bench(
+        smoke=args.smoke, copy_gbs=0.0 if args.smoke else copy_bandwidth() / 1e9, slice_major=False
+    )  # the column order; slice-major copies made below
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     print(f"{'fmt':8} {'layer':8} {'rows':>5} {'default':>9} {'ordered':>9} {'copy':>7} "
           f"{'ord-copy':>9} {'sliced':>9}  tile")  # fmt: skip

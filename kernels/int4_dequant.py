@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._utils import FLOAT_DTYPES, cdiv, check_dtype, check_out
-from sitsd.kernels.quant_layout import check_int4_layout
+from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout
 
 __all__ = ["int4_dequantize"]
 
@@ -39,6 +39,7 @@ def _int4_dequant_kernel(
     BLOCK_K: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     HAS_PERM: tl.constexpr,
+    SLICED: tl.constexpr,  # slice-major codes, BLOCK_K whole blocks of 128 (HAS_PERM False)
     EVEN: tl.constexpr,  # BLOCK_N divides N and BLOCK_K divides K: no masks
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,6 +48,9 @@ def _int4_dequant_kernel(
     n_mask = offs_n < N
     w = dequant_tile(qw_ptr, s_ptr, o_ptr, offs_n, n_mask, k0, N, K, GROUP, BLOCK_N, BLOCK_K,
                      HAS_OFFSETS, EVEN)  # fmt: skip
+    if SLICED:  # each block's [16 words, 8 nibbles] holds its columns as [8, 16]: turned back
+        w = tl.reshape(tl.permute(tl.reshape(w, [BLOCK_N, BLOCK_K // 128, 16, 8]), (0, 1, 3, 2)),
+                       [BLOCK_N, BLOCK_K])  # fmt: skip
     cols = offs_k
     if HAS_PERM:
         cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
@@ -69,6 +73,7 @@ def int4_dequantize(
     block_n: int = 32,
     block_k: int = 128,
     num_warps: int = 4,
+    slice_major: bool = False,
 ) -> torch.Tensor:  # [N, K]
     """W of an INT4 weight (`sitsd.kernels.quant_layout`), input columns in x's order.
 
@@ -85,6 +90,10 @@ def int4_dequantize(
         block_n: Rows per program (power of two).
         block_k: Columns per program (power of two >= 8).
         num_warps: Warps per program.
+        slice_major: The codes are slice-major and `perm` is their permutation
+            (`quant_layout.slice_major_perm`, not checked); with `block_k` a multiple of 128
+            each tile is put back in column order in registers and stored in runs, instead of
+            scattered through `perm`.
 
     Returns:
         `[N, K]` (`out` when given).
@@ -105,12 +114,15 @@ def int4_dequantize(
             raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
     if n == 0 or k == 0:
         return out
+    if slice_major and (perm is None or group_size != SLICE_MAJOR_BLOCK):
+        raise ValueError(f"slice-major codes need their perm and group size {SLICE_MAJOR_BLOCK}")
+    sliced = slice_major and block_k % SLICE_MAJOR_BLOCK == 0
     grid = (cdiv(n, block_n), cdiv(k, block_k))
     _int4_dequant_kernel[grid](
         qweight, scales, scales if offsets is None else offsets,
         qweight if perm is None else perm, out, n,
         K=k, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None,
+        HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced, SLICED=sliced,
         EVEN=n % block_n == 0 and k % block_k == 0, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -93,7 +93,8 @@ class QuantizedLinears:
             from sitsd.kernels.int4_dequant import int4_dequantize  # triton: CUDA hosts only
 
             deq = int4_dequantize(w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                                  out=self.workspace[: n * k].view(n, k))  # fmt: skip
+                                  out=self.workspace[: n * k].view(n, k),
+                                  slice_major=w.slice_major)  # fmt: skip
             return F.linear(x, deq)
         from sitsd.kernels.int4_matmul import int4_matmul  # triton: CUDA hosts only
 

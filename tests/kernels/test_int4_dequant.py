@@ -8,6 +8,7 @@ import torch
 import triton  # noqa: F401  make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels.int4_dequant import int4_dequantize
+from sitsd.kernels.quant_layout import slice_major_perm, to_slice_major
 from sitsd.kernels.quant_reference import dequantize_int4_ref
 from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_int4
 
@@ -33,6 +34,21 @@ def test_float32_output_is_the_reference_bit_for_bit(group_size, offsets, perm, 
     weight = random_int4(37, k, group_size, offsets=offsets, perm=perm, device=device)
     out = int4_dequantize(*weight.args, dtype=torch.float32, block_n=16, block_k=64)
     assert torch.equal(out, dequantize_int4_ref(*weight.args))
+
+
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 128), (32, 256), (16, 64)])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_slice_major_codes_dequantize_to_the_same_weight(block_n, block_k, offsets, device):
+    # Tiles of whole blocks turn each block back to column order in registers; 64-column
+    # tiles scatter through the permutation. N = 37: a partial tile; K = 3 blocks.
+    weight = random_int4(37, 384, 128, offsets=offsets, device=device)
+    sliced = (to_slice_major(weight.qweight), weight.scales, weight.offsets, 128,
+              slice_major_perm(384, device))  # fmt: skip
+    out = int4_dequantize(*sliced, dtype=torch.float32, block_n=block_n, block_k=block_k,
+                          slice_major=True)  # fmt: skip
+    assert torch.equal(out, dequantize_int4_ref(*weight.args))
+    with pytest.raises(ValueError, match="slice-major codes need their perm and group size 128"):
+        int4_dequantize(*weight.args, slice_major=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

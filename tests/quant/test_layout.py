@@ -177,16 +177,19 @@ def test_slice_major_codes_are_the_same_weight_and_another_structure():
 
     w = mark_integer_zeros(int4(24, 384, 128))
     sliced = to_slice_major_weight(w)
-    assert sliced.slice_major and sliced.perm is not None
+    assert sliced.slice_major
+    assert sliced.perm is not None
     assert torch.equal(sliced.dequantize(), w.dequantize())  # the same W, every value
-    assert torch.equal(sliced.scales, w.scales) and torch.equal(sliced.zeros, w.zeros)
+    assert torch.equal(sliced.scales, w.scales)
+    assert torch.equal(sliced.zeros, w.zeros)
     assert not same_structure(sliced, w)  # another kernel variant: the slot is rebuilt
     assert to_slice_major_weight(sliced) is sliced
     assert same_structure(sliced, to_slice_major_weight(mark_integer_zeros(int4(24, 384, 128))))
     # Output rows keep the reordering (it is along K): fusing and views stay right.
     assert torch.equal(narrow_rows(sliced, 4, 8).dequantize(), w.dequantize()[4:12])
     fused = concat_rows([sliced, to_slice_major_weight(int4(8, 384, 128))])
-    assert fused.slice_major and fused.shape == (32, 384)
+    assert fused.slice_major
+    assert fused.shape == (32, 384)
 
 
 def test_slice_major_is_left_out_where_the_layout_cannot_take_it():
@@ -195,6 +198,6 @@ def test_slice_major_is_left_out_where_the_layout_cannot_take_it():
     w = int4(8, 256, 128)
     with pytest.raises(QuantFormatError, match="slice-major codes need groups of 128, K a mult"):
         Int4Weight(w.qweight, w.scales, w.offsets, 128, slice_major=True)
+    w64 = int4(8, 256, 64, perm=True)
     with pytest.raises(QuantFormatError, match="got group size 64, K 256, perm given"):
-        w64 = int4(8, 256, 64, perm=True)
         Int4Weight(w64.qweight, w64.scales, w64.offsets, 64, w64.perm, slice_major=True)
