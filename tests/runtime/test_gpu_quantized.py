@@ -107,3 +107,39 @@ def test_smollm2_from_its_own_bits_is_identical_with_and_without_cuda_graphs(smo
     assert greedy(eager, prompts, 24) == with_graphs
     assert alone == with_graphs[0]
     assert "Paris" in smollm2_q4_1.tokenizer.decode(with_graphs[0])
+
+
+def test_int4_g128_is_served_slice_major_and_gives_the_act_order_paths_logits(fresh_seed):
+    # A model whose K are multiples of 128 (hidden 256, intermediate 512), INT4 g128 at load:
+    # every linear's codes slice-major on CUDA. The same weights with the flag off take the
+    # kernels' generic act-order paths (x gathered through the permutation): the same model.
+    import dataclasses
+
+    from sitsd.model.arch import LlamaArch
+    from sitsd.model.weights import expected_shapes
+
+    arch = LlamaArch(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64,
+                     max_position_embeddings=256)  # fmt: skip
+    gen = torch.Generator().manual_seed(fresh_seed)
+    tensors = {
+        name: torch.randn(shape, generator=gen) * shape[-1] ** -0.5 if len(shape) == 2
+        else 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        for name, shape in expected_shapes(arch).items()
+    }  # fmt: skip
+    int4 = PrecisionMap.from_mapping({"*_proj.weight": "int4-g128", "lm_head.weight": "bf16"})
+    fmt = ServingFormat(torch.device("cuda"), torch.bfloat16, int4)
+    weights = build_weights(arch, tensors, "cuda", torch.bfloat16, fmt=fmt)
+    linears = [w for w in weights.linears() if isinstance(w, Int4Weight)]
+    assert len(linears) == 4 * arch.num_layers
+    assert all(w.slice_major for w in linears)
+    generic = dataclasses.replace(weights, layers=[
+        dataclasses.replace(layer, **{name: dataclasses.replace(getattr(layer, name),
+                                                                slice_major=False)
+                                      for name in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                   "down_proj")})
+        for layer in weights.layers
+    ])  # fmt: skip
+    ids = torch.randint(3, arch.vocab_size, (27,), generator=gen).tolist()
+    assert_close(triton_logits(arch, weights, ids), triton_logits(arch, generic, ids),
+                 torch.bfloat16)  # fmt: skip
