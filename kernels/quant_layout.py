@@ -72,6 +72,7 @@ GROUP_SIZES = (32, 64, 128)  # the group sizes the kernels are built and tested 
 PACK = 8  # 4-bit codes per int32 word
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SLICE_MAJOR_BLOCK = 128  # layout columns a slice-major reordering stays within (a group of 128)
+_REORDER_BYTES = 64 * 2**20  # the working memory `to_slice_major` aims at
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # Floor of a per-token activation scale: an all-zero row gets this one instead of 0 (no 0 / 0),
@@ -119,9 +120,17 @@ def slice_major_perm(k: int, device: torch.device | str = "cpu") -> torch.Tensor
 
 def to_slice_major(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
     """`qweight`'s codes (input columns in order, no act-order) reordered slice-major: the
-    layout column j of the result holds the code of column `slice_major_perm(K)[j]`."""
-    perm = slice_major_perm(qweight.shape[1] * PACK, qweight.device).long()
-    return pack_int4(unpack_int4(qweight).index_select(1, perm))
+    layout column j of the result holds the code of column `slice_major_perm(K)[j]`. Done in
+    row blocks, so that what it allocates besides the result stays near `_REORDER_BYTES`
+    (a swap stages beside serving, in the memory the KV cache left)."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    perm = slice_major_perm(k, qweight.device).long()
+    out = torch.empty_like(qweight)
+    rows = max(1, _REORDER_BYTES // (4 * k))  # unpacking takes 4 bytes a code
+    for start in range(0, n, rows):
+        part = qweight[start : start + rows]
+        out[start : start + rows] = pack_int4(unpack_int4(part).index_select(1, perm))
+    return out
 
 
 def check_int4_layout(

@@ -9,6 +9,7 @@ import torch
 import triton  # make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
+from sitsd.kernels import quant_layout
 from sitsd.kernels.quant_layout import slice_major_perm, to_slice_major, unpack_int4
 from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
 from tests.kernels.helpers import assert_close
@@ -300,13 +301,17 @@ def test_slice_major_needs_its_permutation_and_groups_of_128(device):
         int4_matmul(x, *w64.args, slice_major=True)
 
 
-def test_slice_major_permutation_keeps_each_block_and_matches_the_reordered_codes():
+def test_slice_major_permutation_keeps_each_block_and_matches_the_reordered_codes(monkeypatch):
     perm = slice_major_perm(256)
     assert sorted(perm.tolist()) == list(range(256))
     assert perm[:10].tolist() == [0, 16, 32, 48, 64, 80, 96, 112, 1, 17]
     assert (perm[128:] // 128 == 1).all()  # a block's columns stay in the block (its group)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32)
-    assert torch.equal(unpack_int4(to_slice_major(qweight)), unpack_int4(qweight)[:, perm.long()])
+    qweight = torch.randint(-(2**31), 2**31 - 1, (11, 32), dtype=torch.int32)
+    expected = unpack_int4(qweight)[:, perm.long()]
+    assert torch.equal(unpack_int4(to_slice_major(qweight)), expected)
+    # In blocks of 3 rows (11 = 3 + 3 + 3 + 2), as a large weight is reordered.
+    monkeypatch.setattr(quant_layout, "_REORDER_BYTES", 3 * 4 * 256)
+    assert torch.equal(unpack_int4(to_slice_major(qweight)), expected)
     with pytest.raises(ValueError, match="need K a multiple of 128, got 576"):
         slice_major_perm(576)
 
