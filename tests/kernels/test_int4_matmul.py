@@ -8,8 +8,8 @@ import pytest
 import torch
 import triton  # make test installs it: no kernel test may skip for want of it
 
-from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels import quant_layout
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.kernels.quant_layout import slice_major_perm, to_slice_major, unpack_int4
 from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
 from tests.kernels.helpers import assert_close
