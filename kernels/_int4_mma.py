@@ -17,7 +17,9 @@ memory, where the MMA reads it anyway (a gather of 2-byte loads before: 5-12% mo
 instructions in the loop with triton 3.9, 33-88% with 3.6; `bench.sass_int4`); or, with
 X_ORDERED (tiles of 64 rows or more), it comes in that order already, from one copy the
 wrapper makes (`int4_matmul.slice_major_x`), and is stored to shared memory in 16-byte
-pieces. The weight rows are the MMA's M side.
+pieces. Codes stored slice-major (`quant_layout.to_slice_major`, how CUDA serves groups of 128)
+take x as it is under X_ORDERED: column `16 i + w` is already at K index `16 i + w`. The weight
+rows are the MMA's M side.
 
 The zero point z of a row and group is 8 without offsets; the integer zero points found at load
 (`zeros`, uint8: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.

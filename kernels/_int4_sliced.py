@@ -14,7 +14,11 @@ that feed no `tl.dot` where they are.
 
 x is read once per word and chunk: its eight columns `k0 + 8 w .. k0 + 8 w + 7` as one
 `[WORDS, 8]` tile, split into the slices' columns (passed to the words' layout through shared
-memory once per chunk), not one gathered 2-byte load per slice and word.
+memory once per chunk), not one gathered 2-byte load per slice and word. With codes stored
+slice-major (SLICED) slice i of word `16 b + v` multiplies column `k0 + 128 b + 16 i + v`: each
+slice's columns are runs, loaded as eight vectors straight in the words' layout (80-128
+registers at 32-64 weight rows against 128-168, the same instructions; on an H100 the four
+layers at one row 5-6% slower, at two rows as fast or faster: `bench/results/slice-major-h100.txt`).
 
 A code becomes a float without a conversion or a subtraction: one shift brings nibbles 2j and
 2j + 1 of a word to bits 15-18 and 19-22, and one AND-OR each sets them as mantissa bits under

@@ -31,6 +31,11 @@ int4_matmul_ref` defines the result). Four ways to multiply a tile (`mode`):
   instructions per code in all on 128-row tiles (SASS of the loop, sm_90), where `gemv` takes
   3.3-5.0 and the dot modes 5-6.
 
+Codes stored slice-major (`quant_layout`: groups of 128, how CUDA serves them; `slice_major=True`
+with their `perm`) let `mma` take x as it is, with no reordering copy or permute, and `gemv`
+read each slice's columns as one run; the other modes gather x through `perm`, as for any
+act-order.
+
 In both dot modes the dequantized tile is rounded to x's dtype before the MMA. With `split_k >
 1` the programs along K write float32 partials `[split_k, M, N]` that a second small kernel sums
 in a fixed order (deterministic) and rounds to x's dtype, or, given the caller's counters, the
