@@ -114,7 +114,8 @@ def _x_run(x_row, cols, K: tl.constexpr, EVEN_K: tl.constexpr):
 def _x_slices(x_row, k0, offs_w, K: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
               perm_ptr, EVEN_K: tl.constexpr, SLICED: tl.constexpr):  # fmt: skip
     """x's columns under the chunk's words, `[WORDS]` float32 per slice (zero past K): one
-    `[WORDS, 8]` load (8 consecutive columns per word), split into the slices."""
+    `[WORDS, 8]` load (8 consecutive columns per word), split into the slices; with SLICED
+    (slice-major codes) each slice's run of columns (`_x_sliced`)."""
     if SLICED:
         return _x_sliced(x_row, k0, offs_w, K, WORDS, EVEN_K)
     cols = k0 + 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]  # [WORDS, 8]

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sitsd.kernels._int4_tile import dequant_tile
 from sitsd.kernels._utils import FLOAT_DTYPES, cdiv, check_dtype, check_out
-from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout
+from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout, check_slice_major
 
 __all__ = ["int4_dequantize"]
 
@@ -114,8 +114,8 @@ def int4_dequantize(
             raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
     if n == 0 or k == 0:
         return out
-    if slice_major and (perm is None or group_size != SLICE_MAJOR_BLOCK):
-        raise ValueError(f"slice-major codes need their perm and group size {SLICE_MAJOR_BLOCK}")
+    if slice_major:
+        check_slice_major(perm, group_size)
     sliced = slice_major and block_k % SLICE_MAJOR_BLOCK == 0
     grid = (cdiv(n, block_n), cdiv(k, block_k))
     _int4_dequant_kernel[grid](

@@ -80,7 +80,7 @@ from sitsd.kernels._utils import (
     num_sms,
     runs_in_interpreter,
 )
-from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout
+from sitsd.kernels.quant_layout import SLICE_MAJOR_BLOCK, check_int4_layout, check_slice_major
 
 __all__ = ["MODES", "Int4MatmulConfig", "choose_int4_config", "int4_matmul"]
 
@@ -425,10 +425,8 @@ def int4_matmul(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
-    if slice_major and (perm is None or group_size != SLICE_MAJOR_BLOCK):
-        raise ValueError(f"slice-major codes need their perm and group size {SLICE_MAJOR_BLOCK}, "
-                         f"got perm {'given' if perm is not None else 'None'} and group size "
-                         f"{group_size}")  # fmt: skip
+    if slice_major:
+        check_slice_major(perm, group_size)
     config = config or choose_int4_config(
         num_rows,
         n,

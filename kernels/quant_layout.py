@@ -61,6 +61,7 @@ __all__ = [
     "SLICE_MAJOR_BLOCK",
     "check_fp8_layout",
     "check_int4_layout",
+    "check_slice_major",
     "num_groups",
     "pack_int4",
     "slice_major_perm",
@@ -131,6 +132,15 @@ def to_slice_major(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
         part = qweight[start : start + rows]
         out[start : start + rows] = pack_int4(unpack_int4(part).index_select(1, perm))
     return out
+
+
+def check_slice_major(perm: torch.Tensor | None, group_size: int) -> None:
+    """Raise unless a weight said to hold slice-major codes has their permutation and groups of
+    `SLICE_MAJOR_BLOCK` (the permutation's values are not read: a host sync)."""
+    if perm is None or group_size != SLICE_MAJOR_BLOCK:
+        raise ValueError(f"slice-major codes need their perm and group size {SLICE_MAJOR_BLOCK}, "
+                         f"got perm {'given' if perm is not None else 'None'} and group size "
+                         f"{group_size}")  # fmt: skip
 
 
 def check_int4_layout(

@@ -4,12 +4,16 @@ Q4_1 bits, with and without CUDA graphs, alone and batched."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from sitsd.model.arch import LlamaArch
 from sitsd.model.llama import LlamaModel, ServingFormat, build_weights
 from sitsd.model.ops import KernelSet, triton_kernels
 from sitsd.model.qlinear import int4_split_counters
+from sitsd.model.weights import expected_shapes
 from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight
 from sitsd.quant.precision import PrecisionMap
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
@@ -113,11 +117,6 @@ def test_int4_g128_is_served_slice_major_and_gives_the_act_order_paths_logits(fr
     # A model whose K are multiples of 128 (hidden 256, intermediate 512), INT4 g128 at load:
     # every linear's codes slice-major on CUDA. The same weights with the flag off take the
     # kernels' generic act-order paths (x gathered through the permutation): the same model.
-    import dataclasses
-
-    from sitsd.model.arch import LlamaArch
-    from sitsd.model.weights import expected_shapes
-
     arch = LlamaArch(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=64,
                      max_position_embeddings=256)  # fmt: skip
