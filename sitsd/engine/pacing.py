@@ -44,11 +44,17 @@ the engine's time on average.
                a drain held back compute what fits in the share (`release_tokens`: they wait
                for a first token, not between two), never more than a steady step computed
                within it (a GPU's price per token changes past some hundred tokens); those a
-               restart takes back a few at a time, that or as many prompt tokens as a steady
-               step computed within the steady steps' spread (`restart_tokens`: a whole
-               context in one step, so that the stream waits one step). Until a swap's
-               recompute has been measured, its tokens are priced as the prompts that steady
-               steps computed cost.
+               restart takes back one at a time, what a step serving two versions may take.
+               Until a swap's recompute has been measured, its tokens are priced as the
+               prompts that steady steps computed cost.
+    two        a step serving two weights versions (a drain, a migration, a restart under
+               way) reads both weight sets; the prompt tokens it may take are those that
+               keep it within what one steady step in ten on one version takes, over what
+               steps of two versions without prompts take (`mixed_prompt_tokens`; a
+               restart's whole context in one step where it fits, so that the stream waits
+               one step), and for arrivals at least twice what steady steps computed on
+               average (`arrival_tokens`: their prompts then go in chunks, and do not pile
+               up), never less than the share buys.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -93,7 +99,9 @@ class PacingSettings:
     # ...or within this many seconds instead, where set (> 0).
     migration_deadline_s: float = 0.0
     # A step the swap's work makes longer than the share allows (a spaced piece) comes at
-    # most once in this many steps: under 1% of them, out of every inter-token P99.
+    # most once in this many steps: under 1% of them, out of every inter-token P99. And a
+    # restart takes a stream back (a wait of a step or two) at most once in this many token
+    # gaps of the running streams (`sitsd.engine.swap_policies`).
     spaced_every: int = 128
     # A spaced piece adds at most this many steady steps to its step (or what its smallest
     # piece costs, if more): on a GPU a piece alone pays about one for its pass over the
@@ -246,6 +254,8 @@ class StepPacer:
         self._prompts = _Cost(False)  # what steady steps' prompt tokens added (one version)
         # Periods of one-version steady steps that computed prompts, by their prompt tokens.
         self._prefill = _Cost(False)
+        # Prompt tokens of recent one-version steady steps (0 for most): what arrivals need.
+        self._arrival_prompts: deque[int] = deque(maxlen=4 * _STEADY_WINDOW)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
         # Steps since one whose swap work added more than the share (none yet: as if long ago).
@@ -354,19 +364,51 @@ class StepPacer:
 
     def restart_tokens(self, budget: int) -> int:
         """Tokens that requests a restart takes back a few at a time may recompute in the
-        step being scheduled: what `release_tokens` gives, or more where a steady step
-        computed more prompt tokens than that and kept within the steady steps' spread (one
-        in ten runs that far over their median). Each such request recomputes its whole
-        context in one step where it can, so that its stream waits one step: a restart of
-        one request then costs a step what a new request's prompt costs it in steady serving,
-        which the steady inter-token latencies already hold. (A context larger than this is
-        given `restart_steps` steps instead, by the swap policies.)"""
+        step being scheduled: those steps serve two weights versions (the requests not yet
+        taken back decode on the old one), so what `mixed_prompt_tokens` gives. Each such
+        request recomputes its whole context in one step where it fits, so that its stream
+        waits one step; a larger one is given `restart_steps` steps, by the swap policies.
+        (Given what a steady step's prompts were, as before, a CPU at 128 streams recomputed
+        256-367 tokens in steps that already read both weight sets: 1.6-1.8x the steady
+        median, the restart phase's P99 2.26x the steady one.)"""
+        return self.mixed_prompt_tokens(budget)
+
+    def mixed_prompt_tokens(self, budget: int) -> int:
+        """Prompt tokens (past one a request) that a step serving two weights versions may
+        compute: as many as keep it within what one steady step in ten on one version takes,
+        arrivals' prompts and all (the steps clients see now and then in steady serving),
+        over what steps of two versions that compute no prompts take; priced as
+        `release_tokens` prices them. Never fewer than `release_tokens` gives (the share:
+        where a second version's pass alone goes past that, as on a GPU, prompts still move
+        at its pace), and that until steps of two versions are measured.
+
+        A step serving two versions pays a pass over each one's weights: a CPU with SmolLM2
+        at 32 streams took 1.5x the steady median for it, and one that also computed an
+        arrival's prompt of 150-300 tokens 1.6-1.9x the steady P99, the P99 of every
+        two-version phase (migrate, drain, restart)."""
         release = self.release_tokens(budget)
-        steady = self.steady_s(1)
-        if self.settings.fixed_tokens or steady is None:
+        ones, decodes = self._steady.get(1, ()), self._decodes.get(2, ())
+        if self.settings.fixed_tokens or len(ones) < _MIN_STEADY_SAMPLES:
             return release
-        seen = self._prefill.largest_within(steady + self._spread(1))
-        return max(release, min(seen, budget))
+        if len(decodes) < _MIN_STEADY_SAMPLES or not self._join_cost().known:
+            return release
+        periods = sorted(ones)
+        envelope = periods[int(0.9 * (len(periods) - 1))]
+        fixed, per_token, _ = self._price(False)
+        fits = int((envelope - statistics.median(decodes) - fixed) / per_token)
+        return max(release, min(fits, budget))
+
+    def arrival_tokens(self, budget: int) -> int:
+        """Prompt tokens (past one a request) of arrivals that a step serving two weights
+        versions may compute: `mixed_prompt_tokens`, or twice what steady steps on one
+        version computed on average if more. A prompt is computed in chunks over a few
+        steps then (its first token comes later; the running streams do not wait), and the
+        arrivals' work is spread evenly over the steps; capped below their average, it
+        would pile up and come all at once when the swap ends (in simulation, 482 prompt
+        tokens in the step after a restart)."""
+        arrivals = self._arrival_prompts
+        mean = 2 * sum(arrivals) // len(arrivals) if arrivals else 0
+        return max(self.mixed_prompt_tokens(budget), min(mean, budget))
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is
@@ -404,6 +446,8 @@ class StepPacer:
             prompts = sched_out.total_num_scheduled_tokens - len(sched_out.num_scheduled_tokens)
             if prompts == 0:
                 self._decodes[key].append(period)
+            if key == 1:
+                self._arrival_prompts.append(prompts)
             if key == 1 and prompts > 0 and steady is not None:
                 self._prompts.add(prompts, period - steady)
                 self._prefill.add(prompts, period)

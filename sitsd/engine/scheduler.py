@@ -12,7 +12,9 @@ to the queue keeping its place). `schedule()` runs the step's phases:
     1. caps      the tiers' live P99s, once per control interval; the policy sets caps, the
                  order of the running requests and this step's prompt allowance
     2. running   running requests in the policy's order, preempting from the end for blocks
-    3. admission the policy admits waiting requests (`policy.admit`), possibly preempting
+    3. admission the policy admits waiting requests (`policy.admit`), possibly preempting;
+                 while live requests run on two weights versions, the prompt tokens of
+                 phases 2 and 3 stay within the pacer's `arrival_tokens` (`_mixed_room`)
     4. swap work a swap's work, in what the step has left and the pacer allows: migration
                  shadows, then canary probes (`sitsd.engine.swap_work`); requests a swap
                  restarted recompute in phases 2 and 3, within the pacer's recompute tokens
@@ -118,7 +120,8 @@ class Scheduler:
         self.pacer = StepPacer(pacing)
         self.swaps = SwapPolicies(self, pacing.migration_deadline_steps,
                                   pacing.migration_deadline_s, pacing.drain_hold_s,
-                                  pacing.restart_steps)  # fmt: skip
+                                  pacing.restart_steps,
+                                  0 if pacing.fixed_tokens else pacing.spaced_every)  # fmt: skip
         self.probes = Probes(self)
         self.swap_work = SwapWorkPhase(self, self.swaps, self.probes, self.pacer)
         self.requests: dict[str, Request] = {}
@@ -136,6 +139,9 @@ class Scheduler:
         # Requests taken back while that step samples their next token, by req_id: the
         # version the token is computed on (a swap may have given the request another).
         self._in_flight_versions: dict[str, str] = {}
+        # Prompt tokens (past one a request) the step being scheduled may still compute while
+        # live requests run on two weights versions (`_mixed_room`); None: on one version.
+        self._mixed_left: int | None = None
 
     # ------------------------------------------------------------------------------ requests
 
@@ -200,6 +206,7 @@ class Scheduler:
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
         self.swaps.start_step(self._swap_room(), out)  # 1: a swap's work, paced
+        self._mixed_left = self._mixed_room()
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -287,16 +294,34 @@ class Scheduler:
             room = min(room, pacer.restart_tokens(budget))
         return room
 
+    def _mixed_room(self) -> int | None:
+        """Prompt tokens of arrivals, past one a request, that the step being scheduled may
+        compute while the live requests run on more than one weights version (a swap's
+        drain, migration or restart; its own recompute is paced apart): the pacer's
+        `arrival_tokens`. None: one version, no such limit."""
+        versions = {r.weights_version for r in self.requests.values()}
+        if len(versions) < 2:
+            return None
+        return self.pacer.arrival_tokens(self.config.max_num_batched_tokens)
+
     def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
         """Tokens `request` may compute in this step before the policy's say: what it has
-        left, within the step's budget and, held back by a swap (restart, drain), that room."""
+        left, within the step's budget and, held back by a swap (restart, drain), that room;
+        else, while requests run on two weights versions, one and what is left of the
+        step's room for prompts (`_mixed_room`: a prompt is computed in chunks then)."""
         num = min(num_left, self.budget(out))
         room = self.swaps.recompute_room(request)
-        return num if room is None else max(0, min(num, room))
+        if room is not None:
+            return max(0, min(num, room))
+        if self._mixed_left is not None:
+            return min(num, 1 + max(0, self._mixed_left))
+        return num
 
     def _count(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.num_scheduled_tokens[request.req_id] = num_new
         out.total_num_scheduled_tokens += num_new
+        if self._mixed_left is not None and self.swaps.recompute_room(request) is None:
+            self._mixed_left -= num_new - 1
         self.policy.charge(request, num_new)
         self.swaps.charge(request, num_new)
 
