@@ -52,6 +52,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -359,12 +360,25 @@ def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[
     return phases
 
 
+def first_tokens(streams: list[Stream], start: float, end: float) -> dict[str, float]:
+    """The time to first token of the requests sent in [start, end) that got one: its median
+    and longest (ms). A swap may hold arrivals' prompts back (a drain's hold, the chunks of
+    steps serving two versions) to keep the running streams' gaps: this is what they pay."""
+    waits = sorted(s.first_token - s.started for s in streams
+                   if start <= s.started < end and s.first_token is not None)  # fmt: skip
+    if not waits:
+        return {}
+    return {"ttft_n": len(waits), "ttft_p50_ms": statistics.median(waits) * 1e3,
+            "ttft_max_ms": waits[-1] * 1e3}  # fmt: skip
+
+
 def summarize(args: argparse.Namespace, streams: list[Stream], marks: dict, policy: str,
               clients: int) -> dict:  # fmt: skip
     phases = phases_of(args, marks, policy)
     steady = stats([g for g, _ in arrival_gaps(streams, phases[0][1], phases[0][2])])
     by_phase = {name: stats([g for g, _ in arrival_gaps(streams, a, b)], steady["p99_ms"])
                 | {"s": b - a}
+                | first_tokens(streams, a, b)
                 | step_stats(marks["metrics"], a, b) for name, a, b in phases}  # fmt: skip
     gaps = sorted(arrival_gaps(streams, phases[0][1], marks["end"]), reverse=True)[:5]
     largest = []
@@ -524,15 +538,18 @@ def table(r: dict, device: str) -> str:
         head,
         f"{'phase':<9} {'s':>6} {'n':>7} {'P50':>8} {'P99':>8} {'max':>8}  "
         f"{'P99/steady':>10} {'max/steadyP99':>13}   (ms; targets {p99_target}x, {max_target}x)"
-        f" | {'steps':>6} {'P50<=':>6} {'P99<=':>6} {'max<=':>6}  (engine steps, ms buckets)",
+        f" | {'steps':>6} {'P50<=':>6} {'P99<=':>6} {'max<=':>6}  (engine steps, ms buckets)"
+        f" | {'TTFT P50':>8} {'max':>8} (ms)",
     ]
     for name, p in r["phases"].items():
         buckets = " ".join(f"{p[k]:>6.0f}" if k in p else f"{'-':>6}"
                            for k in ("step_p50_ms", "step_p99_ms", "step_max_ms"))  # fmt: skip
+        ttft = " ".join(f"{p[k]:>8.0f}" if k in p else f"{'-':>8}"
+                        for k in ("ttft_p50_ms", "ttft_max_ms"))  # fmt: skip
         lines.append(
             f"{name:<9} {p['s']:>6.1f} {p['n']:>7} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} "
             f"{p['max_ms']:>8.1f}  {p['p99_ratio']:>9.2f}x {p['max_ratio']:>12.2f}x"
-            f"{'':<31} | {p.get('steps', 0):>6.0f} {buckets}"
+            f"{'':<31} | {p.get('steps', 0):>6.0f} {buckets} | {ttft}"
         )
     gaps = ", ".join(f"{g['ms']:.0f} ms in {g['phase']} (+{g['into_phase_s']:.1f} s)"
                      for g in r["largest_gaps"])  # fmt: skip
