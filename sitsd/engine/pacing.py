@@ -82,6 +82,7 @@ _FREE_EVERY = 8  # one step in this many runs without swap work
 _MIN_PER_TOKEN_S = 1e-7  # a cost per token below this is noise
 _UNPRICED_RELEASE = 16  # prompt tokens a step for requests a drain held, until a token is priced
 _CEILING_HOLDS = 1.5  # a piece past the share bounds the next while steady steps grow less
+_CLEAR_STEPS = 4  # arrivals' prompts held back while two versions serve clear in this many steps
 
 
 @dataclass(frozen=True)
@@ -398,17 +399,21 @@ class StepPacer:
         fits = int((envelope - statistics.median(decodes) - fixed) / per_token)
         return max(release, min(fits, budget))
 
-    def arrival_tokens(self, budget: int) -> int:
+    def arrival_tokens(self, budget: int, backlog: int) -> int:
         """Prompt tokens (past one a request) of arrivals that a step serving two weights
-        versions may compute: `mixed_prompt_tokens`, or twice what steady steps on one
-        version computed on average if more. A prompt is computed in chunks over a few
-        steps then (its first token comes later; the running streams do not wait), and the
-        arrivals' work is spread evenly over the steps; capped below their average, it
-        would pile up and come all at once when the swap ends (in simulation, 482 prompt
-        tokens in the step after a restart)."""
+        versions may compute: `mixed_prompt_tokens`, or more where twice what steady steps
+        on one version computed on average is more, or what computes the `backlog` (the
+        arrivals' prompt tokens not yet computed) in `_CLEAR_STEPS` steps. A prompt is
+        computed in chunks over a few steps then (its first token comes later; the running
+        streams do not wait), and the arrivals' work is spread evenly over the steps. Capped
+        below what arrives, it would pile up and come all at once when the swap ends: in
+        simulation 482 prompt tokens in the step after a restart; on a CPU at 128 streams,
+        where steady steps' prompts were mostly prefix-cache hits and the new version's
+        cache was cold, first tokens 28 s late and a step of 708 tokens after a migration."""
         arrivals = self._arrival_prompts
         mean = 2 * sum(arrivals) // len(arrivals) if arrivals else 0
-        return max(self.mixed_prompt_tokens(budget), min(mean, budget))
+        clear = -(-backlog // _CLEAR_STEPS)
+        return max(self.mixed_prompt_tokens(budget), min(max(mean, clear), budget))
 
     def measuring(self, num_serving_versions: int) -> bool:
         """The step being scheduled must run without swap work: its kind's steady time is

@@ -142,6 +142,7 @@ class Scheduler:
         # Prompt tokens (past one a request) the step being scheduled may still compute while
         # live requests run on two weights versions (`_mixed_room`); None: on one version.
         self._mixed_left: int | None = None
+        self.arrival_room: int | None = None  # what the last step scheduled began with
 
     # ------------------------------------------------------------------------------ requests
 
@@ -206,7 +207,7 @@ class Scheduler:
         self.swaps.flip_if_ready(out, in_turn=ahead is None)  # 0: requests take shadows' KV
         self.policy.start_step(self, now, self.tracker.refresh(now))  # 1: caps, order
         self.swaps.start_step(self._swap_room(), out)  # 1: a swap's work, paced
-        self._mixed_left = self._mixed_room()
+        self.arrival_room = self._mixed_left = self._mixed_room()
         preempted = self._schedule_running(out)  # 2
         # Not after a preemption: the freed blocks went to running requests, and admitting now
         # would thrash.
@@ -298,11 +299,16 @@ class Scheduler:
         """Prompt tokens of arrivals, past one a request, that the step being scheduled may
         compute while the live requests run on more than one weights version (a swap's
         drain, migration or restart; its own recompute is paced apart): the pacer's
-        `arrival_tokens`. None: one version, no such limit."""
-        versions = {r.weights_version for r in self.requests.values()}
-        if len(versions) < 2:
+        `arrival_tokens`, given the prompt tokens the arrivals have still to compute (a
+        waiting one's prefix-cache hits counted in: an estimate from above). None: one
+        version, no such limit."""
+        requests = self.requests.values()
+        if len({r.weights_version for r in requests}) < 2:
             return None
-        return self.pacer.arrival_tokens(self.config.max_num_batched_tokens)
+        swaps = self.swaps
+        backlog = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in requests
+                      if swaps.recompute_room(r) is None)  # fmt: skip
+        return self.pacer.arrival_tokens(self.config.max_num_batched_tokens, backlog)
 
     def _room(self, request: Request, num_left: int, out: SchedulerOutput) -> int:
         """Tokens `request` may compute in this step before the policy's say: what it has
