@@ -206,6 +206,14 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         # bytes of stack), twice the warps per SM scaled
         c("mma", 128, 64, 128, split_k=2, num_warps=8),
         c("mma", 128, 64, 128, split_k=2, num_warps=8, scaled=True),
+        # 128 x 128 tiles: every program reads all of its rows of x for each group, so at 64
+        # weight rows a program x is read N / 64 times (gate_up at 128 rows: 470 MB from L2
+        # against 59 MB of codes); 128 weight rows halve that, and the scale in the codes
+        # keeps the accumulator alone in registers (8 warps: 64 of them a thread)
+        c("mma", 128, 128, 128, split_k=2, num_warps=8),
+        c("mma", 128, 128, 128, split_k=2, num_warps=8, scaled=True),
+        c("mma", 128, 128, 128, split_k=4, num_warps=8, scaled=True),
+        c("mma", 128, 128, 128, split_k=1, num_warps=8, scaled=True),
         # (x ordered by each program as it loads a group, `order_x=False`, lost every layer at
         # 128 rows on an H100, the copy included: gate_up 145.0 against 113.7 us without
         # offsets, 140.3 against 130.6 with; kernels/NOTES.md, session 22)
