@@ -53,8 +53,9 @@ the engine's time on average.
                steps of two versions without prompts take (`mixed_prompt_tokens`; a
                restart's whole context in one step where it fits, so that the stream waits
                one step), and for arrivals at least twice what steady steps computed on
-               average (`arrival_tokens`: their prompts then go in chunks, and do not pile
-               up), never less than the share buys.
+               average and what clears those waiting in `_CLEAR_STEPS` steps
+               (`arrival_tokens`: their prompts then go in chunks, and do not pile up), never
+               less than the share buys.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.

@@ -70,7 +70,7 @@ class SwapPolicies:
         restart_steps: a request a restart takes back a few a step recomputes its context in
             at most this many steps (its stream waits that long).
         restart_every_gaps: a restart takes a request back at most once in this many token
-            gaps of the running streams (0: as often as the room allows).
+            gaps of the decoding streams (0: as often as the room allows).
         """
         self._batch = batch
         self.migration_deadline_steps = migration_deadline_steps
@@ -97,7 +97,7 @@ class SwapPolicies:
         # Those of `_recompute` taken from `_rolling`, by req_id: the tokens a step each needs
         # to recompute its context in `restart_steps` steps (the room is raised to that).
         self._rolled: dict[str, int] = {}
-        # Token gaps the running streams have had since a restart last took one back, up to
+        # Token gaps the decoding streams have had since a restart last took one back, up to
         # `restart_every_gaps`: a stream taken back waits for its context's recompute, a gap
         # several steps long, and one in that many gaps shows in no inter-token P99 (32
         # streams on a CPU, two taken back a step: 2% of the restart phase's gaps, which
@@ -198,7 +198,7 @@ class SwapPolicies:
         recomputes, the next one goes whatever its size, and the room grows to what its
         context needs to be recomputed in `restart_steps` steps: a stream waiting many steps
         would be the longest gap of all, where a step a little longer is one of many. And
-        one at most per `restart_every_gaps` gaps of the running streams (at 32 streams one
+        one at most per `restart_every_gaps` gaps of the decoding streams (at 32 streams one
         in four steps, at 128 one a step): those waits stay out of the P99."""
         batch = self._batch
         requests = batch.requests
