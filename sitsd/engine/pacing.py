@@ -44,7 +44,8 @@ the engine's time on average.
                a drain held back compute what fits in the share (`release_tokens`: they wait
                for a first token, not between two), never more than a steady step computed
                within it (a GPU's price per token changes past some hundred tokens); those a
-               restart takes back one at a time, what a step serving two versions may take.
+               restart takes back one at a time, what a step serving two versions may take
+               (below).
                Until a swap's recompute has been measured, its tokens are priced as the
                prompts that steady steps computed cost.
     two        a step serving two weights versions (a drain, a migration, a restart under
@@ -364,17 +365,6 @@ class StepPacer:
                    self._cost[False].largest_within(within))  # fmt: skip
         return min(fits, seen or _UNPRICED_RELEASE)
 
-    def restart_tokens(self, budget: int) -> int:
-        """Tokens that requests a restart takes back a few at a time may recompute in the
-        step being scheduled: those steps serve two weights versions (the requests not yet
-        taken back decode on the old one), so what `mixed_prompt_tokens` gives. Each such
-        request recomputes its whole context in one step where it fits, so that its stream
-        waits one step; a larger one is given `restart_steps` steps, by the swap policies.
-        (Given what a steady step's prompts were, as before, a CPU at 128 streams recomputed
-        256-367 tokens in steps that already read both weight sets: 1.6-1.8x the steady
-        median, the restart phase's P99 2.26x the steady one.)"""
-        return self.mixed_prompt_tokens(budget)
-
     def mixed_prompt_tokens(self, budget: int) -> int:
         """Prompt tokens (past one a request) that a step serving two weights versions may
         compute: as many as keep it within what one steady step in ten on one version takes,
@@ -387,7 +377,11 @@ class StepPacer:
         A step serving two versions pays a pass over each one's weights: a CPU with SmolLM2
         at 32 streams took 1.5x the steady median for it, and one that also computed an
         arrival's prompt of 150-300 tokens 1.6-1.9x the steady P99, the P99 of every
-        two-version phase (migrate, drain, restart)."""
+        two-version phase (migrate, drain, restart). It is also the room of the requests a
+        restart takes back one at a time (the others decode on the old version meanwhile):
+        given what a steady step's prompts were instead, a CPU at 128 streams recomputed
+        256-367 tokens in steps that already read both weight sets, 1.6-1.8x the steady
+        median."""
         release = self.release_tokens(budget)
         ones, decodes = self._steady.get(1, ()), self._decodes.get(2, ())
         if self.settings.fixed_tokens or len(ones) < _MIN_STEADY_SAMPLES:

@@ -285,14 +285,15 @@ class Scheduler:
         (the pacer is asked only while there are some): those a restart took back all at
         once, what one steady step of extra time buys (their streams wait for it); those a
         drain held, what fits in the share (they wait for a first token, the streams running
-        must not feel them); those a restart takes back a few at a time, what a steady step's
-        prompts may be (each stream waits one step, the others must not feel it)."""
+        must not feel them); those a restart takes back one at a time, what a step serving two
+        versions may compute (`mixed_prompt_tokens`: each stream waits a step or two, the
+        others must not feel it)."""
         swaps, pacer, budget = self.swaps, self.pacer, self.config.max_num_batched_tokens
         room = pacer.recompute_tokens(budget) if swaps.recomputing else budget
         if swaps.releasing:
             room = min(room, pacer.release_tokens(budget))
         if swaps.restarting:
-            room = min(room, pacer.restart_tokens(budget))
+            room = min(room, pacer.mixed_prompt_tokens(budget))
         return room
 
     def _mixed_room(self) -> int | None:
