@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from sitsd.runtime.weight_slots import PinnedUpload, row_chunks
 from sitsd.types import TokenizerLike
 from sitsd.weights import Checkpoint, CheckpointError, load_checkpoint
 from sitsd.weights.finite_scan import FiniteScan
+from sitsd.weights.hash_child import ChildFailed, hash_in_child
 from sitsd.weights.manifest import (
     IncompleteVersion,
     Manifest,
@@ -49,6 +51,8 @@ from sitsd.weights.manifest import (
     check_hashes,
 )
 from sitsd.weights.tokenizer import Tokenizer
+
+log = logging.getLogger("sitsd.swap")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -115,6 +119,7 @@ def load_version(
     tokenizer: Tokenizer | None = None,
     dtype: torch.dtype | None = None,
     chunk_bytes: int = 0,
+    in_child: bool = False,
 ) -> LoadedVersion:
     """Verify a version directory against its manifest and open its checkpoint.
 
@@ -128,6 +133,8 @@ def load_version(
         dtype: the serving dtype: the hashing's read also tests the values it can
             (`FiniteScan`; `LoadedVersion.finite`, which `validate` reads).
         chunk_bytes: the pieces the files are read in (0: `manifest.sha256_file`'s default).
+        in_child: hash (and scan) in a child process (`hash_child`), off this process's
+            interpreter; in this one where the child gives no answer.
 
     Raises:
         VersionRejected: incomplete, a checksum mismatch, a pickle, an unreadable or truncated
@@ -137,11 +144,22 @@ def load_version(
         raise VersionRejected(f"{path} is not a directory (a version is a directory)")
     try:
         manifest = check_complete(path, root=root)
-        scan = None
-        if dtype is not None:
-            scan = FiniteScan([path / entry.name for entry in manifest.files], dtype)
-        check_hashes(path, manifest, on_progress=on_progress, workers=hash_workers, also=scan,
-                     chunk_bytes=chunk_bytes)  # fmt: skip
+        finite = None
+        if in_child:
+            try:
+                finite = hash_in_child(
+                    path, manifest, dtype=dtype, workers=hash_workers, chunk_bytes=chunk_bytes,
+                    on_progress=on_progress,
+                )  # fmt: skip
+            except ChildFailed as exc:
+                log.warning("%s: hashing in this process instead: %s", path, exc)
+        if finite is None:
+            scan = None
+            if dtype is not None:
+                scan = FiniteScan([path / entry.name for entry in manifest.files], dtype)
+            check_hashes(path, manifest, on_progress=on_progress, workers=hash_workers,
+                         also=scan, chunk_bytes=chunk_bytes)  # fmt: skip
+            finite = scan.finite() if scan is not None else {}
     except IncompleteVersion as exc:
         raise VersionRejected(f"incomplete: {exc}") from None
     except ManifestError as exc:
@@ -150,7 +168,7 @@ def load_version(
         checkpoint = load_checkpoint(path, tokenizer=tokenizer)
     except CheckpointError as exc:
         raise VersionRejected(str(exc)) from None
-    return LoadedVersion(checkpoint, manifest, scan.finite() if scan is not None else {})
+    return LoadedVersion(checkpoint, manifest, finite)
 
 
 def validate(
@@ -239,6 +257,8 @@ def check_finite(
     Raises:
         VersionRejected: naming the first tensor holding NaN or Inf.
     """
+    if not names:
+        return  # no side stream made for nothing (a stream's creation takes driver locks)
     total = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
     done = 0
     on_cuda = serving.device.type == "cuda"

@@ -15,8 +15,10 @@
 One pacing rule for all of it: work on what serving needs takes at most `share` of the time,
 counted on that resource's clock (`progress.Pacer`). On a CPU device serving needs every core,
 so hashing, checking and copying count the stager thread's CPU time. On a GPU, verify and
-validate run unpaced on host cores the engine leaves free (hashed by several threads; the
-finiteness check's uploads measured harmless: ITL P99 1.02x of steady on an H200), and the
+validate run unpaced on host cores the engine leaves free (hashed by several threads of a
+child process, `hash_child`: in this one they held up the engine's thread, which takes the
+interpreter back after each call into torch; the finiteness check's uploads measured
+harmless: ITL P99 1.02x of steady on an H200), and the
 copy into the standby slot counts the device time of its host-to-device transfers: the link
 is what it shares with the engine's own uploads. The canary's prompts are paced by the engine
 (`sitsd.engine.pacing`), like every swap's work inside its steps.
@@ -57,15 +59,12 @@ log = logging.getLogger("sitsd.swap")
 
 _SLOT_POLL_S = 0.2  # how often staging asks again for a standby slot that still drains
 # Files (or blocks of them, `manifest.BLOCK_BYTES`) of a version hashed at once when hashing
-# is not paced (GPU): half the host's cores, which the engine's and the event loop's threads
-# barely use, up to 8.
+# is not paced (GPU, in a child process): half the host's cores, which the engine's and the
+# event loop's threads barely use, up to 8.
 _HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-# The pieces those workers read in: each piece is a few calls that take the interpreter from
-# the engine's thread between its calls into torch (the read, the hash, the finiteness scan),
-# as the copy's pieces are (`config.DEFAULT_CHUNK_BYTES`), whose size this is: twice the
-# workers in pieces four times as large take it no more often than four did in 16 MiB. A
-# paced stager (a CPU device) reads the manifest's default 4 MiB, each piece a pause of the
-# engine's cores.
+# The pieces those workers read in: the copy's (`config.DEFAULT_CHUNK_BYTES`), one progress
+# report each. A paced stager (a CPU device) reads the manifest's default 4 MiB, each piece a
+# pause of the engine's cores.
 _GPU_HASH_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 # Canary prompt tokens whose log-probabilities ([tokens, vocab] float32) are held at once.
 _CANARY_TOKENS_IN_FLIGHT = 512
@@ -201,12 +200,14 @@ class StandbyStager:
         root = Path(self.settings.watch_root) if record.source == "watch" else None
         pacer = self._host_pacer()
         on_bytes = ByteProgress(loop, progress, "verify", record.version, pace=pacer)
-        # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees.
+        # A paced stager (CPU serving) hashes on its own thread, the only one its pacer sees;
+        # an unpaced one in a child process, whose threads leave this interpreter alone.
         unpaced = pacer.share >= 1.0
         loaded = load_version(path, root=root, on_progress=on_bytes,
                               hash_workers=_HASH_WORKERS if unpaced else 1,
                               tokenizer=self.serving.tokenizer, dtype=self.serving.dtype,
-                              chunk_bytes=_GPU_HASH_CHUNK_BYTES if unpaced else 0)  # fmt: skip
+                              chunk_bytes=_GPU_HASH_CHUNK_BYTES if unpaced else 0,
+                              in_child=unpaced)  # fmt: skip
         assert loaded.manifest is not None
         if loaded.manifest.digest != record.manifest_digest:
             raise VersionRejected("manifest.json changed since the version was registered")
