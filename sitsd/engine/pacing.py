@@ -54,9 +54,9 @@ the engine's time on average.
                steps of two versions without prompts take (`mixed_prompt_tokens`; a
                restart's whole context in one step where it fits, so that the stream waits
                one step), and for arrivals at least twice what steady steps computed on
-               average and what clears those waiting in `_CLEAR_STEPS` steps within the
-               longest recent steady step (`arrival_tokens`: their prompts then go in chunks,
-               and do not pile up), never less than the share buys.
+               average and what clears those waiting in `_CLEAR_STEPS` steps within a
+               quarter past the longest recent steady step (`arrival_tokens`: their prompts
+               then go in chunks, and do not pile up), never less than the share buys.
 
 Every eighth step runs without swap work, to keep measuring the steady time. A step with no
 serving work has nothing to protect: the scheduler gives swap work its whole budget then.
@@ -85,6 +85,10 @@ _MIN_PER_TOKEN_S = 1e-7  # a cost per token below this is noise
 _UNPRICED_RELEASE = 16  # prompt tokens a step for requests a drain held, until a token is priced
 _CEILING_HOLDS = 1.5  # a piece past the share bounds the next while steady steps grow less
 _CLEAR_STEPS = 4  # arrivals' prompts held back while two versions serve clear in this many steps
+# ... in steps no longer than this times the longest recent steady step (issue 17's bound on a
+# GPU is 1.3x the steady P99): at the longest itself, where steps of two versions already
+# take about that (a CPU at 128 streams), arrivals got ~40 tokens a step and waited 37 s.
+_CLEAR_CEILING = 1.25
 
 
 @dataclass(frozen=True)
@@ -391,35 +395,36 @@ class StepPacer:
         versions may compute: `mixed_prompt_tokens`, or more where twice what steady steps
         on one version computed on average is more, or what computes the `backlog` (the
         arrivals' prompt tokens not yet computed) in `_CLEAR_STEPS` steps, as long as the
-        step stays within the longest of the recent steady steps on one version. A prompt is
+        step stays within `_CLEAR_CEILING` times the longest of the recent steady steps on
+        one version. A prompt is
         computed in chunks over a few steps then (its first token comes later; the running
         streams do not wait), and the arrivals' work is spread evenly over the steps. Capped
         below what arrives, it would pile up and come all at once when the swap ends: in
         simulation 482 prompt tokens in the step after a restart; on a CPU at 128 streams,
         where steady steps' prompts were mostly prefix-cache hits and the new version's
         cache was cold, first tokens 28 s late and a step of 708 tokens after a migration.
-        Clearing without a bound, the requests a drain had held made steps of 479-608 tokens
-        there, 1.8x the steady P99: a backlog clears within the steady steps' longest."""
+        Clearing without a bound, arrivals waiting in a drain made steps of 479-608 tokens
+        there, 1.8x the steady P99."""
         arrivals = self._arrival_prompts
         mean = 2 * sum(arrivals) // len(arrivals) if arrivals else 0
         clear = -(-backlog // _CLEAR_STEPS)
-        longest = self._two_version_fits(1.0)
-        if longest is not None:
-            clear = min(clear, longest)
+        ceiling = self._two_version_fits(1.0, _CLEAR_CEILING)
+        if ceiling is not None:
+            clear = min(clear, ceiling)
         return max(self.mixed_prompt_tokens(budget), min(max(mean, clear), budget))
 
-    def _two_version_fits(self, quantile: float) -> int | None:
-        """Prompt tokens that keep a step serving two versions within the `quantile` of
-        recent steady periods on one version (1.0: the longest), over the median of steps of
-        two versions that computed no prompts, priced as `release_tokens` prices them (may
-        be negative); None until both kinds of step and the price are measured."""
+    def _two_version_fits(self, quantile: float, times: float = 1.0) -> int | None:
+        """Prompt tokens that keep a step serving two versions within `times` the `quantile`
+        of recent steady periods on one version (1.0: the longest), over the median of steps
+        of two versions that computed no prompts, priced as `release_tokens` prices them
+        (may be negative); None until both kinds of step and the price are measured."""
         ones, decodes = self._steady.get(1, ()), self._decodes.get(2, ())
         if self.settings.fixed_tokens or len(ones) < _MIN_STEADY_SAMPLES:
             return None
         if len(decodes) < _MIN_STEADY_SAMPLES or not self._join_cost().known:
             return None
         periods = sorted(ones)
-        envelope = periods[int(quantile * (len(periods) - 1))]
+        envelope = times * periods[int(quantile * (len(periods) - 1))]
         fixed, per_token, _ = self._price(False)
         return int((envelope - statistics.median(decodes) - fixed) / per_token)
 

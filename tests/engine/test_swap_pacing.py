@@ -754,10 +754,10 @@ def test_steps_serving_two_versions_take_prompts_that_keep_them_within_one_stead
     assert fed.pacer.arrival_tokens(4096, 0) == 2 * 16 * 99 // 94
 
 
-def test_arrivals_waiting_clear_in_four_steps_within_the_longest_steady_step():
+def test_arrivals_waiting_clear_in_four_steps_within_a_quarter_past_the_longest_steady_step():
     # Steady steps of 0.40 s, one in eight with a prompt of 199 tokens (past one) at ~2 ms a
     # token (0.80 s, the longest); steps of two versions without prompts 0.45 s: past the
-    # steady P90 already (the share's pace), 0.35 s under the longest, ~175 tokens.
+    # steady P90 already (the share's pace), 0.55 s under 1.25 x the longest, ~275 tokens.
     fed = FedPacer()
     for i in range(64):
         if i % 8 == 0:
@@ -771,9 +771,10 @@ def test_arrivals_waiting_clear_in_four_steps_within_the_longest_steady_step():
     assert pacer.mixed_prompt_tokens(4096) == pacer.release_tokens(4096) < mean
     assert pacer.arrival_tokens(4096, 0) == mean, "twice what arrives, waiting or not"
     assert pacer.arrival_tokens(4096, 400) == 100, "those waiting clear in four steps"
-    # A drain's end on a CPU at 128 streams: the requests it had held came four steps' worth
-    # a step, 479-608 tokens, 1.8x the steady P99. No more than the longest steady step holds.
-    assert pacer.arrival_tokens(4096, 4000) == pytest.approx(175, abs=2)
+    # A drain on a CPU at 128 streams: the arrivals waiting came four steps' worth a step,
+    # 479-608 tokens, 1.8x the steady P99. No more than a quarter past the longest steady
+    # step holds.
+    assert pacer.arrival_tokens(4096, 4000) == pytest.approx(275, abs=3)
 
 
 def test_a_drain_releases_few_prompt_tokens_a_step_until_a_token_is_priced():
