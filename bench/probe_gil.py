@@ -5,11 +5,12 @@ interpreter and must get it back. A thread that keeps it through one long C call
 zeroed, a header parsed, a tokenizer built) delays the step by as much: the GPU runs of
 `bench.bench_swap` saw one-version steps of 10-36 ms, all host time in the runner's launch,
 as each verification and validation began. This runs each host part of a swap as a daemon
-serving on a GPU runs it (unpaced, `staging._HASH_WORKERS` threads hashing in
-`staging._GPU_HASH_CHUNK_BYTES` pieces), on any machine, beside a heartbeat: a thread that
-sleeps `--beat-ms` at a time and records how late it wakes. A wake late by 20 ms means the
-interpreter was held that long, or every core was busy: a second heartbeat in its own
-process (its own interpreter) sees the second cause only, and is printed beside it.
+serving on a GPU runs it (unpaced, `staging._HASH_WORKERS` threads of a child process
+hashing in `staging._GPU_HASH_CHUNK_BYTES` pieces; `--in-process`: of this one), on any
+machine, beside a heartbeat: a thread that sleeps `--beat-ms` at a time and records how late
+it wakes. A wake late by 20 ms means the interpreter was held that long, or every core was
+busy: a second heartbeat in its own process (its own interpreter) sees the second cause
+only, and is printed beside it.
 
     verify     `checks.load_version`: the manifest's hashes and the finiteness scan in one
                read, then `load_checkpoint` (memory-maps the safetensors files)
@@ -122,6 +123,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="rounds of every part")
     parser.add_argument("--hash-workers", type=int, default=_HASH_WORKERS)
     parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="hash on this process's threads (the daemon hashes in a child)",
+    )
+    parser.add_argument(
         "--switch-ms",
         type=float,
         default=1e3 * ServerConfig.gil_switch_interval_s,
@@ -135,7 +141,9 @@ def main() -> None:
     serving: ServingModel = serving_model_of(ckpt.arch, ckpt.tokenizer, torch.bfloat16,
                                              torch.device("cpu"))  # fmt: skip
     print(f"{path}: python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"{args.hash_workers} hash workers, {_GPU_HASH_CHUNK_BYTES // MIB} MiB pieces, "
+          f"{args.hash_workers} hash workers "
+          f"({'in this process' if args.in_process else 'in a child'}), "
+          f"{_GPU_HASH_CHUNK_BYTES // MIB} MiB pieces, "
           f"switch interval {args.switch_ms} ms, {os.cpu_count()} cores", flush=True)  # fmt: skip
     beat = Heartbeat(args.beat_ms / 1e3)
     threading.Thread(target=beat.run, name="heartbeat", daemon=True).start()
@@ -148,7 +156,8 @@ def main() -> None:
         print(f"round {round_ + 1}:", flush=True)
         loaded, start, end = part("verify", lambda: load_version(
             path, hash_workers=args.hash_workers, tokenizer=serving.tokenizer,
-            dtype=serving.dtype, chunk_bytes=_GPU_HASH_CHUNK_BYTES), beat)  # fmt: skip
+            dtype=serving.dtype, chunk_bytes=_GPU_HASH_CHUNK_BYTES,
+            in_child=not args.in_process), beat)  # fmt: skip
         marks.append(("verify", start, end))
         assert isinstance(loaded, LoadedVersion)
         _, start, end = part("validate", partial(validate, loaded, serving, chunk_bytes=64 * MIB),

@@ -3,7 +3,8 @@
 `StandbyStager.stage(record)` takes a registered version to "ready to commit":
 
     verify + load  the manifest against every file (and, in the same read,
-                   the values it can test: `finite_scan`), the checkpoint   stager thread
+                   the values it can test: `finite_scan`; on a GPU in a
+                   child process, `hash_child`), the checkpoint             stager thread
     validate       against the serving model (`checks.validate`)           stager thread
     stage          reserve the standby slot (once no request runs on it:
                    a drain may still hold it), copy into it; a version of
