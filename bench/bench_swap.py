@@ -342,10 +342,13 @@ def step_stats(snapshots: dict[float, str], start: float, end: float) -> dict[st
 
 
 def phases_of(args: argparse.Namespace, marks: dict, policy: str) -> list[tuple[str, float, float]]:
-    """(name, start, end) of every phase of one swap, in order."""
+    """(name, start, end) of every phase of one swap, in order, end to end: the first stage
+    from the deploy (the time until the daemon's first word of it counts in that stage; a
+    gap there once fell in no phase)."""
     staged = sorted(((s, t) for s, t in marks["stages"].items() if s in STAGES),
                     key=lambda st: st[1])  # fmt: skip
     bounds = [t for _, t in staged] + [marks["staged"]]
+    bounds[0] = marks["deploy"]
     phases = [("steady", marks["deploy"] - args.steady, marks["deploy"])]
     phases += [(name, bounds[i], bounds[i + 1]) for i, (name, _) in enumerate(staged)]
     if policy == REJECTED:  # up to the refusal, then after
@@ -383,7 +386,7 @@ def summarize(args: argparse.Namespace, streams: list[Stream], marks: dict, poli
     gaps = sorted(arrival_gaps(streams, phases[0][1], marks["end"]), reverse=True)[:5]
     largest = []
     for gap, at in gaps:
-        name, start, _ = next(p for p in phases if p[1] <= at < p[2])
+        name, start, _ = max((p for p in phases if p[1] <= at), key=lambda p: p[1])
         largest.append({"ms": gap * 1e3, "phase": name, "into_phase_s": at - start})
     started = [s for s in streams if phases[0][1] <= s.started < marks["end"]]
     return {
