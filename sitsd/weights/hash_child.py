@@ -94,20 +94,23 @@ def hash_in_child(
         assert child.stdin is not None
         assert child.stdout is not None
         answer: dict[str, object] | None = None
+        broke = ""  # why talking to it failed, if it did
         try:
             child.stdin.write(json.dumps(asdict(job)) + "\n")
             child.stdin.flush()
             for line in child.stdout:
                 message = json.loads(line)
+                if not isinstance(message, dict):
+                    raise ValueError(f"not a message: {line[:80]!r}")
                 if "done" in message:
                     if on_progress is not None:
                         on_progress(int(message["done"]), int(message["total"]))
                     continue
                 answer = message
                 break
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # gone before its job was sent, or garbled
             child.kill()
-            raise ChildFailed(f"the hashing child's pipe broke: {exc}") from None
+            broke = f"{type(exc).__name__}: {exc}"
         finally:
             with contextlib.suppress(OSError):  # a child already gone: nothing to tell
                 child.stdin.close()  # it exits on a closed stdin, answered or not
@@ -115,7 +118,7 @@ def hash_in_child(
         if answer is None:
             stderr.seek(0)
             lines = stderr.read().decode(errors="replace").strip().splitlines()
-            last = lines[-1] if lines else "no output"
+            last = lines[-1] if lines else broke or "no output"
             raise ChildFailed(f"the hashing child exited ({returncode}) without an answer: {last}")
     if "rejected" in answer:
         kind = IncompleteVersion if answer.get("incomplete") else ManifestError
