@@ -396,9 +396,9 @@ class StepPacer:
         on one version computed on average is more, or what computes the `backlog` (the
         arrivals' prompt tokens not yet computed) in `_CLEAR_STEPS` steps, as long as the
         step stays within `_CLEAR_CEILING` times the longest of the recent steady steps on
-        one version. A prompt is
-        computed in chunks over a few steps then (its first token comes later; the running
-        streams do not wait), and the arrivals' work is spread evenly over the steps. Capped
+        one version. A prompt is computed in chunks over a few steps then (its first token
+        comes later; the running streams do not wait), and the arrivals' work is spread
+        evenly over the steps. Capped
         below what arrives, it would pile up and come all at once when the swap ends: in
         simulation 482 prompt tokens in the step after a restart; on a CPU at 128 streams,
         where steady steps' prompts were mostly prefix-cache hits and the new version's

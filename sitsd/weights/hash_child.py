@@ -40,11 +40,10 @@ from sitsd.weights.manifest import (
     IncompleteVersion,
     Manifest,
     ManifestError,
+    Progress,
     check_hashes,
     read_manifest,
 )
-
-Progress = Callable[[int, int], None]  # (bytes hashed, bytes total)
 
 
 class ChildFailed(RuntimeError):

@@ -19,9 +19,9 @@ so hashing, checking and copying count the stager thread's CPU time. On a GPU, v
 validate run unpaced on host cores the engine leaves free (hashed by several threads of a
 child process, `hash_child`: in this one they held up the engine's thread, which takes the
 interpreter back after each call into torch; the finiteness check's uploads measured
-harmless: ITL P99 1.02x of steady on an H200), and the
-copy into the standby slot counts the device time of its host-to-device transfers: the link
-is what it shares with the engine's own uploads. The canary's prompts are paced by the engine
+harmless: ITL P99 1.02x of steady on an H200), and the copy into the standby slot counts the
+device time of its host-to-device transfers: the link is what it shares with the engine's
+own uploads. The canary's prompts are paced by the engine
 (`sitsd.engine.pacing`), like every swap's work inside its steps.
 
 Everything it asks of the engine goes through the `SwapPort`. Each stage is timed in the
