@@ -729,17 +729,21 @@ class FedPacer:
         start, self.clock = self.clock, self.clock + period
         self.pacer.step_ended(StepRecord(sched_out, [], start, self.clock), self.clock)
 
+    def steady_with_prompts(self, every: int, period: float, prompt_tokens: int) -> None:
+        """64 steady steps of 0.40 s, one in `every` a `prompt_step` instead."""
+        for i in range(64):
+            if i % every == 0:
+                self.prompt_step(period, prompt_tokens)
+            else:
+                self.step(0.40, 0)
+
 
 def test_steps_serving_two_versions_take_prompts_that_keep_them_within_one_steady_step_in_ten():
     # Steady steps of 0.40 s, one in four with a prompt of 99 tokens (past one) at ~2 ms a
     # token (0.60 s); steps of two versions without prompts 0.50 s: 0.10 s of room under the
     # steady P90 (0.60 s), ~50 tokens, more than the share buys.
     fed = FedPacer()
-    for i in range(64):
-        if i % 4 == 0:
-            fed.prompt_step(0.60, 100)
-        else:
-            fed.step(0.40, 0)
+    fed.steady_with_prompts(4, 0.60, 100)
     assert fed.pacer.release_tokens(4096) < 50
     assert fed.pacer.mixed_prompt_tokens(4096) == fed.pacer.release_tokens(4096), \
         "unmeasured two-version steps: the share's pace"  # fmt: skip
@@ -759,11 +763,7 @@ def test_arrivals_waiting_clear_in_four_steps_within_a_quarter_past_the_longest_
     # token (0.80 s, the longest); steps of two versions without prompts 0.45 s: past the
     # steady P90 already (the share's pace), 0.55 s under 1.25 x the longest, ~275 tokens.
     fed = FedPacer()
-    for i in range(64):
-        if i % 8 == 0:
-            fed.prompt_step(0.80, 200)
-        else:
-            fed.step(0.40, 0)
+    fed.steady_with_prompts(8, 0.80, 200)
     for _ in range(4):
         fed.step(0.45, 0, versions=2)
     pacer = fed.pacer
