@@ -10,7 +10,8 @@ the top-level `kernels/` folder (the package ships it as `sitsd.kernels`).
 
 Layers, lowest first; a package may import its own layer and the layers below it:
 
-    base       sitsd (the package root), types, outputs, config, flag_types, tiers_file
+    base       sitsd (the package root), types, outputs, config, flag_types, tiers_file,
+               children
     kernels    the Triton kernels and their references
     quant      quantized weight layouts and the checkpoint formats converted into them
     plugins    the plugin interface and the bundled plugins
@@ -51,6 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "sitsd.config",
             "sitsd.flag_types",
             "sitsd.tiers_file",
+            "sitsd.children",
         ),
     ),
     ("kernels", ("sitsd.kernels",)),

@@ -24,7 +24,6 @@ fails (nothing: the capture compiles in-process as before, and the caller logs i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sitsd.children import module_command
 from sitsd.kernels.quant_layout import slice_major_perm
 from sitsd.model.weights import LlamaWeights
 from sitsd.quant.layout import Int4Weight
@@ -115,14 +115,12 @@ def compile_in_child(plan: Int4Plan, timeout_s: float = CHILD_TIMEOUT_S) -> floa
     """
     if not plan.structures or not plan.rows:
         return 0.0
-    env = dict(os.environ)
-    # The parent's import path, whatever started it (an installed script, `python -m`, tests).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    argv, env = module_command("sitsd.runtime.precompile")
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "sitsd.runtime.precompile"], input=plan.to_json(),
-            capture_output=True, text=True, env=env, timeout=timeout_s, check=False,
+            argv, input=plan.to_json(), capture_output=True, text=True, env=env,
+            timeout=timeout_s, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the INT4 compiles ran past {timeout_s:.0f}s") from None

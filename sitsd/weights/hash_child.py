@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from sitsd.children import module_command
 from sitsd.weights.finite_scan import FiniteScan
 from sitsd.weights.manifest import (
     IncompleteVersion,
@@ -44,6 +45,8 @@ from sitsd.weights.manifest import (
     check_hashes,
     read_manifest,
 )
+
+CHILD_MODULE = "sitsd.weights.hash_child"  # what the child runs (`module_command`)
 
 
 class ChildFailed(RuntimeError):
@@ -79,14 +82,12 @@ def hash_in_child(
         ChildFailed: the child gave no answer.
     """
     job = HashJob(str(directory), manifest.digest, _dtype_name(dtype), workers, chunk_bytes)
-    env = dict(os.environ)
-    # The parent's import path, whatever started it (an installed script, `python -m`, tests).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    argv, env = module_command(CHILD_MODULE)
     with tempfile.TemporaryFile() as stderr:
         try:
             child = subprocess.Popen(
-                [sys.executable, "-m", "sitsd.weights.hash_child"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=stderr, env=env, text=True,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                text=True,
             )  # fmt: skip
         except OSError as exc:
             raise ChildFailed(f"the hashing child did not start: {exc}") from None

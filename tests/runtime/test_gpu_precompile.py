@@ -8,12 +8,13 @@ graphs are captured again, no INT4 kernel may be compiled in that process, only 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sitsd.children import module_command
 
 pytestmark = pytest.mark.gpu
 
@@ -29,12 +30,10 @@ def test_a_capture_into_int4_beside_serving_compiles_no_int4_kernel_itself(tmp_p
 
     write_tiny_llama(tmp_path / "dense", seed=3)
     write_quantized_llama(tmp_path / "int4", "awq", seed=3)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.test_gpu_precompile", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
-    )  # fmt: skip
+    argv, env = module_command("tests.runtime.test_gpu_precompile",
+                               TRITON_CACHE_DIR=str(tmp_path / "triton"))  # fmt: skip
+    done = subprocess.run([*argv, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=900, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(report)

@@ -10,19 +10,21 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from sitsd.children import module_command
 from sitsd.weights.checks import VersionRejected, load_version
-from sitsd.weights.hash_child import HashJob, hash_in_child
+from sitsd.weights.hash_child import CHILD_MODULE, HashJob, hash_in_child
 from sitsd.weights.manifest import ManifestError, read_manifest
 from tests.weights.tiny_versions import BAD_DROPS, write_bad_version
 
 NAN_TENSOR = "model.layers.1.mlp.gate_proj.weight"  # where the "nan" drop puts one
 
 
-def progress_calls() -> tuple[list[tuple[int, int]], object]:
+def progress_calls() -> tuple[list[tuple[int, int]], Callable[[int, int], None]]:
     calls: list[tuple[int, int]] = []
     return calls, lambda done, total: calls.append((done, total))
 
@@ -80,9 +82,8 @@ def test_a_child_whose_parent_is_gone_exits(tmp_path):
     weights = version / "model.safetensors"
     weights.unlink()
     os.mkfifo(weights)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    child = subprocess.Popen([sys.executable, "-m", "sitsd.weights.hash_child"],
-                             stdin=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    argv, env = module_command(CHILD_MODULE)
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, text=True)
     assert child.stdin is not None
     child.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
     child.stdin.flush()
