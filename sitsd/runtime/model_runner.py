@@ -25,6 +25,7 @@ over; the probe's blocks are the scheduler's, like any request's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -53,10 +54,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Row counts a canary chunk's logits are warmed at: one of each kind of launch the linear layer
-# routes to by rows (a few rows, a skinny GEMM, cuBLAS) and of each class Triton compiles a
-# row count into (1, a multiple of 16, any other).
-PROBE_WARM_ROWS = (1, 3, 16, 24, 64, 100, 256)
+# The row counts a canary chunk's logits run at, each warmed at start-up: a step's probe rows
+# are padded up to the next one, or go in pieces of the largest. They span each kind of launch
+# the linear layer routes to by rows (a few rows, a skinny GEMM, cuBLAS) and each class Triton
+# compiles a row count into (1, a multiple of 16, any other); and nothing else runs, so no
+# serving step waits for a kernel loaded at its first launch (cuBLAS picks its kernel by rows,
+# and CUDA loads each one's module lazily: the GPU runs' first canary steps spent 12-20 ms in
+# the runner's launch at chunk sizes the warm-up had not run).
+PROBE_WARM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def probe_log_softmax(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,  # [num_rows, hidden]
+) -> torch.Tensor:
+    """log_softmax of `compute_logits(hidden)` ([num_rows, vocab] float32), computed at the
+    row counts of `PROBE_WARM_ROWS` only: in pieces of the largest, the last padded with zero
+    rows (whose logits are dropped). Rows are independent, so the padding changes none."""
+    pieces = []
+    largest = PROBE_WARM_ROWS[-1]
+    for piece in hidden.split(largest):
+        n = piece.shape[0]
+        rows = next(r for r in PROBE_WARM_ROWS if r >= n)
+        if rows > n:
+            piece = torch.cat([piece, piece.new_zeros(rows - n, piece.shape[1])])
+        pieces.append(torch.log_softmax(compute_logits(piece), -1)[:n])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class ModelRunner:
@@ -262,10 +285,11 @@ class ModelRunner:
         serving: CUDA loads a kernel's module at its first launch, and on an H200 the first
         canary of every benchmark run held a serving step 40-100 ms on the host (later
         canaries, none). Keeps nothing."""
-        weights, hidden_size = self.weights, self.model.arch.hidden_size
+        logits = functools.partial(self.model.compute_logits, self.weights)
         for n in rows:
-            hidden = torch.zeros(n, hidden_size, dtype=self.slots.dtype, device=self.device)
-            torch.log_softmax(self.model.compute_logits(weights, hidden), -1)
+            hidden = torch.zeros(n, self.model.arch.hidden_size, dtype=self.slots.dtype,
+                                 device=self.device)  # fmt: skip
+            probe_log_softmax(logits, hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -431,9 +455,9 @@ class ModelRunner:
             if self.requests[req_id].probe:
                 spans.append((req_id, row, n))
             row += n
-        weights = self.slots.weights_for(version)
+        logits = functools.partial(self.model.compute_logits, self.slots.weights_for(version))
         picked = torch.cat([hidden[start : start + n] for _, start, n in spans])  # [probes, H]
-        logprobs = torch.log_softmax(self.model.compute_logits(weights, picked), -1)
+        logprobs = probe_log_softmax(logits, picked)
         for (req_id, _, _), chunk in zip(spans, logprobs.split([n for _, _, n in spans])):
             self._probe_logprobs.setdefault(req_id, []).append(chunk)  # [n, vocab]
 

@@ -16,6 +16,7 @@ from sitsd.engine.pacing import PacingSettings
 from sitsd.engine.request import Request
 from sitsd.engine.scheduler import Scheduler
 from sitsd.runtime.mixed_graphs import token_buckets
+from sitsd.runtime.model_runner import PROBE_WARM_ROWS, probe_log_softmax
 from sitsd.types import SamplingParams, Tier
 from tests.runtime.test_weight_slots import BLOCK, runner_with_two_versions
 from tests.weights.tiny_models import tiny_llama_model
@@ -104,3 +105,21 @@ def test_warming_a_canarys_kernels_keeps_nothing_and_changes_no_probe():
     _, (expected,), _ = serve(cold, {}, [(prompt, "v2")])
     _, (got,), _ = serve(warm, {}, [(prompt, "v2")])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 39, 256, 257, 700])
+def test_a_canary_chunks_logits_run_only_at_the_row_counts_warmed_at_start_up(num_rows):
+    # cuBLAS picks its kernel by rows and CUDA loads each kernel's module at its first launch:
+    # a chunk at a row count the warm-up never ran held a GPU step 12-20 ms on the host.
+    torch.manual_seed(num_rows)
+    weight = torch.randn(50, 8)
+    hidden = torch.randn(num_rows, 8)
+    seen = []
+
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return rows @ weight.T
+
+    got = probe_log_softmax(logits, hidden)
+    assert set(seen) <= set(PROBE_WARM_ROWS)
+    torch.testing.assert_close(got, torch.log_softmax(hidden @ weight.T, -1), rtol=0, atol=1e-5)
