@@ -78,7 +78,7 @@ def probe_log_softmax(
         n = piece.shape[0]
         rows = next(r for r in PROBE_WARM_ROWS if r >= n)
         if rows > n:
-            piece = torch.cat([piece, piece.new_zeros(rows - n, piece.shape[1])])
+            piece = torch.nn.functional.pad(piece, (0, 0, 0, rows - n))  # zero rows at the end
         pieces.append(torch.log_softmax(compute_logits(piece), -1)[:n])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
