@@ -86,7 +86,8 @@ def main() -> None:
           f"its floor {floor_ms:.2f} ms")  # fmt: skip
     side = torch.cuda.Stream()
     print(f"{'rows':>5} {'split':>9} {'one version':>12} {'two, in turn':>13} "
-          f"{'two, at once':>13} {'in turn / one':>14} {'one / floor':>12}")  # fmt: skip
+          f"{'two, at once':>13} {'in turn / one':>14} {'one / floor':>12} "
+          f"{'in turn / two floors':>21}")  # fmt: skip
     for rows in args.rows:
         one = median_ms(functools.partial(first.replay, first.bucket_for(rows)), repeats=50)
         for split in ((rows // 2, rows - rows // 2), (rows - 1, 1)):
@@ -94,9 +95,8 @@ def main() -> None:
             once = median_ms(functools.partial(_side_by_side, first, second, split, side),
                              repeats=50)  # fmt: skip
             print(f"{rows:>5} {f'{split[0]}+{split[1]}':>9} {one:>10.2f}ms {turn:>11.2f}ms "
-                  f"{once:>11.2f}ms {turn / one:>13.2f}x {one / floor_ms:>11.2f}x")  # fmt: skip
-    print(f"two slots' floor {2 * floor_ms:.2f} ms: a step of two versions at the floor is "
-          f"{2 * floor_ms:.2f} ms against one version's measured step above")  # fmt: skip
+                  f"{once:>11.2f}ms {turn / one:>13.2f}x {one / floor_ms:>11.2f}x "
+                  f"{turn / (2 * floor_ms):>20.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
