@@ -33,7 +33,14 @@ the engine's time on average.
                step that grew past the share comes at most once in `spaced_every` steps: on
                a GPU a piece alone is a whole pass over the other slot's weights, and one
                such step in five (what the share alone would space them by) shows in every
-               inter-token P99; one in 128 shows in none. Both tests (a piece fits the
+               inter-token P99; one in 128 shows in none. That holds over each stretch of
+               swap work from its start, too (a canary, a migration: the steps from the first
+               that asked for an allowance to the last), not only between two such steps: the
+               Nth comes no earlier than N x `spaced_every` steps into the stretch (the first
+               piece alone, which measures the price, goes at once; the next then waits
+               twice as long). A second swap's canary, priced by the first's, ran its one or
+               two pieces at once on an H100, in a phase of 8-16 steps whose P99 they were
+               (1.7-2.2x the steady P99). Both tests (a piece fits the
                share; a step grew past it) allow for what steady steps of the kind run over
                their median one time in ten (of those without prompt tokens, where enough
                were measured: arrivals' prompts are work, not noise): a busy machine's slow
@@ -89,6 +96,9 @@ _CLEAR_STEPS = 4  # arrivals' prompts held back while two versions serve clear i
 # GPU is 1.3x the steady P99): at the longest itself, where steps of two versions already
 # take about that (a CPU at 128 streams), arrivals got ~40 tokens a step and waited 37 s.
 _CLEAR_CEILING = 1.25
+# A step whose allowance nobody asked for in more than this many steps ends a stretch of swap
+# work (one step more than the step running ahead, with asynchronous scheduling).
+_STRETCH_GAP = 2
 
 
 @dataclass(frozen=True)
@@ -267,6 +277,10 @@ class StepPacer:
         self._num_busy = 0  # consecutive steps with swap work
         # Steps since one whose swap work added more than the share (none yet: as if long ago).
         self._since_past_share = self.settings.spaced_every
+        self._num_steps = 0  # steps that ended with something scheduled
+        self._paced_at: int | None = None  # `_num_steps` when `pace` was last asked
+        self._stretch_start = 0  # `_num_steps` when the stretch of swap work now began
+        self._stretch_past = 0  # steps of that stretch whose swap work went past the share
         self._last_end: float | None = None
 
     def steady_s(self, num_serving_versions: int = 1) -> float | None:
@@ -285,6 +299,7 @@ class StepPacer:
             alone: the work would run on a slot that serves nothing in this step.
         """
         settings = self.settings
+        self._note_stretch()
         if settings.fixed_tokens:
             return Allowance(settings.fixed_tokens, "fixed")
         steady = self.steady_s(num_serving_versions)
@@ -308,7 +323,7 @@ class StepPacer:
         # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
         # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = self._spaced_cap(steady, smallest)
-        if self._credit < cap or self._since_past_share < settings.spaced_every:
+        if self._credit < cap or not self._may_pass_share():
             return Allowance(0, "spaced", per_token, smallest)
         grown = 2 * cost.largest + 2
         if not resolved:
@@ -450,6 +465,7 @@ class StepPacer:
             return
         period = end - max(record.start, last_end if last_end is not None else record.start)
         self._since_past_share += 1
+        self._num_steps += 1
         work = record.sched_out.swap_work
         if work is None:  # not scheduled to the end (a preemption): its kind is unknown
             return
@@ -483,6 +499,7 @@ class StepPacer:
         past_share = extra > self.settings.share * steady + self._spread(work.num_serving_versions)
         if past_share:
             self._since_past_share = 0
+            self._stretch_past += 1
         self._cost[work.alone].add(work.num_tokens, extra)
         self._note_ceiling(work.alone, work.num_serving_versions, work.num_tokens, past_share,
                            steady)  # fmt: skip
@@ -493,6 +510,21 @@ class StepPacer:
         self._earn(steady)
 
     # ------------------------------------------------------------------------------ internal
+
+    def _note_stretch(self) -> None:
+        """`pace` is asked: after more than `_STRETCH_GAP` steps without, a stretch of swap
+        work begins."""
+        if self._paced_at is None or self._num_steps - self._paced_at > _STRETCH_GAP:
+            self._stretch_start, self._stretch_past = self._num_steps, 0
+        self._paced_at = self._num_steps
+
+    def _may_pass_share(self) -> bool:
+        """A spaced piece may go in the step being scheduled: `spaced_every` steps since the
+        last step past the share, and the stretch's Nth such step at least N x `spaced_every`
+        steps into it (the module docstring)."""
+        every = self.settings.spaced_every
+        into = self._num_steps - self._stretch_start
+        return self._since_past_share >= every and into >= (self._stretch_past + 1) * every
 
     def _spread(self, num_serving_versions: int) -> float:
         """How far above their median one steady step in ten of that kind runs, of those that

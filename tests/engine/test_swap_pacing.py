@@ -519,6 +519,26 @@ def test_steps_a_canary_makes_longer_than_the_share_are_too_rare_for_the_p99():
     assert max(periods) <= 3 * steady + sim.token_s + 1e-9, "a step at most triples"
 
 
+def test_a_canary_keeps_its_steps_past_the_share_to_one_in_spaced_every_from_its_start():
+    # A phase's P99 is taken over the phase: a second swap's canary, priced by the first's,
+    # ran its one or two pieces alone at once on an H100 (their steps 2x the steady one) in
+    # a phase of 8-16 steps, whose P99 they were. Each canary here, the first (which prices
+    # the pieces) and the ones after it, keeps such steps to one in `spaced_every` of its own.
+    sim = SimEngine(share=0.2, weights_s=0.06)
+    sim.runner.slots.load(V1)
+    steady = sim.steady(num_requests=8)
+    spaced_every = sim.sched.pacer.settings.spaced_every
+    for canary in range(3):
+        steps = run_canary(sim, probe_prompts(sim.rng, 4), max_steps=20 * spaced_every)
+        past = [i for i, (_, n, a, _) in enumerate(steps) if n and a > 0.2 * steady + 1e-9]
+        assert past, "pieces on the standby slot cost more than the share"
+        assert len(steps) >= len(past) * spaced_every, (canary, past, len(steps))
+        periods = [p for p, *_ in steps]
+        assert p99(periods) <= (1 + 0.2) * steady + sim.token_s + 1e-9, canary
+        for _ in range(sim.rng.randrange(5, 50)):  # the swap commits; serving goes on
+            sim.step()
+
+
 def test_a_restart_in_place_recomputes_its_requests_in_their_order_and_no_step_more_than_doubles():
     # A swap in place (one weight slot) takes every request back at once: the old weights are
     # gone. 8 requests of 60-100 tokens: all at once, their recompute would be a step of ~640
