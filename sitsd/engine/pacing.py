@@ -33,18 +33,20 @@ the engine's time on average.
                step that grew past the share comes at most once in `spaced_every` steps: on
                a GPU a piece alone is a whole pass over the other slot's weights, and one
                such step in five (what the share alone would space them by) shows in every
-               inter-token P99; one in 128 shows in none. That holds over each stretch of
-               swap work from its start, too (a canary, a migration: the steps from the first
-               that asked for an allowance to the last), not only between two such steps: the
-               Nth comes no earlier than N x `spaced_every` steps into the stretch (the first
-               piece alone, which measures the price, goes at once; the next then waits
-               twice as long). A second swap's canary, priced by the first's, ran its one or
-               two pieces at once on an H100, in a phase of 8-16 steps whose P99 they were
-               (1.7-2.2x the steady P99). Both tests (a piece fits the
-               share; a step grew past it) allow for what steady steps of the kind run over
-               their median one time in ten (of those without prompt tokens, where enough
-               were measured: arrivals' prompts are work, not noise): a busy machine's slow
-               step is not the work's.
+               inter-token P99; one in 128 shows in none. For pieces alone (a canary's on the
+               standby slot) that holds over each stretch of swap work from its start, too
+               (the steps from the first that asked for an allowance to the last), not only
+               between two such steps: the Nth comes no earlier than N x `spaced_every` steps
+               into the stretch (the first piece alone, which measures the price, goes at
+               once; the next then waits twice as long). A second swap's canary, priced by the
+               first's, ran its one or two pieces at once on an H100, in a phase of 8-16 steps
+               whose P99 they were (1.7-2.2x the steady P99). A migration's pieces join a
+               serving sub-batch and keep a deadline: held back like that, a simulated CPU
+               migration took 3x the steps, and one stream waited 9.7 s in it. Both tests (a
+               piece fits the share; a step grew past it) allow for what steady steps of the
+               kind run over their median one time in ten (of those without prompt tokens,
+               where enough were measured: arrivals' prompts are work, not noise): a busy
+               machine's slow step is not the work's.
     most       what one steady step of extra time buys: a migration behind its deadline may
                take more than the allowance, never more than that; the requests a restart
                took back all at once recompute that much a step (`recompute_tokens`); those
@@ -323,7 +325,7 @@ class StepPacer:
         # similar sizes, or steps noisier than a piece's tokens cost), each is just that: an
         # all-per-token fit would keep the pieces as small as the noise makes them look.
         cap = self._spaced_cap(steady, smallest)
-        if self._credit < cap or not self._may_pass_share():
+        if self._credit < cap or not self._may_pass_share(alone):
             return Allowance(0, "spaced", per_token, smallest)
         grown = 2 * cost.largest + 2
         if not resolved:
@@ -518,13 +520,16 @@ class StepPacer:
             self._stretch_start, self._stretch_past = self._num_steps, 0
         self._paced_at = self._num_steps
 
-    def _may_pass_share(self) -> bool:
+    def _may_pass_share(self, alone: bool) -> bool:
         """A spaced piece may go in the step being scheduled: `spaced_every` steps since the
-        last step past the share, and the stretch's Nth such step at least N x `spaced_every`
-        steps into it (the module docstring)."""
+        last step past the share, and for a piece alone, the stretch's Nth such step at least
+        N x `spaced_every` steps into it (the module docstring; a migration's pieces join a
+        serving sub-batch and have a deadline to keep)."""
         every = self.settings.spaced_every
+        if self._since_past_share < every:
+            return False
         into = self._num_steps - self._stretch_start
-        return self._since_past_share >= every and into >= (self._stretch_past + 1) * every
+        return not alone or into >= (self._stretch_past + 1) * every
 
     def _spread(self, num_serving_versions: int) -> float:
         """How far above their median one steady step in ten of that kind runs, of those that
