@@ -277,9 +277,9 @@ class StepPacer:
         self._arrival_prompts: deque[int] = deque(maxlen=4 * _STEADY_WINDOW)
         self._credit = 0.0  # seconds of swap work the share has earned and not spent
         self._num_busy = 0  # consecutive steps with swap work
-        # Steps since one whose swap work added more than the share (none yet: as if long ago).
-        self._since_past_share = self.settings.spaced_every
         self._num_steps = 0  # steps that ended with something scheduled
+        # `_num_steps` at the last step whose swap work added more than the share (None: none).
+        self._past_share_at: int | None = None
         self._paced_at: int | None = None  # `_num_steps` when `pace` was last asked
         self._stretch_start = 0  # `_num_steps` when the stretch of swap work now began
         self._stretch_past = 0  # steps of that stretch whose swap work went past the share
@@ -466,7 +466,6 @@ class StepPacer:
         if record is None or record.sched_out.is_empty:
             return
         period = end - max(record.start, last_end if last_end is not None else record.start)
-        self._since_past_share += 1
         self._num_steps += 1
         work = record.sched_out.swap_work
         if work is None:  # not scheduled to the end (a preemption): its kind is unknown
@@ -500,7 +499,7 @@ class StepPacer:
         # fitted the share 128 steps apart: 178 s for 11 steps' work).
         past_share = extra > self.settings.share * steady + self._spread(work.num_serving_versions)
         if past_share:
-            self._since_past_share = 0
+            self._past_share_at = self._num_steps
             self._stretch_past += 1
         self._cost[work.alone].add(work.num_tokens, extra)
         self._note_ceiling(work.alone, work.num_serving_versions, work.num_tokens, past_share,
@@ -526,7 +525,7 @@ class StepPacer:
         N x `spaced_every` steps into it (the module docstring; a migration's pieces join a
         serving sub-batch and have a deadline to keep)."""
         every = self.settings.spaced_every
-        if self._since_past_share < every:
+        if self._past_share_at is not None and self._num_steps - self._past_share_at < every:
             return False
         into = self._num_steps - self._stretch_start
         return not alone or into >= (self._stretch_past + 1) * every
