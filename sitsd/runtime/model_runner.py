@@ -59,9 +59,10 @@ log = logging.getLogger(__name__)
 # the linear layer routes to by rows (a few rows, a skinny GEMM, cuBLAS) and each class Triton
 # compiles a row count into (1, a multiple of 16, any other); and nothing else runs, so no
 # serving step waits for a kernel loaded at its first launch (cuBLAS picks its kernel by rows,
-# and CUDA loads each one's module lazily; a chunk's row count varies with the pacing, and the
-# GPU runs' canary steps of 15-22 ms spent 12-20 ms in the runner's launch). Past 256 rows each
-# piece reads the LM head again (~0.35 ms on an H100 for Llama-3-8B's).
+# and CUDA loads each one's module lazily; a chunk's row count varies with the pacing: the GPU
+# runs' canary steps of 15-22 ms spent 12-20 ms in the runner's launch, 1.5-2.6 ms since, on an
+# H100 at 32 streams, `bench/results/swap-gpu.txt` run 14). Past 256 rows each piece reads the
+# LM head again (~0.35 ms on an H100 for Llama-3-8B's).
 PROBE_WARM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
