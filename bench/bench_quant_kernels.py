@@ -185,7 +185,13 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
     if num_rows <= 64:
         return [c("dot_swapped", m16, 64, 128, split_k=2)] + [
             c("mma", m16, n, 128, split_k=s) for n in (64, 128) for s in (2, 4, 8)
-        ] + [c("mma", m16, 64, 128, split_k=4, scaled=True)]  # fmt: skip
+        ] + [c("mma", m16, 64, 128, split_k=4, scaled=True)] + [
+            # x copied into shared memory by Triton's pipeliner where each group uses it, not
+            # one group ahead through registers (at 32 rows its tile is twice the codes')
+            c("mma", m16, n, 128, split_k=s, num_stages=p, x_ahead=False)
+            for n, s, p in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 4), (128, 4, 3),
+                            (128, 8, 3))
+        ]  # fmt: skip
     return [
         c("dot", 64, 128, 64),
         c("dot", 128, 128, 64, num_warps=8),
@@ -214,6 +220,17 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         c("mma", 128, 128, 128, split_k=2, num_warps=8, scaled=True),
         c("mma", 128, 128, 128, split_k=4, num_warps=8, scaled=True),
         c("mma", 128, 128, 128, split_k=1, num_warps=8, scaled=True),
+        # x copied into shared memory by Triton's pipeliner where each group uses it (x's tile
+        # 32 KB a group at 128 rows, the codes' 4-8 KB), 3-4 stages, 4 and 8 warps
+        c("mma", 64, 64, 128, split_k=2, x_ahead=False),
+        c("mma", 64, 64, 128, split_k=4, x_ahead=False),
+        c("mma", 128, 64, 128, split_k=2, x_ahead=False),
+        c("mma", 128, 64, 128, split_k=2, num_warps=8, x_ahead=False),
+        c("mma", 128, 64, 128, split_k=4, num_warps=8, x_ahead=False),
+        c("mma", 128, 128, 128, split_k=2, num_warps=8, x_ahead=False),
+        c("mma", 128, 128, 128, split_k=2, num_warps=8, num_stages=4, x_ahead=False),
+        c("mma", 128, 128, 128, split_k=2, num_warps=8, scaled=True, x_ahead=False),
+        c("mma", 64, 128, 128, split_k=2, num_warps=8, x_ahead=False),
         # (x ordered by each program as it loads a group, `order_x=False`, lost every layer at
         # 128 rows on an H100, the copy included: gate_up 145.0 against 113.7 us without
         # offsets, 140.3 against 130.6 with; kernels/NOTES.md, session 22)
@@ -226,6 +243,7 @@ def describe(config: Int4MatmulConfig) -> str:
         f"s{config.split_k} w{config.num_warps} p{config.num_stages}"
         + (" scaled" if config.scaled else "")
         + ("" if config.order_x is None else " x ordered" if config.order_x else " x in place")
+        + ("" if config.x_ahead else " x in loop")
     )
 
 
@@ -395,7 +413,8 @@ def _config_of(winner: str | None) -> Int4MatmulConfig | None:
     rest = " ".join(flags)
     order_x = False if "x in place" in rest else True if "x ordered" in rest else None
     return Int4MatmulConfig(mode, int(m[1:]), int(n[1:]), int(k[1:]), int(s[1:]), int(w[1:]),
-                            int(p[1:]), "scaled" in flags, order_x)  # fmt: skip
+                            int(p[1:]), "scaled" in flags, order_x,
+                            "x in loop" not in rest)  # fmt: skip
 
 
 def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> list[Row]:

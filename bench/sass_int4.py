@@ -109,15 +109,16 @@ def gemv(
 
 
 def mma(
-    block_m: int, block_n: int, k: int, zeros: bool, ordered: bool, scaled: bool = False
-) -> LoopCount:
+    block_m: int, block_n: int, k: int, zeros: bool, ordered: bool, scaled: bool = False,
+    ahead: bool = True,
+) -> LoopCount:  # fmt: skip
     """`int4_mma_kernel` (mode mma), 4 warps, split 8 ways, as the engine launches it (PDL, the
     splits merged in the kernel); per code of the weight tile (its MMA covers all block_m rows
-    of x at once)."""
+    of x at once). `ahead` False: x loaded where it is used (`Int4MatmulConfig.x_ahead`)."""
     constants = dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=8, K_SPLIT=k // 8,
                      HAS_OFFSETS=zeros, HAS_ZEROS=zeros, HAS_PERM=False, EVEN=True, EVEN_K=True,
                      ASM=True, X_ORDERED=ordered, KX=k, MERGE=True, SCALED=scaled,
-                     PDL=True)  # fmt: skip
+                     X_AHEAD=ahead, PDL=True)  # fmt: skip
     sass = compile_sass(int4_mma_kernel, constants, 4)
     return loop_count(sass, block_n * 128 / 128)
 
@@ -156,10 +157,12 @@ def main() -> None:
         for block_m, block_n in ((16, 64), (16, 128), (32, 64), (64, 64), (128, 64)):
             for ordered in (False, True) if block_m >= 32 else (False,):
                 for scaled in (False, True):
-                    count = mma(block_m, block_n, args.k, False, ordered, scaled)
-                    label = (f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
-                             + (" scaled" if scaled else ""))  # fmt: skip
-                    _show(label, count, "code")
+                    for ahead in (True, False) if ordered else (True,):
+                        count = mma(block_m, block_n, args.k, False, ordered, scaled, ahead)
+                        label = (f"mma m{block_m} n{block_n}" + (" x ordered" if ordered else "")
+                                 + (" scaled" if scaled else "")
+                                 + ("" if ahead else " x in loop"))  # fmt: skip
+                        _show(label, count, "code")
     if args.mode in ("dot", "all"):  # the dot modes for 128 rows of x (mma m128 above)
         for mode, block_m, block_n, block_k, num_warps in (
             ("dot", 64, 128, 64, 4),  # choose_int4_config's at 65-128 rows

@@ -31,7 +31,11 @@ r is 0 in the first two cases, which skip the sum of x; GGUF's Q4_1 and Q4_K min
 remainder, and the sum of x per group (a contiguous load, summed along its rows) carries it.
 
 The x, scales and offsets of a group are loaded one group ahead, so their latency hides behind
-the group before (the words' loads are pipelined by Triton itself).
+the group before (the words' loads are pipelined by Triton itself). Without X_AHEAD they are
+loaded in the group that uses them, and Triton's pipeliner copies x into shared memory
+asynchronously, `num_stages` groups deep, as it does the words: at 32 and more rows of x a
+group's x tile is larger than its codes (32 rows: 8 KB against 4 KB of words on 64 weight
+rows), and ahead by hand it passes through registers on its way to shared memory.
 
 With SCALED the scale goes into the codes instead, in the same PTX block (a packed multiply per
 two codes: `(q - z) * scale` rounded to x's dtype, as a dequantized 16-bit weight is), and the
@@ -281,6 +285,10 @@ def int4_mma_kernel(
     # the scale multiplied into the 16-bit codes, so the MMAs accumulate in place: no float32
     # partial per group beside the accumulator (registers), one rounding more per weight
     SCALED: tl.constexpr,
+    # x, scales and zero points loaded one group ahead into registers, by hand (True), or where
+    # each group uses them, for Triton's pipeliner to copy x into shared memory asynchronously
+    # (`num_stages` deep: no register round trip, no loop-carried x tile)
+    X_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
@@ -297,13 +305,18 @@ def int4_mma_kernel(
     rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
     first = split * K_SPLIT
     end = first + K_SPLIT
-    # A group's x, scale, zero point and remainder are loaded one group ahead.
-    x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
-                                        m_mask, offs_n, n_mask, first, True, N, stride_xm, K,
-                                        HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K,
-                                        X_ORDERED, KX)  # fmt: skip
+    if X_AHEAD:  # a group's x, scale, zero point and remainder, one group ahead
+        x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
+                                            m_mask, offs_n, n_mask, first, True, N, stride_xm,
+                                            K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K,
+                                            X_ORDERED, KX)  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(first, end, GROUP):
+        if not X_AHEAD:
+            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
+                                                m_mask, offs_n, n_mask, k0, True, N,
+                                                stride_xm, K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
+                                                EVEN_K, X_ORDERED, KX)  # fmt: skip
         word_cols = k0 // 8 + offs_w
         if EVEN:
             words = tl.load(rows + word_cols[None, :])
@@ -334,11 +347,12 @@ def int4_mma_kernel(
             x_sum = _x_sums(x_ptr, perm_ptr, offs_m, m_mask, k0, stride_xm, KX,
                             HAS_PERM and not X_ORDERED, EVEN_K and not X_ORDERED)  # fmt: skip
             acc += rest[:, None] * x_sum[None, :]
-        nxt = k0 + GROUP
-        x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
-                                            m_mask, offs_n, n_mask, nxt, nxt < end, N, stride_xm,
-                                            K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
-                                            EVEN_K, X_ORDERED, KX)  # fmt: skip
+        if X_AHEAD:
+            nxt = k0 + GROUP
+            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
+                                                m_mask, offs_n, n_mask, nxt, nxt < end, N,
+                                                stride_xm, K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
+                                                EVEN_K, X_ORDERED, KX)  # fmt: skip
     y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     offs = offs_m[:, None] * N + offs_n[None, :]  # into row-major [M, N]
     mask = m_mask[:, None] & n_mask[None, :]

@@ -88,6 +88,10 @@ MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
 MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slice-major order
+# `choose_int4_config`'s mode "mma" loads x one group ahead up to this many rows, and from more
+# rows where Triton's pipeliner copies it (`Int4MatmulConfig.x_ahead`), on 32-row tiles and on a
+# large N's
+MMA_X_AHEAD_ROWS = 16
 GEMV_MAX_ROWS = 2  # `choose_int4_config` picks mode "gemv" up to this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
@@ -114,6 +118,10 @@ class Int4MatmulConfig:
     # instructions in the loop, one more kernel) or by each program as it loads a group
     # (False); None: a copy for tiles of `MMA_ORDER_X_ROWS` rows of x or more
     order_x: bool | None = None
+    # mode mma: a group's x, scales and zero points loaded one group ahead into registers by the
+    # kernel (True), or where the group uses them, x copied into shared memory asynchronously by
+    # Triton's pipeliner, `num_stages` deep (False)
+    x_ahead: bool = True
 
 
 @triton.jit
@@ -262,6 +270,18 @@ def choose_int4_config(
     us), within 6% for the others, and at 512 rows by up to 18% (o 56.6 against 66.6, down
     184 against 206).
 
+    x in the loop (`x_ahead=False`: Triton's pipeliner copies x into shared memory instead of
+    each program loading it a group ahead into registers), from an H100 sweep of session 30
+    (`bench/results/quant-kernels-h100.txt` run 7): on 32-row tiles (17-32 rows), where a
+    group's x tile is twice its codes', with 64 weight rows also with zero points and K split
+    until the grid has two programs per SM: at 32 rows qkv 12.5 us against 13.0, o 10.8
+    against 11.7, gate_up 44.9 against 46.1, down 23.3 against 23.5; with zero points 14.5
+    against 15.3, 12.0 against 11.7, 50.2 against 59.0, 26.2 against 27.3. From 33 rows a large
+    N (gate_up) takes 64 x 128 tiles on 8 warps, split in two, x in the loop: at 128 rows 92.8
+    against 106.9 us, with zero points 111.3 against 122.4. The other layers past 32 rows keep
+    x ahead: the sweep had no winner there that held across layers and formats (down with
+    zero points 62.9 us in the loop against 51.2).
+
     Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
     weight rows, 128-wide chunks; more: `dot` on 64 x 128 (128 x 128 past 128 rows) tiles,
     64-wide chunks. The dot modes split K (a power of two, at most 8, into whole chunks) until
@@ -287,21 +307,31 @@ def choose_int4_config(
     mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
     if mma:
         groups = cdiv(k, MMA_GROUP_SIZE)
-        block_n = 128 if has_offsets else 64
+        block_n, num_warps = (128 if has_offsets else 64), 4
+        x_ahead = num_rows <= MMA_X_AHEAD_ROWS
         if num_rows <= 32:
             block_m, split_k = max(16, next_power_of_2(num_rows)), 1
             while 2 * split_k * 8 <= groups and split_k < MMA_MAX_SPLIT:
                 split_k *= 2  # parts of about 8 groups
+            if not x_ahead:
+                block_n = 64  # zero points too, with x in the loop
+        elif large_n:
+            block_m, block_n, num_warps, split_k = 64, 128, 8, 2
         elif num_rows > 64 and k >= 8192 and not has_offsets:
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
-            block_m, split_k = (128 if large_n and not has_offsets else 64), 2
+            block_m, split_k = 64, 2
+        if num_rows > 32 and not large_n:
+            x_ahead = True  # (the 128-row sweep: no clear winner either way)
         tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
-        while tiles * split_k < num_sms and split_k < MMA_MAX_SPLIT and 2 * split_k <= groups:
-            split_k *= 2  # a program per SM, as long as each keeps a group
+        # a program per SM (two with x in the loop on 32-row tiles), each keeping a group
+        least = num_sms * (2 if num_rows <= 32 and not x_ahead else 1)
+        while tiles * split_k < least and split_k < MMA_MAX_SPLIT and 2 * split_k <= groups:
+            split_k *= 2
         while split_k > 1 and split_k > groups:
             split_k //= 2
-        return Int4MatmulConfig("mma", block_m, block_n, MMA_GROUP_SIZE, split_k)
+        return Int4MatmulConfig("mma", block_m, block_n, MMA_GROUP_SIZE, split_k, num_warps,
+                                x_ahead=x_ahead)  # fmt: skip
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip
@@ -354,6 +384,8 @@ def _check_config(config: Int4MatmulConfig) -> None:
         raise ValueError(f"scaled applies to mode 'mma' only, got mode {config.mode!r}")
     if config.order_x is not None and config.mode != "mma":
         raise ValueError(f"order_x applies to mode 'mma' only, got mode {config.mode!r}")
+    if not config.x_ahead and config.mode != "mma":
+        raise ValueError(f"x_ahead applies to mode 'mma' only, got mode {config.mode!r}")
 
 
 def int4_matmul(
@@ -478,7 +510,8 @@ def int4_matmul(
             K_SPLIT=k_split, HAS_OFFSETS=offsets is not None, HAS_ZEROS=zeros is not None,
             HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
-            KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, PDL=pdl,
+            KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
+            PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":

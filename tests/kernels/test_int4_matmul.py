@@ -102,6 +102,11 @@ SCALED_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, scaled=True)
 # by a copy (a 16-row tile; by default each program does)
 IN_PLACE_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, order_x=False)
 ORDERED_16 = Int4MatmulConfig("mma", 16, 32, 128, 2, order_x=True)
+# x loaded where each group uses it (Triton's pipeliner copies it into shared memory), not one
+# group ahead: in place (a 16-row tile) and ordered by a copy (64 rows, scaled too)
+IN_LOOP_16 = Int4MatmulConfig("mma", 16, 32, 128, 2, x_ahead=False)
+IN_LOOP_64 = Int4MatmulConfig("mma", 64, 16, 128, 2, x_ahead=False)
+IN_LOOP_64_SCALED = Int4MatmulConfig("mma", 64, 16, 128, 2, scaled=True, x_ahead=False)
 
 # Split-K tilings whose tiles are ragged along N and (where a tile holds rows) along M.
 MERGE_CONFIGS = {
@@ -112,6 +117,7 @@ MERGE_CONFIGS = {
     "mma": Int4MatmulConfig("mma", 16, 16, 128, split_k=2),
     "mma x ordered": Int4MatmulConfig("mma", 64, 16, 128, split_k=2),
     "mma scaled": Int4MatmulConfig("mma", 16, 16, 128, split_k=2, scaled=True),
+    "mma x in loop": Int4MatmulConfig("mma", 64, 16, 128, split_k=2, x_ahead=False),
 }
 
 
@@ -192,7 +198,8 @@ def test_mma_mode_matches_reference_with_ragged_tiles_a_short_last_group_and_spl
     # padded past K. Scaled: the scale multiplied into the 16-bit codes before the MMA.
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
                    Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16,
-                   SCALED_64, IN_PLACE_64, ORDERED_16):  # fmt: skip
+                   SCALED_64, IN_PLACE_64, ORDERED_16, IN_LOOP_16, IN_LOOP_64,
+                   IN_LOOP_64_SCALED):  # fmt: skip
         out = torch.full((5, 37), float("nan"), device=device, dtype=dtype)
         assert_close(int4_matmul(x, *weight.args, config=config, out=out), ref, dtype)
 
@@ -213,7 +220,7 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
     ref = int4_matmul_ref(x, *case.args)
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
                    Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16, SCALED_64,
-                   IN_PLACE_64, ORDERED_16):  # fmt: skip
+                   IN_PLACE_64, ORDERED_16, IN_LOOP_16, IN_LOOP_64):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
         assert_close(out, ref, dtype)
 
@@ -267,6 +274,7 @@ SLICE_MAJOR_CONFIGS = {
     "gemv k64": Int4MatmulConfig("gemv", block_m=1, block_n=16, block_k=64, split_k=2),
     "mma m16": Int4MatmulConfig("mma", 16, 32, 128, 2),
     "mma m64": Int4MatmulConfig("mma", 64, 16, 128),
+    "mma m16 x in loop": Int4MatmulConfig("mma", 16, 32, 128, 2, x_ahead=False),
     "dot": CONFIGS["dot"],
     "dot_swapped": CONFIGS["dot_swapped"],
     "fma": CONFIGS["fma"],
@@ -362,6 +370,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 2, 16, 128, scaled=True))
     with pytest.raises(ValueError, match="order_x applies to mode 'mma' only, got mode 'dot'"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 16, 64, order_x=False))
+    with pytest.raises(ValueError, match="x_ahead applies to mode 'mma' only, got mode 'gemv'"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 64, x_ahead=False))
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
@@ -375,8 +385,11 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_off
     # gemv for 1-2 rows, mma from 3 (group 128, bf16 x): at 256 and 512 rows too, where a
     # model without the dequantize's workspace runs its INT4 layers.
     assert config.mode == ("gemv" if num_rows <= 2 else "mma")
-    if config.mode == "mma":  # a program per SM (two-per-SM splits measured slower)
-        assert programs * config.split_k >= 132 or config.split_k == 16
+    if config.mode == "mma":  # a program per SM; two with x in the loop on 32-row tiles
+        least = 2 * 132 if not config.x_ahead and config.block_m <= 32 else 132
+        assert programs * config.split_k >= least or config.split_k == 16
+        # x in the loop on 32-row tiles and for gate_up past them, one group ahead otherwise
+        assert config.x_ahead == (num_rows < 17 or (num_rows > 32 and name != "gate_up"))
     else:
         assert programs * config.split_k >= 2 * 132 or config.split_k == 8
 
@@ -491,3 +504,24 @@ def test_gpu_slice_major_codes_on_llama_layers_from_1_to_512_rows(offsets, devic
             x = _x(num_rows, k, torch.bfloat16, device)
             assert_close(int4_matmul(x, *sliced, slice_major=True), int4_matmul_ref(x, *case.args),
                          torch.bfloat16)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [False, True])
+def test_gpu_mma_with_x_in_the_loop_on_llama_layers(offsets, device):
+    # `x_ahead=False`: x copied into shared memory by Triton's pipeliner, 2-4 stages deep, on
+    # the tiles the sweeps at 32 and 128 rows try, slice-major codes as CUDA serves them.
+    for name in ("qkv", "gate_up", "down"):
+        n, k = LLAMA3_8B_SHAPES[name]
+        case = random_int4(n, k, 128, offsets=offsets, device=device)
+        sliced = _slice_major(case)
+        tiles = ((5, 16, 64, 4), (32, 32, 64, 4), (100, 64, 64, 4), (128, 128, 128, 8),
+                 (128, 64, 128, 8))  # fmt: skip
+        for num_rows, block_m, block_n, warps in tiles:
+            x = _x(num_rows, k, torch.bfloat16, device)
+            ref = int4_matmul_ref(x, *case.args)
+            for stages in (2, 4):
+                config = Int4MatmulConfig("mma", block_m, block_n, 128, 2, warps, stages,
+                                          x_ahead=False)  # fmt: skip
+                out = int4_matmul(x, *sliced, slice_major=True, config=config)
+                assert_close(out, ref, torch.bfloat16)
