@@ -231,6 +231,11 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
         c("mma", 128, 128, 128, split_k=2, num_warps=8, num_stages=4, x_ahead=False),
         c("mma", 128, 128, 128, split_k=2, num_warps=8, scaled=True, x_ahead=False),
         c("mma", 64, 128, 128, split_k=2, num_warps=8, x_ahead=False),
+        # zero points want 128 weight rows a program with x ahead (down: 51.2 us against 62.9 on
+        # 64 in the loop, session 30): 128 rows on one warpgroup with x in the loop
+        c("mma", 64, 128, 128, split_k=2, x_ahead=False),
+        c("mma", 64, 128, 128, split_k=4, x_ahead=False),
+        c("mma", 128, 128, 128, split_k=4, num_warps=8, x_ahead=False),
         # (x ordered by each program as it loads a group, `order_x=False`, lost every layer at
         # 128 rows on an H100, the copy included: gate_up 145.0 against 113.7 us without
         # offsets, 140.3 against 130.6 with; kernels/NOTES.md, session 22)
