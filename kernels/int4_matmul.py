@@ -88,9 +88,8 @@ MODES = ("fma", "dot_swapped", "dot", "gemv", "mma")
 MMA_GROUP_SIZE = 128  # the one group size mode "mma" takes (a group is one 16-word MMA K)
 MMA_MAX_SPLIT = 16  # the most parts `choose_int4_config` splits K into for mode "mma"
 MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slice-major order
-# `choose_int4_config`'s mode "mma" loads x one group ahead up to this many rows, and from more
-# rows where Triton's pipeliner copies it (`Int4MatmulConfig.x_ahead`), on 32-row tiles and on a
-# large N's
+# `choose_int4_config`'s mode "mma" loads x one group ahead (`Int4MatmulConfig.x_ahead`) up to
+# this many rows; its 32-row tiles past them take x in the loop, and so does a large N from 33
 MMA_X_AHEAD_ROWS = 16
 GEMV_MAX_ROWS = 2  # `choose_int4_config` picks mode "gemv" up to this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
@@ -308,7 +307,7 @@ def choose_int4_config(
     if mma:
         groups = cdiv(k, MMA_GROUP_SIZE)
         block_n, num_warps = (128 if has_offsets else 64), 4
-        x_ahead = num_rows <= MMA_X_AHEAD_ROWS
+        x_ahead = num_rows <= MMA_X_AHEAD_ROWS or (num_rows > 32 and not large_n)
         if num_rows <= 32:
             block_m, split_k = max(16, next_power_of_2(num_rows)), 1
             while 2 * split_k * 8 <= groups and split_k < MMA_MAX_SPLIT:
@@ -321,8 +320,6 @@ def choose_int4_config(
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
             block_m, split_k = 64, 2
-        if num_rows > 32 and not large_n:
-            x_ahead = True  # (the 128-row sweep: no clear winner either way)
         tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
         # a program per SM (two with x in the loop on 32-row tiles), each keeping a group
         least = num_sms * (2 if num_rows <= 32 and not x_ahead else 1)
