@@ -4,6 +4,8 @@ M = 1..512, and CUDA-graph replay on the GPU."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import triton  # make test installs it: no kernel test may skip for want of it
@@ -510,18 +512,25 @@ def test_gpu_slice_major_codes_on_llama_layers_from_1_to_512_rows(offsets, devic
 @pytest.mark.parametrize("offsets", [False, True])
 def test_gpu_mma_with_x_in_the_loop_on_llama_layers(offsets, device):
     # `x_ahead=False`: x copied into shared memory by Triton's pipeliner, 2-4 stages deep, on
-    # the tiles the sweeps at 32 and 128 rows try, slice-major codes as CUDA serves them.
+    # the tiles the sweeps at 32 and 128 rows try, slice-major codes as CUDA serves them; with
+    # offsets both ways the kernel takes them: summed x per group, and integer zero points.
+    from sitsd.quant.layout import Int4Weight, mark_integer_zeros
+
     for name in ("qkv", "gate_up", "down"):
         n, k = LLAMA3_8B_SHAPES[name]
         case = random_int4(n, k, 128, offsets=offsets, device=device)
         sliced = _slice_major(case)
+        zeros = [None]
+        if offsets:
+            zeros.append(mark_integer_zeros(Int4Weight(*case.args[:4])).zeros)
+            assert zeros[-1] is not None
         tiles = ((5, 16, 64, 4), (32, 32, 64, 4), (100, 64, 64, 4), (128, 128, 128, 8),
                  (128, 64, 128, 8))  # fmt: skip
         for num_rows, block_m, block_n, warps in tiles:
             x = _x(num_rows, k, torch.bfloat16, device)
             ref = int4_matmul_ref(x, *case.args)
-            for stages in (2, 4):
+            for stages, z in itertools.product((2, 4), zeros):
                 config = Int4MatmulConfig("mma", block_m, block_n, 128, 2, warps, stages,
                                           x_ahead=False)  # fmt: skip
-                out = int4_matmul(x, *sliced, slice_major=True, config=config)
+                out = int4_matmul(x, *sliced, slice_major=True, config=config, zeros=z)
                 assert_close(out, ref, torch.bfloat16)
