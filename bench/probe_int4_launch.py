@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 import torch
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="8,32,64")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_int4_launch needs a CUDA GPU")
     torch.manual_seed(0)
     bench = Bench(False, copy_bandwidth() / 1e9)
     torch.cuda.empty_cache()
