@@ -191,6 +191,13 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
             c("mma", m16, n, 128, split_k=s, num_stages=p, x_ahead=False)
             for n, s, p in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 4), (128, 4, 3),
                             (128, 8, 3))
+        ] + [
+            # two warpgroups share each group's x tile in shared memory: per weight code, half
+            # (128 rows) or a quarter (256) of the L2 traffic for x that 64 rows on one
+            # warpgroup take (at 32 rows x's tile is twice the codes'); 111 and 172 registers,
+            # 3.5 and 2.8 loop instructions a code (bench.sass_int4, triton 3.9)
+            c("mma", m16, n, 128, split_k=s, num_warps=8, x_ahead=False)
+            for n, s in ((128, 4), (128, 8), (256, 4), (256, 8))
         ]  # fmt: skip
     return [
         c("dot", 64, 128, 64),
