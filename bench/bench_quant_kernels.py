@@ -44,7 +44,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -443,6 +443,9 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
                 served = QuantizedLinears(None, not bench.smoke, int4_split_counters(LLAMA3_8B,
                                           torch.device(bench.device)))  # fmt: skip
                 runs["int4 as served"] = {op: served for op in shapes}
+                if not bench.smoke:  # each program's codes asked of L2 before its PDL wait
+                    prefetching = replace(served, l2_prefetch=True)
+                    runs["int4 as served, L2 prefetch"] = {op: prefetching for op in shapes}
                 if num_rows > INT4_MERGE_ROWS:  # the merge past the rows it is served at
                     merged = QuantizedLinears(None, not bench.smoke, int4_split_counters(
                         LLAMA3_8B, torch.device(bench.device), num_rows))  # fmt: skip

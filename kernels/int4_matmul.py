@@ -399,6 +399,7 @@ def int4_matmul(
     zeros: torch.Tensor | None = None,  # [G, N] uint8
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
     slice_major: bool = False,
+    l2_prefetch: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -428,6 +429,9 @@ def int4_matmul(
             `slice_major_perm(K)` (not checked: a host sync); groups of 128. Modes `mma` and
             `gemv` (on chunks of whole groups) then read x in order; the others gather it
             through `perm` as for any act-order.
+        l2_prefetch: With `pdl`, modes `gemv` and `mma` ask L2 for each program's codes (and
+            its first group's scales) before they wait for the kernel before them, so that
+            those reads overlap its end (`_int4_tile.prefetch_weights`); other modes ignore it.
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -454,6 +458,8 @@ def int4_matmul(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
+    if l2_prefetch and not pdl:
+        raise ValueError("l2_prefetch needs pdl: without it a kernel waits for nothing")
     if slice_major:
         check_slice_major(perm, group_size)
     config = config or choose_int4_config(
@@ -508,7 +514,7 @@ def int4_matmul(
             HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
-            PDL=pdl,
+            PDL=pdl, L2_PREFETCH=l2_prefetch,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
@@ -523,7 +529,7 @@ def int4_matmul(
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced,
             SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
-            num_warps=config.num_warps,
+            L2_PREFETCH=l2_prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:

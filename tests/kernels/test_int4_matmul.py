@@ -4,6 +4,7 @@ M = 1..512, and CUDA-graph replay on the GPU."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -374,6 +375,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 16, 64, order_x=False))
     with pytest.raises(ValueError, match="x_ahead applies to mode 'mma' only, got mode 'gemv'"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 64, x_ahead=False))
+    with pytest.raises(ValueError, match="l2_prefetch needs pdl: without it a kernel waits for"):
+        int4_matmul(x, *w.args, l2_prefetch=True)
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
@@ -473,6 +476,51 @@ def test_gpu_merged_splits_give_the_same_bits_over_many_graph_replays(name, devi
             graph.replay()
             assert torch.equal(out, expected)
         assert not counters.any()
+
+
+def _prefetching_chain(x, case, zeros, outs, counters) -> None:
+    """One call per output, each launched with PDL and the L2 prefetch, in a row."""
+    for out in outs:
+        int4_matmul(x, *case.args, zeros=zeros, out=out, split_counters=counters, pdl=True,
+                    l2_prefetch=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [False, True])
+def test_gpu_l2_prefetch_before_the_pdl_wait_gives_the_same_bits(offsets, device):
+    # Each program asks L2 for its codes and first scales before it waits for the kernel before
+    # it: a hint, so every default tile (gemv at 1-2 rows, mma at 8-64; zero points through
+    # mark_integer_zeros as the engine serves them) gives the bits it gives without, eagerly and
+    # in a graph where each call's prefetch runs under the end of the one before it.
+    from sitsd.quant.layout import Int4Weight, mark_integer_zeros
+
+    for name in ("qkv", "gate_up", "down"):
+        n, k = LLAMA3_8B_SHAPES[name]
+        case = random_int4(n, k, 128, offsets=offsets, device=device)
+        zeros = None
+        if offsets:
+            zeros = mark_integer_zeros(Int4Weight(case.qweight, case.scales, case.offsets,
+                                                  128)).zeros  # fmt: skip
+        counters = torch.zeros(triton.cdiv(n, 16) * 4, dtype=torch.int32, device=device)
+        for num_rows in (1, 2, 8, 32, 64):
+            x = _x(num_rows, k, torch.bfloat16, device)
+            expected = int4_matmul(x, *case.args, zeros=zeros)
+            outs = [torch.empty_like(expected) for _ in range(3)]
+            chain = functools.partial(_prefetching_chain, x, case, zeros, outs, counters)
+            chain()  # compiles
+            torch.cuda.synchronize()
+            for out in outs:
+                assert torch.equal(out, expected), (name, num_rows)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain()
+            for _ in range(20):
+                for out in outs:
+                    out.fill_(float("nan"))
+                graph.replay()
+                for out in outs:
+                    assert torch.equal(out, expected), (name, num_rows)
+            assert not counters.any()
 
 
 @pytest.mark.gpu
