@@ -417,7 +417,7 @@ def _layer(x: torch.Tensor, weights: dict[str, Weight], linears: dict[str, Linea
     return linears["down"](silu_and_mul(gate_up), weights["down"])
 
 
-def _config_of(winner: str | None) -> Int4MatmulConfig | None:
+def config_of(winner: str | None) -> Int4MatmulConfig | None:
     """The configuration a sweep label describes ("sweep dot m64 n128 k64 s1 w4 p3"), or None."""
     if not winner or not winner.startswith("sweep"):
         return None
@@ -453,7 +453,7 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
             if fmt == "int4" and winners:
                 runs["int4 swept best"] = {
                     op: functools.partial(
-                        int4_linear, config=_config_of(winners.get((op, num_rows)))
+                        int4_linear, config=config_of(winners.get((op, num_rows)))
                     )
                     for op in shapes
                 }

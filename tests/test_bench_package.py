@@ -113,9 +113,9 @@ def test_every_benchmark_answers_help_without_measuring(
 
 def test_every_int4_sweep_label_names_its_configuration() -> None:
     # The 32-layer chain takes each layer's winner back from its printed label.
-    from bench.bench_quant_kernels import _config_of, describe, int4_sweep
+    from bench.bench_quant_kernels import config_of, describe, int4_sweep
 
     for num_rows in (1, 2, 8, 64, 128, 200):
         for config in int4_sweep(num_rows):
-            assert _config_of(f"sweep {describe(config)}") == config
-    assert _config_of("int4 g128 default merged") is None
+            assert config_of(f"sweep {describe(config)}") == config
+    assert config_of("int4 g128 default merged") is None
