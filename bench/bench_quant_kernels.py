@@ -133,10 +133,11 @@ def int4_linear(
     *,
     config: Int4MatmulConfig | None = None,
     counters: torch.Tensor | None = None,
+    l2_prefetch: bool = False,
 ):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                       zeros=w.zeros, split_counters=counters,
-                       slice_major=w.slice_major)  # fmt: skip
+                       zeros=w.zeros, split_counters=counters, slice_major=w.slice_major,
+                       l2_prefetch=l2_prefetch)  # fmt: skip
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
@@ -277,6 +278,10 @@ def variants(
         out[f"{label} as served"] = QuantizedLinears(
             None, workspace.device.type == "cuda", int4_split_counters(LLAMA3_8B, workspace.device)
         )
+    # each program asks L2 for all of its codes as it starts
+    out[f"{label} default, L2 prefetch"] = functools.partial(
+        int4_linear, config=default, l2_prefetch=True
+    )
     if INT4_MERGE_ROWS < num_rows < INT4_DEQUANT_FROM_ROWS:  # the merge past where it is served
         out[f"{label} default merged"] = functools.partial(
             int4_linear, config=default,

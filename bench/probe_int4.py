@@ -43,7 +43,7 @@ def main() -> None:
     for _ in range(args.calls):
         int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
                     zeros=w.zeros, pdl=pdl, split_counters=counters, slice_major=w.slice_major,
-                    l2_prefetch=pdl and args.l2_prefetch)  # fmt: skip
+                    l2_prefetch=args.l2_prefetch)  # fmt: skip
     torch.cuda.synchronize()
 
 

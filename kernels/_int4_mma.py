@@ -291,13 +291,13 @@ def int4_mma_kernel(
     # (`num_stages` deep: no register round trip, no loop-carried x tile)
     X_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
-    # with PDL: ask L2 for the program's codes before waiting for the kernel before it
+    # ask L2 for all of the program's codes at its start (with PDL: before it waits)
     L2_PREFETCH: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.program_id(2) * K_SPLIT
-    if PDL and L2_PREFETCH and EVEN and K % 32 == 0:  # (K_SPLIT is whole groups)
+    if L2_PREFETCH and EVEN and K % 32 == 0:  # (K_SPLIT is whole groups)
         prefetch_weights(qw_ptr, s_ptr, z_ptr if HAS_ZEROS else o_ptr, offs_n, first, N, K,
                          K_SPLIT, 8 * WORDS, HAS_OFFSETS)  # fmt: skip
     pdl_enter(PDL)

@@ -230,7 +230,7 @@ def int4_gemv_kernel(
     PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
     MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
     PDL: tl.constexpr,
-    # with PDL: ask L2 for the program's codes before waiting for the kernel before it
+    # ask L2 for all of the program's codes at its start (with PDL: before it waits)
     L2_PREFETCH: tl.constexpr,
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
@@ -238,7 +238,7 @@ def int4_gemv_kernel(
     row0 = tl.program_id(1) * ROWS
     split = tl.program_id(2)
     first = split * K_SPLIT
-    if PDL and L2_PREFETCH and EVEN and K % 32 == 0 and K_SPLIT % 32 == 0:
+    if L2_PREFETCH and EVEN and K % 32 == 0 and K_SPLIT % 32 == 0:
         prefetch_weights(qw_ptr, s_ptr, o_ptr, offs_n, first, N, K, K_SPLIT, GROUP, HAS_OFFSETS)
     pdl_enter(PDL)
     # A float32 x keeps exact products (an add per code): `256 + q` would cost it 8 bits.

@@ -429,9 +429,11 @@ def int4_matmul(
             `slice_major_perm(K)` (not checked: a host sync); groups of 128. Modes `mma` and
             `gemv` (on chunks of whole groups) then read x in order; the others gather it
             through `perm` as for any act-order.
-        l2_prefetch: With `pdl`, modes `gemv` and `mma` ask L2 for each program's codes (and
-            its first group's scales) before they wait for the kernel before them, so that
-            those reads overlap its end (`_int4_tile.prefetch_weights`); other modes ignore it.
+        l2_prefetch: Modes `gemv` and `mma`: each program first asks L2 for all of its codes
+            (and its first group's scales) at once (`_int4_tile.prefetch_weights`), so its
+            loop reads them from L2; with `pdl` it does so before it waits for the kernel
+            before it, under that kernel's end. A hint: other modes and the interpreter
+            ignore it.
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -458,8 +460,6 @@ def int4_matmul(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
-    if l2_prefetch and not pdl:
-        raise ValueError("l2_prefetch needs pdl: without it a kernel waits for nothing")
     if slice_major:
         check_slice_major(perm, group_size)
     config = config or choose_int4_config(
@@ -514,7 +514,7 @@ def int4_matmul(
             HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
-            PDL=pdl, L2_PREFETCH=l2_prefetch,
+            PDL=pdl, L2_PREFETCH=l2_prefetch and not runs_in_interpreter(x),
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
@@ -529,7 +529,7 @@ def int4_matmul(
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced,
             SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
-            L2_PREFETCH=l2_prefetch, num_warps=config.num_warps,
+            L2_PREFETCH=l2_prefetch and not runs_in_interpreter(x), num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:

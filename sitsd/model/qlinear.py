@@ -78,8 +78,8 @@ class QuantizedLinears:
     # int32 zeros on the device, the runner's (left zero): int4_matmul's split-K merged in the
     # kernel when they cover the call's tiles; None, or too few: a second kernel sums them
     split_counters: torch.Tensor | None = None
-    # Where launched with PDL: each program asks L2 for its codes before it waits for the
-    # kernel before it (`int4_matmul`'s l2_prefetch)
+    # Each program asks L2 for all of its codes as it starts (with PDL, before it waits for
+    # the kernel before it): `int4_matmul`'s l2_prefetch
     l2_prefetch: bool = False
 
     def __call__(self, x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
@@ -106,11 +106,10 @@ class QuantizedLinears:
         counters = self.split_counters
         if counters is not None and counters.numel() < tiles:
             counters = None
-        pdl = self.pdl and int4_pdl_pays(rows)
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
-                           zeros=w.zeros, pdl=pdl, split_counters=counters,
-                           slice_major=w.slice_major,
-                           l2_prefetch=pdl and self.l2_prefetch)  # fmt: skip
+                           zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
+                           split_counters=counters, slice_major=w.slice_major,
+                           l2_prefetch=self.l2_prefetch)  # fmt: skip
 
 
 def int4_pdl_pays(rows: int) -> bool:
