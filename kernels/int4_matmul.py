@@ -495,6 +495,9 @@ def int4_matmul(
         target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
+    # A bulk prefetch wants 16-byte aligned runs (the kernels check the shapes); it has no L2
+    # to ask in the interpreter.
+    l2_prefetch = l2_prefetch and not runs_in_interpreter(x) and qweight.data_ptr() % 16 == 0
     if config.mode == "mma":
         # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
         # rather than by every program that reads it (N / block_n of them): 25-33% fewer
@@ -514,7 +517,7 @@ def int4_matmul(
             HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
-            PDL=pdl, L2_PREFETCH=l2_prefetch and not runs_in_interpreter(x),
+            PDL=pdl, L2_PREFETCH=l2_prefetch,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
@@ -529,7 +532,7 @@ def int4_matmul(
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced,
             SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
-            L2_PREFETCH=l2_prefetch and not runs_in_interpreter(x), num_warps=config.num_warps,
+            L2_PREFETCH=l2_prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:

@@ -529,6 +529,13 @@ def test_gpu_l2_prefetch_gives_the_same_bits(offsets, pdl, device):
                 for out in outs:
                     assert torch.equal(out, expected), (name, num_rows)
             assert not counters.any()
+        # Codes 4 bytes past a 16-byte boundary: no bulk prefetch (it would fault), same bits.
+        shifted = torch.empty(case.qweight.numel() + 1, dtype=torch.int32, device=device)
+        shifted = shifted[1:].view_as(case.qweight).copy_(case.qweight)
+        x = _x(1, k, torch.bfloat16, device)
+        args = (shifted, *case.args[1:])
+        assert torch.equal(int4_matmul(x, *args, zeros=zeros, pdl=pdl, l2_prefetch=True),
+                           int4_matmul(x, *case.args, zeros=zeros))  # fmt: skip
 
 
 @pytest.mark.gpu
