@@ -74,8 +74,8 @@ def prefetch_weights(qw_ptr, s_ptr, z_ptr, offs_n, first, N, K: tl.constexpr,
     or zero points (`z_ptr`, `[G, N]` as the scales) in the first of those groups: all of a
     program's codes in flight at once, not a chunk or a pipeline's few stages ahead. Weights
     are never written by a decode kernel, so a kernel launched with PDL may call it before
-    `pdl_enter` (`_pdl`). The rows must exist, and K and K_SPLIT be multiples of 32 (runs of
-    whole 16-byte pieces)."""
+    `pdl_enter` (`_pdl`). The rows must exist, the codes start on a 16-byte boundary, and K and
+    K_SPLIT be multiples of 32 (runs of whole 16-byte pieces)."""
     prefetch_l2_runs(qw_ptr + offs_n.to(tl.int64) * (K // 8) + first // 8, K_SPLIT // 2)
     g = first // GROUP
     prefetch_l2_lines(s_ptr + g * N + offs_n)
