@@ -24,8 +24,8 @@ left out, any other variant that fails ends the run.
    `fp8_matmul` through torch's scaled matmul and through Triton.
 2. 32 layers of qkv -> o -> gate_up -> silu_and_mul -> down in one graph, each layer with weights
    of its own (bf16: 14 GB, nothing stays in L2), M = 1, 8, 32, 128: bf16, INT4 (default
-   configurations; as the engine launches them, and past `INT4_MERGE_ROWS` rows so with the
-   splits merged; the sweep's winners), FP8; ms per 32 layers
+   configurations; as the engine launches them; past `INT4_MERGE_ROWS` rows the defaults with
+   the splits merged; the sweep's winners), FP8; ms per 32 layers
    against the format's floor.
 
     python -m bench.bench_quant_kernels [--no-sweep] [--skip-layers] [--rows 1,8,32,128,512]
@@ -44,7 +44,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -133,11 +133,10 @@ def int4_linear(
     *,
     config: Int4MatmulConfig | None = None,
     counters: torch.Tensor | None = None,
-    l2_prefetch: bool = False,
 ):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                       zeros=w.zeros, split_counters=counters, slice_major=w.slice_major,
-                       l2_prefetch=l2_prefetch)  # fmt: skip
+                       zeros=w.zeros, split_counters=counters,
+                       slice_major=w.slice_major)  # fmt: skip
 
 
 def int4_dequant_linear(x: torch.Tensor, w: Int4Weight, *, workspace: torch.Tensor):
@@ -192,13 +191,8 @@ def int4_sweep(num_rows: int) -> list[Int4MatmulConfig]:
             c("mma", m16, n, 128, split_k=s, num_stages=p, x_ahead=False)
             for n, s, p in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 4), (128, 4, 3),
                             (128, 8, 3))
-        ] + [
-            # two warpgroups share each group's x tile in shared memory: per weight code, half
-            # (128 rows) or a quarter (256) of the L2 traffic for x that 64 rows on one
-            # warpgroup take (at 32 rows x's tile is twice the codes'); 111 and 172 registers,
-            # 3.5 and 2.8 loop instructions a code (bench.sass_int4, triton 3.9)
-            c("mma", m16, n, 128, split_k=s, num_warps=8, x_ahead=False)
-            for n, s in ((128, 4), (128, 8), (256, 4), (256, 8))
+            # (two warpgroups sharing x's tile, 32 x 128 and 32 x 256 on 8 warps: on an H100 no
+            # layer gained past the scatter, gate_up lost, 49.5 and 71.6 against 44.4 us)
         ]  # fmt: skip
     return [
         c("dot", 64, 128, 64),
@@ -278,10 +272,6 @@ def variants(
         out[f"{label} as served"] = QuantizedLinears(
             None, workspace.device.type == "cuda", int4_split_counters(LLAMA3_8B, workspace.device)
         )
-    # each program asks L2 for all of its codes as it starts
-    out[f"{label} default, L2 prefetch"] = functools.partial(
-        int4_linear, config=default, l2_prefetch=True
-    )
     if INT4_MERGE_ROWS < num_rows < INT4_DEQUANT_FROM_ROWS:  # the merge past where it is served
         out[f"{label} default merged"] = functools.partial(
             int4_linear, config=default,
@@ -448,13 +438,10 @@ def bench_layers(bench: Bench, shapes: dict, winners: dict, num_layers: int) -> 
                 served = QuantizedLinears(None, not bench.smoke, int4_split_counters(LLAMA3_8B,
                                           torch.device(bench.device)))  # fmt: skip
                 runs["int4 as served"] = {op: served for op in shapes}
-                if not bench.smoke:  # each program's codes asked of L2 before its PDL wait
-                    prefetching = replace(served, l2_prefetch=True)
-                    runs["int4 as served, L2 prefetch"] = {op: prefetching for op in shapes}
                 if num_rows > INT4_MERGE_ROWS:  # the merge past the rows it is served at
-                    merged = QuantizedLinears(None, not bench.smoke, int4_split_counters(
+                    merged = functools.partial(int4_linear, counters=int4_split_counters(
                         LLAMA3_8B, torch.device(bench.device), num_rows))  # fmt: skip
-                    runs["int4 as served, merged"] = {op: merged for op in shapes}
+                    runs["int4 default merged"] = {op: merged for op in shapes}
             if fmt == "int4" and winners:
                 runs["int4 swept best"] = {
                     op: functools.partial(

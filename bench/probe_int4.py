@@ -31,7 +31,6 @@ def main() -> None:
     parser.add_argument("--config", default="", help='e.g. "mma m32 n64 k128 s4 w4 p3 x in loop" '
                         "(default: the one int4_matmul chooses)")  # fmt: skip
     parser.add_argument("--plain", action="store_true", help="no PDL, splits summed apart")
-    parser.add_argument("--l2-prefetch", action="store_true", help="int4_matmul's l2_prefetch")
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
     n, k = linear_shapes(LLAMA3_8B)[args.layer]
@@ -42,8 +41,8 @@ def main() -> None:
     counters = None if args.plain else int4_split_counters(LLAMA3_8B, x.device)
     for _ in range(args.calls):
         int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                    zeros=w.zeros, pdl=pdl, split_counters=counters, slice_major=w.slice_major,
-                    l2_prefetch=args.l2_prefetch)  # fmt: skip
+                    zeros=w.zeros, pdl=pdl, split_counters=counters,
+                    slice_major=w.slice_major)  # fmt: skip
     torch.cuda.synchronize()
 
 

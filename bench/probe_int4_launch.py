@@ -1,18 +1,14 @@
-"""GPU probe: what programmatic dependent launch, the split-K merge and the L2 prefetch before
-the PDL wait each cost or save on the INT4 layers, at the default configuration.
+"""GPU probe: what programmatic dependent launch and the split-K merge each cost or save on the
+INT4 layers, at the default configuration.
 
 `QuantizedLinears` launches `int4_matmul` with PDL (up to `INT4_PDL_MAX_ROWS` rows, where
 `pdl_pays`) and with split-K summed by each tile's last program (up to `INT4_MERGE_ROWS`). At 32
 rows an H100 measured the engine's launch slower than the plain default for symmetric weights
 (down 31.9 against 23.5 us; the 32-layer chain 3.34 against 3.09 ms,
 `bench/results/quant-kernels-h100.txt` run 7): this times the four combinations apart, per
-Llama-3-8B layer, graph-timed over rotating weight copies as `bench.bench_quant_kernels` does
-(consecutive calls in a graph read different copies, so under PDL each call's start overlaps
-the end of the one before it, as the engine's layers do). The last two columns add
-`int4_matmul(l2_prefetch=True)`: each program asks L2 for all of its codes as it starts (with
-PDL, before it waits for the call before it).
+Llama-3-8B layer, graph-timed over rotating weight copies as `bench.bench_quant_kernels` does.
 
-    python3 -m bench.probe_int4_launch [--rows 1,8,32,64]
+    python3 -m bench.probe_int4_launch [--rows 8,32,64]
 """
 
 from __future__ import annotations
@@ -31,17 +27,14 @@ from sitsd.model.qlinear import int4_split_counters
 from sitsd.quant.layout import Int4Weight
 
 
-def _launch(
-    x: torch.Tensor, w: Int4Weight, *, pdl: bool, counters: torch.Tensor | None, l2: bool
-) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: Int4Weight, *, pdl: bool, counters: torch.Tensor | None):
     return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, zeros=w.zeros,
-                       pdl=pdl, split_counters=counters, slice_major=w.slice_major,
-                       l2_prefetch=l2)  # fmt: skip
+                       pdl=pdl, split_counters=counters, slice_major=w.slice_major)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--rows", default="8,32,64")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_int4_launch needs a CUDA GPU")
@@ -52,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     counters = int4_split_counters(LLAMA3_8B, torch.device("cuda"), max(rows))
     print(f"{torch.cuda.get_device_name()}, copy {bench.copy_gbs:.0f} GB/s; us per call")
     print(f"{'layer':<8} {'fmt':<7} {'M':>4} {'plain':>8} {'pdl':>8} {'merge':>8} "
-          f"{'both':>8} {'plain+L2':>8} {'both+L2':>8}  config")  # fmt: skip
+          f"{'both':>8}  config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         for fmt in ("int4", "int4 zp"):
             copies = bench.copies(fmt, n, k)
@@ -60,11 +53,8 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
                 expected = int4_linear(x, copies[0])
                 times = []
-                for pdl, merge, l2 in ((False, False, False), (True, False, False),
-                                       (False, True, False), (True, True, False),
-                                       (False, False, True), (True, True, True)):  # fmt: skip
-                    fn = functools.partial(_launch, pdl=pdl, counters=counters if merge else None,
-                                           l2=l2)  # fmt: skip
+                for pdl, merge in ((False, False), (True, False), (False, True), (True, True)):
+                    fn = functools.partial(_launch, pdl=pdl, counters=counters if merge else None)
                     torch.testing.assert_close(fn(x, copies[0]), expected, atol=0, rtol=0)
                     times.append(bench.time_linear(fn, x, copies))
                 config = choose_int4_config(num_rows, n, k, 128, has_offsets=fmt == "int4 zp")

@@ -103,8 +103,7 @@ def gemv(
     launches it (PDL, the splits merged in the kernel)."""
     constants = dict(K=k, GROUP=128, ROWS=rows, BLOCK_N=block_n, WORDS=block_k // 8, SPLIT_K=8,
                      K_SPLIT=k // 8, HAS_OFFSETS=offsets, HAS_PERM=False, SLICED=sliced, EVEN=True,
-                     EVEN_K=True, PREFETCH=prefetch, MERGE=True, PDL=True,
-                     L2_PREFETCH=False)  # fmt: skip
+                     EVEN_K=True, PREFETCH=prefetch, MERGE=True, PDL=True)  # fmt: skip
     sass = compile_sass(int4_gemv_kernel, constants, num_warps)
     return loop_count(sass, block_n * block_k * rows / (32 * num_warps))
 
@@ -119,7 +118,7 @@ def mma(
     constants = dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=8, K_SPLIT=k // 8,
                      HAS_OFFSETS=zeros, HAS_ZEROS=zeros, HAS_PERM=False, EVEN=True, EVEN_K=True,
                      ASM=True, X_ORDERED=ordered, KX=k, MERGE=True, SCALED=scaled,
-                     X_AHEAD=ahead, PDL=True, L2_PREFETCH=False)  # fmt: skip
+                     X_AHEAD=ahead, PDL=True)  # fmt: skip
     sass = compile_sass(int4_mma_kernel, constants, 4)
     return loop_count(sass, block_n * 128 / 128)
 

@@ -57,7 +57,6 @@ import re
 import triton
 import triton.language as tl
 
-from sitsd.kernels._int4_tile import prefetch_weights
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._split_merge import merge_splits
 
@@ -291,25 +290,20 @@ def int4_mma_kernel(
     # (`num_stages` deep: no register round trip, no loop-carried x tile)
     X_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
-    # ask L2 for all of the program's codes at its start (with PDL: before it waits)
-    L2_PREFETCH: tl.constexpr,
 ):
     """`[BLOCK_N, BLOCK_M]` of `W @ x^T` per program (see the module docstring)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(2) * K_SPLIT
-    if L2_PREFETCH and EVEN and K % 32 == 0:  # (K_SPLIT is whole groups)
-        prefetch_weights(qw_ptr, s_ptr, z_ptr if HAS_ZEROS else o_ptr, offs_n, first, N, K,
-                         K_SPLIT, 8 * WORDS, HAS_OFFSETS)  # fmt: skip
     pdl_enter(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     GROUP: tl.constexpr = 8 * WORDS
     X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(2)
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_w = tl.arange(0, WORDS)
     rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
+    first = split * K_SPLIT
     end = first + K_SPLIT
     if X_AHEAD:  # a group's x, scale, zero point and remainder, one group ahead
         x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,

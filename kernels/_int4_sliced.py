@@ -36,7 +36,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sitsd.kernels._int4_tile import prefetch_weights
 from sitsd.kernels._pdl import pdl_enter
 from sitsd.kernels._split_merge import merge_splits
 
@@ -230,19 +229,14 @@ def int4_gemv_kernel(
     PREFETCH: tl.constexpr,  # load a chunk's words and scales one chunk ahead
     MERGE: tl.constexpr,  # SPLIT_K > 1: the tile's last program sums the partials (`_split_merge`)
     PDL: tl.constexpr,
-    # ask L2 for all of the program's codes at its start (with PDL: before it waits)
-    L2_PREFETCH: tl.constexpr,
 ):
     """One `[BLOCK_N, WORDS]` float32 accumulator per row of x (see the module docstring)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row0 = tl.program_id(1) * ROWS
-    split = tl.program_id(2)
-    first = split * K_SPLIT
-    if L2_PREFETCH and EVEN and K % 32 == 0 and K_SPLIT % 32 == 0:
-        prefetch_weights(qw_ptr, s_ptr, o_ptr, offs_n, first, N, K, K_SPLIT, GROUP, HAS_OFFSETS)
     pdl_enter(PDL)
     # A float32 x keeps exact products (an add per code): `256 + q` would cost it 8 bits.
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = tl.program_id(1) * ROWS
+    split = tl.program_id(2)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
     # Rows past M read row 0 again (in bounds) and are not stored.
@@ -254,6 +248,7 @@ def int4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    first = split * K_SPLIT
     end = first + K_SPLIT
     if PREFETCH:
         words = _load_words(qw_ptr, offs_n, n_mask, offs_w, first, K, EVEN)

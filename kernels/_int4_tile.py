@@ -1,6 +1,5 @@
 """The INT4 tile dequantization that `int4_matmul` and `int4_dequantize` share (a `@triton.jit`
-helper, inlined into both kernels), and the L2 prefetch of a program's weights that the INT4
-decode kernels may issue as they start (`prefetch_weights`).
+helper, inlined into both kernels).
 
 `dequant_tile` loads `BLOCK_N` rows x `BLOCK_K` columns of an INT4 weight
 (`sitsd.kernels.quant_layout`) starting at layout column `k0`, and returns them in float32:
@@ -14,8 +13,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from sitsd.kernels._pdl import prefetch_l2_lines, prefetch_l2_runs
 
 
 @triton.jit
@@ -64,20 +61,3 @@ def dequant_tile(qw_ptr, s_ptr, o_ptr, offs_n, n_mask, k0, N, K: tl.constexpr,
     else:
         w = (q - 8.0) * scale
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def prefetch_weights(qw_ptr, s_ptr, z_ptr, offs_n, first, N, K: tl.constexpr,
-                     K_SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_Z: tl.constexpr):  # fmt: skip
-    """Ask L2 for rows `offs_n` of an INT4 weight over layout columns `first .. first +
-    K_SPLIT` (each row's codes as one run) and for their scales and, with HAS_Z, their offsets
-    or zero points (`z_ptr`, `[G, N]` as the scales) in the first of those groups: all of a
-    program's codes in flight at once, not a chunk or a pipeline's few stages ahead. Weights
-    are never written by a decode kernel, so a kernel launched with PDL may call it before
-    `pdl_enter` (`_pdl`). The rows must exist, the codes start on a 16-byte boundary, and K and
-    K_SPLIT be multiples of 32 (runs of whole 16-byte pieces)."""
-    prefetch_l2_runs(qw_ptr + offs_n.to(tl.int64) * (K // 8) + first // 8, K_SPLIT // 2)
-    g = first // GROUP
-    prefetch_l2_lines(s_ptr + g * N + offs_n)
-    if HAS_Z:
-        prefetch_l2_lines(z_ptr + g * N + offs_n)

@@ -399,7 +399,6 @@ def int4_matmul(
     zeros: torch.Tensor | None = None,  # [G, N] uint8
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
     slice_major: bool = False,
-    l2_prefetch: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
@@ -429,11 +428,6 @@ def int4_matmul(
             `slice_major_perm(K)` (not checked: a host sync); groups of 128. Modes `mma` and
             `gemv` (on chunks of whole groups) then read x in order; the others gather it
             through `perm` as for any act-order.
-        l2_prefetch: Modes `gemv` and `mma`: each program first asks L2 for all of its codes
-            (and its first group's scales) at once (`_int4_tile.prefetch_weights`), so its
-            loop reads them from L2; with `pdl` it does so before it waits for the kernel
-            before it, under that kernel's end. A hint: other modes and the interpreter
-            ignore it.
 
     Returns:
         `[M, N]` in x's dtype (`out` when given).
@@ -495,9 +489,6 @@ def int4_matmul(
         target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
-    # A bulk prefetch wants 16-byte aligned runs (the kernels check the shapes); it has no L2
-    # to ask in the interpreter.
-    l2_prefetch = l2_prefetch and not runs_in_interpreter(x) and qweight.data_ptr() % 16 == 0
     if config.mode == "mma":
         # Tiles of 64 rows or more take x put in slice-major order once (one more kernel)
         # rather than by every program that reads it (N / block_n of them): 25-33% fewer
@@ -517,7 +508,7 @@ def int4_matmul(
             HAS_PERM=perm is not None and not slice_major,
             EVEN=even, EVEN_K=even_k, ASM=not runs_in_interpreter(x), X_ORDERED=ordered,
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
-            PDL=pdl, L2_PREFETCH=l2_prefetch,
+            PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     elif config.mode == "gemv":
@@ -532,7 +523,7 @@ def int4_matmul(
             HAS_OFFSETS=offsets is not None, HAS_PERM=perm is not None and not sliced,
             SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
-            L2_PREFETCH=l2_prefetch, num_warps=config.num_warps,
+            num_warps=config.num_warps,
             num_stages=config.num_stages, launch_pdl=pdl,
         )  # fmt: skip
     else:

@@ -15,9 +15,9 @@ runner-owned workspace, then cuBLAS (long prefill chunks: the GEMM is compute-bo
 cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device takes
 `sitsd.quant.linear.quantized_linear`'s route. `int4_matmul` runs as the kernel set's other
 decode kernels do: with programmatic dependent launch at the row counts where it pays
-(`int4_pdl_pays`: `routing.pdl_pays`, up to `INT4_PDL_MAX_ROWS`), and with split-K merged by each
-tile's last program in the runner's counters (one launch fewer per layer) wherever they hold
-enough for the call's tiles.
+(`int4_pdl_pays`: `routing.pdl_pays`, up to `INT4_PDL_MAX_ROWS`), and up to `INT4_MERGE_ROWS`
+with split-K merged by each tile's last program in the runner's counters (one launch fewer per
+layer) where they hold enough for the call's tiles.
 """
 
 from __future__ import annotations
@@ -54,15 +54,18 @@ INT4_DEQUANT_FROM_ROWS = 512
 # The least tile of `int4_matmul`'s default configurations, on each side: `cdiv(N, 16) *
 # cdiv(M, 16)` counters cover every call's tiles.
 _LEAST_TILE = 16
-# Rows of x up to which `int4_split_counters` cover INT4 layers (decode batches: more rows
-# split K little or not at all, and take a second kernel then).
-INT4_MERGE_ROWS = 64
+# Rows of x up to which INT4 layers merge their split-K partials in the kernel; past them a
+# second kernel sums them. On an H100 (`bench.probe_int4_launch`, `bench/results/
+# quant-kernels-h100.txt` run 8) the merge was even at 8 rows and lost from 32 (the engine's
+# zero-point format at 32 rows: o 15.8 against 12.0 us, down 36.8 against 26.3, where K splits
+# 8 ways): each tile's last program reads every part of it alone, after all of them.
+INT4_MERGE_ROWS = 16
 # Rows of x up to which INT4 layers launch with programmatic dependent launch (where `pdl_pays`
-# too): on an H100 the 32 layers' INT4 linears took 12.96 ms at 128 rows with it against 12.43
-# without, and gained at 1 and 32 rows (2.61 -> 2.44, 3.76 -> 3.65 ms, with the merge;
-# bench/results/quant-kernels-h100.txt). Likely cause, not profiled: a dependent grid's programs,
-# launched early, wait on SMs that a large batch's many-wave grid still needs.
-INT4_PDL_MAX_ROWS = 64
+# too). On an H100 it gained at 1 to 32 rows and lost at 64 (the four layers 2% slower in
+# run 8) and at 128 (the 32 layers' INT4 linears 12.96 against 12.43 ms, run 2). Likely cause,
+# not profiled: a dependent grid's programs, launched early, wait on SMs that a large batch's
+# many-wave grid still needs.
+INT4_PDL_MAX_ROWS = 32
 
 DenseLinear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y
 
@@ -78,9 +81,6 @@ class QuantizedLinears:
     # int32 zeros on the device, the runner's (left zero): int4_matmul's split-K merged in the
     # kernel when they cover the call's tiles; None, or too few: a second kernel sums them
     split_counters: torch.Tensor | None = None
-    # Each program asks L2 for all of its codes as it starts (with PDL, before it waits for
-    # the kernel before it): `int4_matmul`'s l2_prefetch
-    l2_prefetch: bool = False
 
     def __call__(self, x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
         if not isinstance(weight, Int4Weight) or x.device.type != "cuda":
@@ -102,14 +102,20 @@ class QuantizedLinears:
         from sitsd.kernels.int4_matmul import int4_matmul  # triton: CUDA hosts only
 
         rows = x.shape[0]
-        tiles = -(-n // _LEAST_TILE) * -(-rows // _LEAST_TILE)  # ceiling divisions
-        counters = self.split_counters
-        if counters is not None and counters.numel() < tiles:
-            counters = None
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
                            zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
-                           split_counters=counters, slice_major=w.slice_major,
-                           l2_prefetch=self.l2_prefetch)  # fmt: skip
+                           split_counters=self.counters_for(rows, n),
+                           slice_major=w.slice_major)  # fmt: skip
+
+    def counters_for(self, rows: int, n: int) -> torch.Tensor | None:
+        """The split counters an `int4_matmul` call over `rows` rows of x and `n` outputs
+        merges its split-K partials in: the runner's, up to `INT4_MERGE_ROWS` rows and where
+        they cover the call's tiles; else None (a second kernel sums them)."""
+        tiles = -(-n // _LEAST_TILE) * -(-rows // _LEAST_TILE)  # ceiling divisions
+        counters = self.split_counters
+        if counters is None or rows > INT4_MERGE_ROWS or counters.numel() < tiles:
+            return None
+        return counters
 
 
 def int4_pdl_pays(rows: int) -> bool:

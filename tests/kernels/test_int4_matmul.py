@@ -4,7 +4,6 @@ M = 1..512, and CUDA-graph replay on the GPU."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import pytest
@@ -344,15 +343,6 @@ def test_writes_into_a_given_out_takes_strided_rows_and_empty_inputs(device):
     assert int4_matmul(x[:0], *weight.args).shape == (0, 32)
 
 
-def test_l2_prefetch_is_a_hint_that_changes_no_result(device):
-    # On the GPU each program asks L2 for its codes first; the interpreter has no L2 to ask.
-    case = random_int4(64, 256, 128, offsets=True, device=device)
-    x = _x(3, 256, torch.bfloat16, device)
-    for config in (Int4MatmulConfig("gemv", 4, 16, 128, 2), IN_LOOP_16, SCALED_16):
-        expected = int4_matmul(x, *case.args, config=config)
-        assert torch.equal(int4_matmul(x, *case.args, config=config, l2_prefetch=True), expected)
-
-
 def test_rejects_bad_arguments_with_messages(device):
     w = random_int4(32, 64, 32, offsets=True, device=device)
     x = _x(2, 64, torch.float32, device)
@@ -483,59 +473,6 @@ def test_gpu_merged_splits_give_the_same_bits_over_many_graph_replays(name, devi
             graph.replay()
             assert torch.equal(out, expected)
         assert not counters.any()
-
-
-def _prefetching_chain(x, case, zeros, outs, counters, pdl) -> None:
-    """One call per output, each with the L2 prefetch, in a row."""
-    for out in outs:
-        int4_matmul(x, *case.args, zeros=zeros, out=out, split_counters=counters, pdl=pdl,
-                    l2_prefetch=True)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("offsets", [False, True])
-def test_gpu_l2_prefetch_gives_the_same_bits(offsets, pdl, device):
-    # Each program asks L2 for its codes and first scales as it starts (with PDL, before it
-    # waits for the kernel before it): a hint, so every default tile (gemv at 1-2 rows, mma at
-    # 8-64; zero points through mark_integer_zeros as the engine serves them) gives the bits it
-    # gives without, eagerly and in a graph where each call follows another.
-    from sitsd.quant.layout import Int4Weight, mark_integer_zeros
-
-    for name in ("qkv", "gate_up", "down"):
-        n, k = LLAMA3_8B_SHAPES[name]
-        case = random_int4(n, k, 128, offsets=offsets, device=device)
-        zeros = None
-        if offsets:
-            zeros = mark_integer_zeros(Int4Weight(case.qweight, case.scales, case.offsets,
-                                                  128)).zeros  # fmt: skip
-        counters = torch.zeros(triton.cdiv(n, 16) * 4, dtype=torch.int32, device=device)
-        for num_rows in (1, 2, 8, 32, 64):
-            x = _x(num_rows, k, torch.bfloat16, device)
-            expected = int4_matmul(x, *case.args, zeros=zeros)
-            outs = [torch.empty_like(expected) for _ in range(3)]
-            chain = functools.partial(_prefetching_chain, x, case, zeros, outs, counters, pdl)
-            chain()  # compiles
-            torch.cuda.synchronize()
-            for out in outs:
-                assert torch.equal(out, expected), (name, num_rows)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                chain()
-            for _ in range(20):
-                for out in outs:
-                    out.fill_(float("nan"))
-                graph.replay()
-                for out in outs:
-                    assert torch.equal(out, expected), (name, num_rows)
-            assert not counters.any()
-        # Codes 4 bytes past a 16-byte boundary: no bulk prefetch (it would fault), same bits.
-        shifted = torch.empty(case.qweight.numel() + 1, dtype=torch.int32, device=device)
-        shifted = shifted[1:].view_as(case.qweight).copy_(case.qweight)
-        x = _x(1, k, torch.bfloat16, device)
-        args = (shifted, *case.args[1:])
-        assert torch.equal(int4_matmul(x, *args, zeros=zeros, pdl=pdl, l2_prefetch=True),
-                           int4_matmul(x, *case.args, zeros=zeros))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Programmatic dependent launch goes on at the decode row counts where it measured faster (1-2
 and from 32), for the kernel set's calls and for the linear layers' gemv and skinny_gemm (INT4
-layers up to 64 rows), and never with the runner's switch off."""
+layers up to 32 rows), and never with the runner's switch off; INT4 layers merge their split-K
+partials in the kernel up to 16 rows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from sitsd.kernels.reference import silu_and_mul_ref
 from sitsd.kernels.skinny_gemm import SkinnyConfig
 from sitsd.model.linear import TunedLinear
 from sitsd.model.ops import with_pdl
-from sitsd.model.qlinear import int4_pdl_pays
+from sitsd.model.qlinear import INT4_MERGE_ROWS, QuantizedLinears, int4_pdl_pays
 from sitsd.model.routing import pdl_pays
 from tests.kernels.helpers import assert_close
 
@@ -32,10 +33,10 @@ def test_pdl_goes_on_at_the_decode_batches_where_it_measured_faster():
     assert [rows for rows in (3, 23, 25, 31, 33, 200) if pdl_pays(rows)] == [33, 200]
 
 
-def test_int4_layers_get_pdl_where_it_pays_up_to_64_rows():
-    measured = (1, 2, 8, 32, 128)  # bench/results/quant-kernels-h100.txt: 128 slower with it
+def test_int4_layers_get_pdl_where_it_pays_up_to_32_rows():
+    measured = (1, 2, 8, 32, 64, 128)  # bench/results/quant-kernels-h100.txt: 64, 128 slower
     assert [rows for rows in measured if int4_pdl_pays(rows)] == [1, 2, 32]
-    assert [rows for rows in (3, 31, 33, 64, 65, 255) if int4_pdl_pays(rows)] == [33, 64]
+    assert [rows for rows in (3, 31, 33, 64, 65, 255) if int4_pdl_pays(rows)] == []
 
 
 def test_kernel_set_calls_get_pdl_by_their_first_dimension():
@@ -82,3 +83,16 @@ def test_linear_layers_get_pdl_where_it_pays(monkeypatch, switch):
         ("gemv", 1, switch), ("gemv", 2, switch), ("gemv", 8, False), ("skinny", 24, False),
         ("skinny", 32, switch), ("gemv", 1, switch),
     ]  # fmt: skip
+
+
+def test_int4_layers_merge_their_splits_in_the_kernel_up_to_16_rows():
+    # The runner's counters (enough for 16 rows of the widest layer) go to int4_matmul up to
+    # INT4_MERGE_ROWS rows, where they cover the call's tiles; past them a second kernel sums
+    # the splits (the merge measured slower at 32 and 64 rows).
+    counters = torch.zeros(-(-4096 // 16), dtype=torch.int32)
+    linears = QuantizedLinears(split_counters=counters)
+    assert INT4_MERGE_ROWS == 16
+    assert [rows for rows in (1, 2, 8, 16, 17, 32, 64) if linears.counters_for(rows, 4096)
+            is counters] == [1, 2, 8, 16]  # fmt: skip
+    assert linears.counters_for(1, 4097) is None  # one tile more than the counters hold
+    assert QuantizedLinears().counters_for(1, 64) is None
