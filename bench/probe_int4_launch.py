@@ -2,11 +2,10 @@
 INT4 layers, at the default configuration.
 
 `QuantizedLinears` launches `int4_matmul` with PDL (up to `INT4_PDL_MAX_ROWS` rows, where
-`pdl_pays`) and with split-K summed by each tile's last program (up to `INT4_MERGE_ROWS`). At 32
-rows an H100 measured the engine's launch slower than the plain default for symmetric weights
-(down 31.9 against 23.5 us; the 32-layer chain 3.34 against 3.09 ms,
-`bench/results/quant-kernels-h100.txt` run 7): this times the four combinations apart, per
-Llama-3-8B layer, graph-timed over rotating weight copies as `bench.bench_quant_kernels` does.
+`pdl_pays`) and with split-K summed by each tile's last program (up to `INT4_MERGE_ROWS`). This
+times the four combinations apart, per Llama-3-8B layer, graph-timed over rotating weight copies
+as `bench.bench_quant_kernels` does. Its first run (an H100, `bench/results/quant-kernels-h100.txt`
+run 8) set both limits: the merge was even at 8 rows and lost at 32 and 64, PDL lost at 64.
 
     python3 -m bench.probe_int4_launch [--rows 8,32,64]
 """
