@@ -277,7 +277,8 @@ def _module(
                       else torch.float16)  # fmt: skip
     dense = _dense(tensors, name, fmt, torch.float32)
     if precision.kind == "int4":
-        return quantize_int4(dense, precision.group_size, name=name).to_layout()
+        return quantize_int4(dense, precision.group_size, symmetric=precision.symmetric,
+                             name=name).to_layout()  # fmt: skip
     return quantize_int8(dense) if precision.kind == "int8" else quantize_fp8(dense)
 
 

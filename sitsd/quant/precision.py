@@ -8,8 +8,10 @@ matches a tensor's Hugging Face name (`fnmatch`: `*` matches dots too) decides:
     "*.o_proj.weight": bf16      # stays 16-bit
     "lm_head.weight": bf16
 
-Precisions: `int4` (`int4-g32`, `int4-g64`, `int4-g128`: the group size; 128 by default),
-`int8` (per output row), `fp8` (e4m3, per output row), `bf16`, `fp16`. A tensor no pattern
+Precisions: `int4` (`int4-g32`, `int4-g64`, `int4-g128`: the group size; 128 by default; with
+`-sym`, e.g. `int4-sym` or `int4-g128-sym`, symmetric: no zero points, GPTQ's `sym` format,
+which the GPU's INT4 kernels run faster, at some accuracy), `int8` (per output row), `fp8`
+(e4m3, per output row), `bf16`, `fp16`. A tensor no pattern
 matches keeps what the checkpoint gives it (16 bits stay 16 bits, quantized modules keep their
 format). Only linear weights are quantized; a map that names a norm or the embedding with a
 quantized precision is refused when it is applied (`sitsd.model`'s weight table says which
@@ -41,33 +43,39 @@ class Precision:
 
     kind: str  # one of KINDS
     group_size: int = 128  # INT4 only: inputs per scale
+    symmetric: bool = False  # INT4 only: zero point 8, no zero points stored
 
     @property
     def quantized(self) -> bool:
         return self.kind in QUANTIZED_KINDS
 
     def __str__(self) -> str:
-        return f"int4-g{self.group_size}" if self.kind == "int4" else self.kind
+        if self.kind != "int4":
+            return self.kind
+        return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
 
 
 def parse_precision(word: str, where: str = "precision") -> Precision:
-    """`int4`, `int4-g64`, `int8`, `fp8`, `bf16`, `fp16` -> `Precision`.
+    """`int4`, `int4-g64`, `int4-sym`, `int4-g64-sym`, `int8`, `fp8`, `bf16`, `fp16` ->
+    `Precision`.
 
     Raises:
         QuantFormatError: Another word, or a group size the INT4 kernels do not take.
     """
     text = str(word).strip().lower()
-    kind, _, group = text.partition("-g")
-    if kind not in KINDS or (group and kind != "int4"):
+    symmetric = text.endswith("-sym")
+    kind, _, group = text.removesuffix("-sym").partition("-g")
+    if kind not in KINDS or ((group or symmetric) and kind != "int4"):
         raise QuantFormatError(
             f"{where}: {word!r} is not a precision; use one of {', '.join(KINDS)} "
-            "(int4 may name its group size: int4-g32, int4-g64, int4-g128)"
+            "(int4 may name its group size, int4-g32, int4-g64, int4-g128, and end in -sym "
+            "for symmetric codes: int4-sym, int4-g64-sym)"
         )
     if not group:
-        return Precision(kind)
+        return Precision(kind, symmetric=symmetric)
     if not group.isdigit() or int(group) not in GROUP_SIZES:
         raise QuantFormatError(f"{where}: group size in {word!r} must be one of {GROUP_SIZES}")
-    return Precision(kind, int(group))
+    return Precision(kind, int(group), symmetric)
 
 
 @dataclass(frozen=True)

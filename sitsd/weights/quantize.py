@@ -127,6 +127,10 @@ def _int4_group(precision: PrecisionMap | None, name: str, default: int) -> int 
     if chosen.kind != "int4":
         raise QuantFormatError(f"{name}: sitsd quantize writes int4 and 16-bit weights, not "
                                f"{chosen}")  # fmt: skip
+    if chosen.symmetric:
+        raise QuantFormatError(f"{name}: sitsd quantize writes int4 with zero points, not "
+                               f"{chosen} (symmetric INT4 is `sitsd serve --quantize`'s, "
+                               "RTN at load)")  # fmt: skip
     return chosen.group_size
 
 

@@ -16,7 +16,7 @@ from sitsd.model.ops import cpu_kernels
 from sitsd.quant.cpu import CpuInt4Weight
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.layout import Fp8Weight, Int8Weight
-from sitsd.quant.precision import PrecisionMap, load_precision_map
+from sitsd.quant.precision import Precision, PrecisionMap, load_precision_map
 from sitsd.quant.source import QuantSource
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
 from sitsd.runtime.kv_cache import allocate_kv_caches
@@ -201,6 +201,40 @@ def test_precision_map_at_load_quantizes_16_bit_modules_by_glob(tmp_path, seed):
         assert layer.o_proj.dtype == torch.bfloat16
     assert weights.lm_head.dtype == torch.bfloat16  # a CPU serving quantized layers
     assert "int4-g32 x4, fp8 x2, bf16 x2" in weights.precision
+
+
+def test_symmetric_int4_words_quantize_without_zero_points(tmp_path, seed):
+    # `int4-sym` / `int4-g32-sym`: RTN with zero point 8 (GPTQ's sym format), not a zero point
+    # per group; other kinds take no -sym, and the word keeps its spelling in messages.
+    from sitsd.quant.cpu import int4_cpu_matmul
+    from sitsd.quant.precision import parse_precision
+    from sitsd.quant.rtn import quantize_int4
+    from tests.weights.tiny_models import tiny_llama_model, write_tiny_llama
+
+    assert parse_precision("int4-sym") == Precision("int4", 128, True)
+    assert parse_precision("INT4-G64-SYM") == Precision("int4", 64, True)
+    assert str(parse_precision("int4-g32-sym")) == "int4-g32-sym"
+    assert str(parse_precision("int4-g32")) == "int4-g32"
+    for bad in ("fp8-sym", "int8-sym", "int4-sym-g64", "int4-g48-sym"):
+        with pytest.raises(QuantFormatError, match=repr(bad)):
+            parse_precision(bad)
+    model = tiny_llama_model(seed=seed)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_tiny_llama(tmp_path / "m", seed=seed)
+    arch = load_checkpoint(tmp_path / "m", load_tensors=False).arch
+    x = torch.randn(3, arch.intermediate_size)
+    dense = state["model.layers.0.mlp.down_proj.weight"].float()
+    products = {}
+    for word in ("int4-g32-sym", "int4-g32"):
+        precision = PrecisionMap.from_mapping({"*.mlp.*": word}, "map.yaml")
+        weights = build_weights(arch, state, "cpu", torch.float32,
+                                fmt=ServingFormat(precision=precision))  # fmt: skip
+        products[word] = int4_cpu_matmul(x, weights.layers[0].down_proj)
+    for word, symmetric in (("int4-g32-sym", True), ("int4-g32", False)):
+        codes = quantize_int4(dense, 32, symmetric=symmetric)
+        assert (codes.zeros is None) == symmetric
+        assert_close(products[word], x @ codes.dequantize().T, torch.bfloat16)
+    assert not torch.allclose(products["int4-g32-sym"], products["int4-g32"], atol=1e-3)
 
 
 def test_a_precision_map_that_splits_a_fused_weight_or_quantizes_a_norm_is_refused(seed):

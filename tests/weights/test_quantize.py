@@ -104,6 +104,11 @@ def test_bad_requests_are_refused_naming_what_does_not_fit(tiny, tmp_path):
     with pytest.raises(QuantFormatError, match=r"gate_proj.weight: sitsd quantize writes int4 and"):
         quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=int8), TEXT,
                             tmp_path / "b")  # fmt: skip
+    sym = PrecisionMap.from_mapping({"*.mlp.*": "int4-g32-sym"})
+    with pytest.raises(QuantFormatError, match=r"gate_proj.weight: sitsd quantize writes int4 "
+                       r"with zero points, not int4-g32-sym"):  # fmt: skip
+        quantize_checkpoint(tiny, QuantizeConfig(group_size=32, precision=sym), TEXT,
+                            tmp_path / "s")  # fmt: skip
     with pytest.raises(QuantFormatError, match="method 'hqq'"):
         quantize_checkpoint(tiny, QuantizeConfig(method="hqq"), TEXT, tmp_path / "c")
     with pytest.raises(QuantFormatError, match="format 'exl2'"):
