@@ -10,14 +10,16 @@ INT4 kernels compute, to their accumulation order):
     16-bit          the embedded GGUF dequantized, as transformers reads it
     Q4_1 shipped    the embedded GGUF's own Q4_1 linear weights (Q8_0 embedding, as shipped)
     DIR ...         version directories `sitsd quantize` wrote (any layout), loaded by sitsd
+    WORD ...        the 16-bit model's `*_proj` weights rounded as `sitsd serve --quantize WORD`
+                    rounds them at load (`int4-g64`, `int4-g64-sym`; lm_head, embedding 16-bit)
 
 The only SmolLM2 available offline is that Q4_1 file: its "16-bit" model is the Q4_1 weights
 dequantized (the two rows agree), and `sitsd quantize` re-quantizes those; with a 16-bit
 checkpoint (`--model DIR` here and in `sitsd quantize`) the rows measure what they say.
 
     python -m bench.quant_accuracy --write-calibration FILE   # docstrings of Python's stdlib
-    python -m bench.quant_accuracy --quantized NAME=DIR [...] [--tokens 50000] [--exclude FILE]
-        [--device cuda] [--json PATH [--resume]]
+    python -m bench.quant_accuracy --quantized NAME=DIR [...] [--at-load NAME=WORD [...]]
+        [--tokens 50000] [--exclude FILE] [--device cuda] [--json PATH [--resume]]
 
 With `--resume`, the rows already in `--json PATH` (same name, same token count) are read
 from it instead of measured again, and the new ones added: a table can grow one row at a time.
@@ -28,12 +30,15 @@ The table comes last. Its commands and results: `bench/results/quant-accuracy-cp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from sitsd.quant.precision import Precision, parse_precision
+from sitsd.quant.rtn import quantize_int4
 from sitsd.weights import load_checkpoint
 from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.formats import resolve_model_path
@@ -78,10 +83,26 @@ def stdlib_docstrings() -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def rounded_at_load(dense: Checkpoint, precision: Precision) -> Checkpoint:
+    """`dense` with every `*_proj` weight replaced by its INT4 rounding (RTN, as `sitsd serve
+    --quantize` rounds at load), dequantized: what the INT4 kernels multiply."""
+    if precision.kind != "int4":
+        raise SystemExit(f"--at-load takes INT4 precision words, not {precision}")
+    tensors = dict(dense.tensors)
+    for name, w in dense.tensors.items():
+        if name.endswith("_proj.weight"):
+            codes = quantize_int4(w.float(), precision.group_size, symmetric=precision.symmetric,
+                                  name=name)  # fmt: skip
+            tensors[name] = codes.dequantize().to(w.dtype)
+    return dataclasses.replace(dense, tensors=tensors)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="the 16-bit (or GGUF) source")
     parser.add_argument("--quantized", nargs="*", default=[], metavar="NAME=DIR")
+    parser.add_argument("--at-load", nargs="*", default=[], metavar="NAME=WORD",
+                        help="an INT4 precision word, RTN at load")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--exclude", nargs="*", default=[], help="licence files left out")
@@ -116,6 +137,9 @@ def main() -> None:
     for spec in args.quantized:
         name, _, directory = spec.partition("=")
         models.append((name, load_checkpoint(directory)))
+    for spec in args.at_load:
+        name, _, word = spec.partition("=")
+        models.append((name, rounded_at_load(dense, parse_precision(word))))
     done = {}
     if args.resume and args.json and Path(args.json).exists():
         done = {r["model"]: r for r in json.loads(Path(args.json).read_text())
