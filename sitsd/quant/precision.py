@@ -122,7 +122,8 @@ def load_precision_map(value: str) -> PrecisionMap:
             return PrecisionMap((("*", parse_precision(value, "--quantize")),), value)
         except QuantFormatError:
             raise QuantFormatError(
-                f"precision map {value!r} is neither a file nor a precision ({', '.join(KINDS)})"
+                f"precision map {value!r} is neither a file nor a precision ({', '.join(KINDS)}; "
+                "int4 may name its group size and end in -sym: int4-g64, int4-sym)"
             ) from None
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -218,6 +218,13 @@ def test_symmetric_int4_words_quantize_without_zero_points(tmp_path, seed):
     for bad in ("fp8-sym", "int8-sym", "int4-sym-g64", "int4-g48-sym"):
         with pytest.raises(QuantFormatError, match=repr(bad)):
             parse_precision(bad)
+    assert load_precision_map("int4-g64-sym").precision_for("lm_head.weight") == Precision(
+        "int4", 64, True
+    )
+    with pytest.raises(QuantFormatError, match=r"'fp8-sym' is neither a file nor a precision "
+                       r"\(int4, int8, fp8, bf16, fp16; int4 may name its group size and end in "
+                       r"-sym"):  # fmt: skip
+        load_precision_map("fp8-sym")
     model = tiny_llama_model(seed=seed)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     write_tiny_llama(tmp_path / "m", seed=seed)
