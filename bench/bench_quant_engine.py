@@ -2,10 +2,11 @@
 its own floors, all measured in one run.
 
 The same random bf16 weights (`bench.engine_setup.random_checkpoint`) four ways: bf16 as they
-are; INT4 with groups of 128, with zero points and symmetric; FP8 e4m3 with per-channel scales. The quantized versions come
-from a precision map (`--quantize`, every `*_proj` linear RTN-quantized at load; the lm_head and
-the embedding stay bf16), which is how `sitsd serve --quantize` serves a 16-bit checkpoint and
-the layout every quantized checkpoint format is converted into.
+are; INT4 with groups of 128, with zero points and symmetric; FP8 e4m3 with per-channel scales.
+The quantized versions come from a precision map (`--quantize`, every `*_proj` linear
+RTN-quantized at load; the lm_head and the embedding stay bf16), which is how `sitsd serve
+--quantize` serves a 16-bit checkpoint and the layout every quantized checkpoint format is
+converted into.
 
 1. The floors (`bench.floors`): device-to-device copy bandwidth, the bf16 matmul rate and the
    FP8 matmul rate (`torch._scaled_mm`, row-wise scales).
