@@ -11,12 +11,12 @@ matches a tensor's Hugging Face name (`fnmatch`: `*` matches dots too) decides:
 Precisions: `int4` (`int4-g32`, `int4-g64`, `int4-g128`: the group size; 128 by default; with
 `-sym`, e.g. `int4-sym` or `int4-g128-sym`, symmetric: no zero points, GPTQ's `sym` format,
 which the GPU's INT4 kernels run faster, at some accuracy), `int8` (per output row), `fp8`
-(e4m3, per output row), `bf16`, `fp16`. A tensor no pattern
-matches keeps what the checkpoint gives it (16 bits stay 16 bits, quantized modules keep their
-format). Only linear weights are quantized; a map that names a norm or the embedding with a
-quantized precision is refused when it is applied (`sitsd.model`'s weight table says which
-tensors are linear). The map drives `sitsd quantize` and `sitsd serve --quantize`; a word
-instead of a file (`--quantize int4`) is the map `"*": word`.
+(e4m3, per output row), `bf16`, `fp16`. A tensor no pattern matches keeps what the checkpoint
+gives it (16 bits stay 16 bits, quantized modules keep their format). Only linear weights are
+quantized; a map that names a norm or the embedding with a quantized precision is refused when
+it is applied (`sitsd.model`'s weight table says which tensors are linear). The map drives
+`sitsd quantize` (zero points only) and `sitsd serve --quantize`; a word instead of a file
+(`--quantize int4`) is the map `"*": word`.
 """
 
 from __future__ import annotations
