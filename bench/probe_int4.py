@@ -19,7 +19,7 @@ import torch
 from bench.bench_quant_kernels import config_of, make_weight
 from bench.shapes import LLAMA3_8B, linear_shapes
 from sitsd.kernels.int4_matmul import int4_matmul
-from sitsd.model.qlinear import int4_pdl_pays, int4_split_counters
+from sitsd.model.qlinear import QuantizedLinears, int4_pdl_pays, int4_split_counters
 from sitsd.quant.layout import Int4Weight
 
 
@@ -38,7 +38,8 @@ def main() -> None:
     x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
     config = config_of(f"sweep {args.config}") if args.config else None
     pdl = not args.plain and int4_pdl_pays(args.rows)
-    counters = None if args.plain else int4_split_counters(LLAMA3_8B, x.device)
+    served = QuantizedLinears(split_counters=int4_split_counters(LLAMA3_8B, x.device))
+    counters = None if args.plain else served.counters_for(args.rows, n)
     for _ in range(args.calls):
         int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
                     zeros=w.zeros, pdl=pdl, split_counters=counters,
