@@ -48,6 +48,7 @@ class CpuInt4Weight:
     num_rows: int  # N
     perm: torch.Tensor | None  # [K] int64: act-order, x's columns gathered before the matmul
     source_group_size: int  # the group size of the `Int4Weight` it was made from
+    symmetric: bool = False  # that weight had no offsets (zero point 8: GPTQ's `sym`)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,7 +81,8 @@ class CpuInt4Weight:
             table = torch.cat([table, table.new_zeros(table.shape[0], n_pad - n, 2)], dim=1)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
         perm = None if weight.perm is None else weight.perm.cpu().long()
-        return cls(packed, table.to(torch.bfloat16).contiguous(), group, n, perm, weight.group_size)
+        return cls(packed, table.to(torch.bfloat16).contiguous(), group, n, perm, weight.group_size,
+                   weight.offsets is None)  # fmt: skip
 
 
 def _cpu_group_size(k: int, group_size: int) -> int:

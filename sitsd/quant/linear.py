@@ -180,14 +180,14 @@ def copy_weight_into(dst: LinearWeight, src: LinearWeight) -> None:
 
 
 def precision_of(weight: LinearWeight) -> str:
-    """`int4-g<group>`, `int8`, `fp8`, or the dense dtype's name (`bf16`, `fp16`, `fp32`)."""
+    """`int4-g<group>` (`int4-g<group>-sym` without zero points), `int8`, `fp8`, or the dense
+    dtype's name (`bf16`, `fp16`, `fp32`)."""
     if isinstance(weight, torch.Tensor):
         return _DTYPE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
-    if isinstance(weight, Int4Weight | CpuInt4Weight):
-        group = weight.group_size
-        if isinstance(weight, CpuInt4Weight):
-            group = weight.source_group_size
-        return f"int4-g{group}"
+    if isinstance(weight, Int4Weight):
+        return f"int4-g{weight.group_size}" + ("-sym" if weight.offsets is None else "")
+    if isinstance(weight, CpuInt4Weight):
+        return f"int4-g{weight.source_group_size}" + ("-sym" if weight.symmetric else "")
     if isinstance(weight, Int8Weight):
         return "int8"
     return "fp8"

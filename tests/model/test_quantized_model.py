@@ -237,6 +237,7 @@ def test_symmetric_int4_words_quantize_without_zero_points(tmp_path, seed):
         weights = build_weights(arch, state, "cpu", torch.float32,
                                 fmt=ServingFormat(precision=precision))  # fmt: skip
         products[word] = int4_cpu_matmul(x, weights.layers[0].down_proj)
+        assert f"{word} x" in weights.precision  # as `sitsctl versions` shows it
     for word, symmetric in (("int4-g32-sym", True), ("int4-g32", False)):
         codes = quantize_int4(dense, 32, symmetric=symmetric)
         assert (codes.zeros is None) == symmetric
