@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from sitsd.quant.precision import Precision, parse_precision
-from sitsd.quant.rtn import quantize_int4
+from sitsd.quant.rtn import quantize_int4_as
 from sitsd.weights import load_checkpoint
 from sitsd.weights.checkpoint import Checkpoint
 from sitsd.weights.formats import resolve_model_path
@@ -91,9 +91,7 @@ def rounded_at_load(dense: Checkpoint, precision: Precision) -> Checkpoint:
     tensors = dict(dense.tensors)
     for name, w in dense.tensors.items():
         if name.endswith("_proj.weight"):
-            codes = quantize_int4(w.float(), precision.group_size, symmetric=precision.symmetric,
-                                  name=name)  # fmt: skip
-            tensors[name] = codes.dequantize().to(w.dtype)
+            tensors[name] = quantize_int4_as(w.float(), precision, name).dequantize().to(w.dtype)
     return dataclasses.replace(dense, tensors=tensors)
 
 

@@ -41,7 +41,7 @@ from sitsd.quant.linear import (
     weight_tensors,
 )
 from sitsd.quant.precision import PrecisionMap
-from sitsd.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
+from sitsd.quant.rtn import quantize_fp8, quantize_int4_as, quantize_int8
 from sitsd.quant.source import QuantSource
 
 
@@ -277,8 +277,7 @@ def _module(
                       else torch.float16)  # fmt: skip
     dense = _dense(tensors, name, fmt, torch.float32)
     if precision.kind == "int4":
-        return quantize_int4(dense, precision.group_size, symmetric=precision.symmetric,
-                             name=name).to_layout()  # fmt: skip
+        return quantize_int4_as(dense, precision, name).to_layout()
     return quantize_int8(dense) if precision.kind == "int8" else quantize_fp8(dense)
 
 

@@ -35,6 +35,8 @@ __all__ = ["KINDS", "Precision", "PrecisionMap", "load_precision_map", "parse_pr
 
 KINDS = ("int4", "int8", "fp8", "bf16", "fp16")
 QUANTIZED_KINDS = ("int4", "int8", "fp8")
+# What an INT4 word may add, for messages
+_INT4_WORDS = "int4 may name its group size and end in -sym: int4-g64, int4-sym, int4-g64-sym"
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,7 @@ def parse_precision(word: str, where: str = "precision") -> Precision:
     kind, _, group = text.removesuffix("-sym").partition("-g")
     if kind not in KINDS or ((group or symmetric) and kind != "int4"):
         raise QuantFormatError(
-            f"{where}: {word!r} is not a precision; use one of {', '.join(KINDS)} "
-            "(int4 may name its group size, int4-g32, int4-g64, int4-g128, and end in -sym "
-            "for symmetric codes: int4-sym, int4-g64-sym)"
+            f"{where}: {word!r} is not a precision; use one of {', '.join(KINDS)} ({_INT4_WORDS})"
         )
     if not group:
         return Precision(kind, symmetric=symmetric)
@@ -123,7 +123,7 @@ def load_precision_map(value: str) -> PrecisionMap:
         except QuantFormatError:
             raise QuantFormatError(
                 f"precision map {value!r} is neither a file nor a precision ({', '.join(KINDS)}; "
-                "int4 may name its group size and end in -sym: int4-g64, int4-sym)"
+                f"{_INT4_WORDS})"
             ) from None
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

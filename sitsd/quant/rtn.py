@@ -15,6 +15,7 @@ Used by the precision map at load (`sitsd serve --quantize`) and by `sitsd quant
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,10 @@ from sitsd.kernels.quant_layout import FP8_DTYPE, FP8_MAX, GROUP_SIZES, pack_int
 from sitsd.quant.errors import QuantFormatError
 from sitsd.quant.layout import Fp8Weight, Int4Weight, Int8Weight
 
-__all__ = ["Int4Codes", "quantize_fp8", "quantize_int4", "quantize_int8"]
+if TYPE_CHECKING:
+    from sitsd.quant.precision import Precision
+
+__all__ = ["Int4Codes", "quantize_fp8", "quantize_int4", "quantize_int4_as", "quantize_int8"]
 
 _TINY = 1e-10  # the smallest scale: an all-zero group quantizes to zeros, never to 0 / 0
 
@@ -120,6 +124,12 @@ def quantize_int4(
         zeros = zero.to(torch.uint8).T.contiguous()
     codes = codes.reshape(w.shape).to(torch.uint8)
     return Int4Codes(codes, scales.T.contiguous(), zeros, group_size)
+
+
+def quantize_int4_as(w: torch.Tensor, precision: Precision, name: str = "weight") -> Int4Codes:
+    """`w` rounded as an INT4 `precision` of a map asks at load (`sitsd serve --quantize`): its
+    group size, symmetric or with zero points, the full range."""
+    return quantize_int4(w, precision.group_size, symmetric=precision.symmetric, name=name)
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
