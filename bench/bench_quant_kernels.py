@@ -266,7 +266,8 @@ def variants(
             f"fp8 {b}": functools.partial(fp8_linear, backend=b) for b in ("scaled_mm", "triton")
         }
     label = "int4 g128" + (" zero points" if fmt == "int4 zp" else "")
-    default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=fmt == "int4 zp")
+    zp = fmt == "int4 zp"  # integer zero points (the engine's RTN)
+    default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=zp, has_zeros=zp)
     out = {f"{label} default": functools.partial(int4_linear, config=default)}
     if num_rows < INT4_DEQUANT_FROM_ROWS:  # the default as the engine launches it (PDL, merge)
         out[f"{label} as served"] = QuantizedLinears(
@@ -380,7 +381,8 @@ def bench_shape(
             for label, (us, note) in summary.items():
                 if label.endswith("default"):
                     zp = fmt == "int4 zp"
-                    note = describe(choose_int4_config(num_rows, n, k, GROUP, has_offsets=zp))
+                    note = describe(choose_int4_config(num_rows, n, k, GROUP, has_offsets=zp,
+                                                          has_zeros=zp))  # fmt: skip
                 out.append(
                     Row(
                         name,

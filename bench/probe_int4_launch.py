@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                     fn = functools.partial(_launch, pdl=pdl, counters=counters if merge else None)
                     torch.testing.assert_close(fn(x, copies[0]), expected, atol=0, rtol=0)
                     times.append(bench.time_linear(fn, x, copies))
-                config = choose_int4_config(num_rows, n, k, 128, has_offsets=fmt == "int4 zp")
+                zp = fmt == "int4 zp"
+                config = choose_int4_config(num_rows, n, k, 128, has_offsets=zp, has_zeros=zp)
                 cells = " ".join(f"{t:8.2f}" for t in times)
                 print(f"{name:<8} {fmt:<7} {num_rows:>4} {cells}  {config}", flush=True)
             del copies

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
                 copies = bench.copies(fmt, n, k)
                 sliced = [to_slice_major_weight(w) for w in copies]
                 x = torch.randn(num_rows, k, device=bench.device, dtype=DTYPE)
-                default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=fmt == "int4 zp")
+                zp = fmt == "int4 zp"
+                default = choose_int4_config(num_rows, n, k, GROUP, has_offsets=zp, has_zeros=zp)
                 ordered = default
                 if default.mode == "mma":
                     ordered = dataclasses.replace(default, order_x=True)

@@ -31,7 +31,9 @@ r is 0 in the first two cases, which skip the sum of x; GGUF's Q4_1 and Q4_K min
 remainder, and the sum of x per group (a contiguous load, summed along its rows) carries it.
 
 The x, scales and offsets of a group are loaded one group ahead, so their latency hides behind
-the group before (the words' loads are pipelined by Triton itself). Without X_AHEAD they are
+the group before (the words' loads are pipelined by Triton itself); integer zero points too on
+tiles of 128 weight rows, and on smaller ones where the group unpacks (carried, z would be
+converted into the codes' layout each group: see Z_IN_LOOP). Without X_AHEAD they are
 loaded in the group that uses them, and Triton's pipeliner copies x into shared memory
 asynchronously, `num_stages` groups deep, as it does the words: at 32 and more rows of x a
 group's x tile is larger than its codes (32 rows: 8 KB against 4 KB of words on 64 weight
@@ -295,6 +297,13 @@ def int4_mma_kernel(
     pdl_enter(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     GROUP: tl.constexpr = 8 * WORDS
+    # Zero points loaded where the group unpacks, even with x ahead, on tiles of fewer than 128
+    # weight rows: there z carried from the group before comes back in a layout that the
+    # codes' is converted from each group (16 STS.64 at 16 x 64: the loop 259 instructions
+    # against 243, 96 registers against 80); on 128 rows it lines up and loading it ahead
+    # hides its latency (an H100, `bench.probe_int4_zeros`, session 32: gate_up at 8 rows
+    # 36.7 us in the loop on 64 rows against 51.5 ahead; o 9.5 ahead on 128 against 10.1).
+    Z_IN_LOOP: tl.constexpr = HAS_ZEROS and X_AHEAD and BLOCK_N < 128
     X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -317,6 +326,8 @@ def int4_mma_kernel(
                                                 m_mask, offs_n, n_mask, k0, True, N,
                                                 stride_xm, K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
                                                 EVEN_K, X_ORDERED, KX)  # fmt: skip
+        if Z_IN_LOOP:
+            z = tl.load(z_ptr + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0).to(tl.float32)
         word_cols = k0 // 8 + offs_w
         if EVEN:
             words = tl.load(rows + word_cols[None, :])

@@ -235,6 +235,7 @@ def choose_int4_config(
     *,
     num_sms: int = 132,
     has_offsets: bool = False,
+    has_zeros: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Int4MatmulConfig:
     """A default configuration for `x [num_rows, k] @ W[n, k].T` (x in `dtype`), from an H100's
@@ -252,8 +253,12 @@ def choose_int4_config(
     (registers).
 
     Groups of 128 and 16-bit x, from 3 rows: `mma`, on 64 weight rows per program, or 128
-    with offsets (whose zero points cost the same per group whatever the tile: gate_up at 8
-    rows 43.6 us on 128, 55.3 on 64). Up to 32 rows all rows of x in one tile, K split into
+    with offsets that need x's sums (GGUF's minima), and with integer zero points on a layer
+    as small as o (4096 x 4096). Zero points took 128 rows everywhere until the kernel loaded
+    them where each group unpacks on 64-row tiles (`_int4_mma`, session 32): then, at 8 rows,
+    qkv 12.9 us on 64 against 13.4 on 128, gate_up 36.7 against 43.2, down 22.7 against 23.2,
+    but o 11.9 against 9.5; at 128 rows qkv 25.1 against 29.8 (`bench.probe_int4_zeros`, an
+    H100). Up to 32 rows all rows of x in one tile, K split into
     parts of about 8 groups (4 for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against
     26.5 split in 4), and further until the grid has a program per SM; from 33 rows tiles of 64
     rows of x (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
@@ -306,7 +311,11 @@ def choose_int4_config(
     mma = group_size == MMA_GROUP_SIZE and dtype in (torch.float16, torch.bfloat16)
     if mma:
         groups = cdiv(k, MMA_GROUP_SIZE)
-        block_n, num_warps = (128 if has_offsets else 64), 4
+        # offsets that need x's sums (GGUF's minima) take 128 weight rows, and so do zero
+        # points on a layer as small as o (4096 x 4096)
+        sums = has_offsets and not has_zeros
+        wide = sums or (has_zeros and n * k <= 4096 * 4096)
+        block_n, num_warps = (128 if wide else 64), 4
         x_ahead = num_rows <= MMA_X_AHEAD_ROWS or (num_rows > 32 and not large_n)
         if num_rows <= 32:
             block_m, split_k = max(16, next_power_of_2(num_rows)), 1
@@ -316,7 +325,7 @@ def choose_int4_config(
                 block_n = 64  # zero points too, with x in the loop
         elif large_n:
             block_m, block_n, num_warps, split_k = 64, 128, 8, 2
-        elif num_rows > 64 and k >= 8192 and not has_offsets:
+        elif num_rows > 64 and k >= 8192 and not sums:
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
             block_m, split_k = 64, 2
@@ -463,6 +472,7 @@ def int4_matmul(
         group_size,
         num_sms=num_sms(x.device),
         has_offsets=offsets is not None,
+        has_zeros=zeros is not None,
         dtype=x.dtype,
     )
     _check_config(config)

@@ -220,7 +220,9 @@ def test_mma_mode_subtracts_integer_zero_points_found_at_load(dtype, device):
     assert torch.equal(weight.zeros, z.round().to(torch.uint8))
     x = _x(5, k, dtype, device)
     ref = int4_matmul_ref(x, *case.args)
+    # (16 and 32 weight rows load z where the group unpacks; 128 load it a group ahead)
     for config in (Int4MatmulConfig("mma", 16, 16, 128), Int4MatmulConfig("mma", 16, 32, 128, 2),
+                   Int4MatmulConfig("mma", 16, 128, 128, 2),
                    Int4MatmulConfig("mma", 64, 16, 128, 2), SCALED_16, SCALED_64,
                    IN_PLACE_64, ORDERED_16, IN_LOOP_16, IN_LOOP_64):  # fmt: skip
         out = int4_matmul(x, *case.args, config=config, zeros=weight.zeros)
@@ -378,10 +380,11 @@ def test_rejects_bad_arguments_with_messages(device):
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("num_rows", [1, 8, 32, 128, 256, 512])
-@pytest.mark.parametrize("has_offsets", [False, True])
-def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_offsets):
+@pytest.mark.parametrize("offsets", [None, "zeros", "sums"])
+def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, offsets):
     n, k = LLAMA3_8B_SHAPES[name]
-    config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=has_offsets)
+    config = choose_int4_config(num_rows, n, k, 128, num_sms=132, has_offsets=offsets is not None,
+                                has_zeros=offsets == "zeros")  # fmt: skip
     assert k % (config.split_k * config.block_k) == 0
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(num_rows, config.block_m)
     # gemv for 1-2 rows, mma from 3 (group 128, bf16 x): at 256 and 512 rows too, where a
@@ -394,6 +397,24 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, has_off
         assert config.x_ahead == (num_rows < 17 or (num_rows > 32 and name != "gate_up"))
     else:
         assert programs * config.split_k >= 2 * 132 or config.split_k == 8
+
+
+@pytest.mark.parametrize("num_rows", [8, 32, 128])
+def test_zero_points_take_the_symmetric_tiles_but_on_a_layer_as_small_as_o(num_rows):
+    # Integer zero points (AWQ, GPTQ, RTN) sum no x: they take the tiles of symmetric codes (64
+    # weight rows), but on o (4096 x 4096), where 128 rows measured faster on an H100; offsets
+    # that need x's sums (GGUF's minima) keep 128 rows up to 32 rows of x with x ahead.
+    for name, (n, k) in LLAMA3_8B_SHAPES.items():
+        sym = choose_int4_config(num_rows, n, k, 128)
+        zeros = choose_int4_config(num_rows, n, k, 128, has_offsets=True, has_zeros=True)
+        sums = choose_int4_config(num_rows, n, k, 128, has_offsets=True)
+        if name == "o" and zeros.x_ahead:
+            assert zeros.block_n == 128
+            assert zeros == sums
+        else:
+            assert (zeros.block_m, zeros.block_n) == (sym.block_m, sym.block_n), name
+        if num_rows != 32 and name != "gate_up":  # (x in the loop: 64 rows whatever the format)
+            assert sums.block_n == 128, name
 
 
 def _other_modes(num_rows: int, group_size: int) -> list[Int4MatmulConfig]:
