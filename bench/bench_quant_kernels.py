@@ -299,6 +299,17 @@ class Bench:
     copy_gbs: float
     slice_major: bool = True  # INT4 codes as CUDA serves them
 
+    @classmethod
+    def on_gpu(cls, tool: str) -> Bench:
+        """A GPU run's: the copy bandwidth measured, the seed set; without CUDA, exits saying
+        that `tool` needs it."""
+        if not torch.cuda.is_available():
+            sys.exit(f"{tool} needs a CUDA GPU")
+        torch.manual_seed(0)
+        bench = cls(False, copy_bandwidth() / 1e9)
+        torch.cuda.empty_cache()
+        return bench
+
     @property
     def device(self) -> str:
         return "cpu" if self.smoke else "cuda"

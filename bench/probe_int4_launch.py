@@ -14,32 +14,30 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 
 from bench.bench_quant_kernels import SHAPES, Bench, int4_linear
-from bench.floors import copy_bandwidth
 from bench.shapes import LLAMA3_8B
-from sitsd.kernels.int4_matmul import choose_int4_config, int4_matmul
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
 from sitsd.model.qlinear import int4_split_counters
 from sitsd.quant.layout import Int4Weight
 
 
-def _launch(x: torch.Tensor, w: Int4Weight, *, pdl: bool, counters: torch.Tensor | None):
-    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, zeros=w.zeros,
-                       pdl=pdl, split_counters=counters, slice_major=w.slice_major)  # fmt: skip
+def launch(x: torch.Tensor, w: Int4Weight, *, pdl: bool, counters: torch.Tensor | None,
+           config: Int4MatmulConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """One `int4_matmul` call on `w` as given (its zero points and code order), with or without
+    PDL and the split merge; `config` None: the default one."""
+    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
+                       zeros=w.zeros, pdl=pdl, split_counters=counters,
+                       slice_major=w.slice_major)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="8,32,64")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("probe_int4_launch needs a CUDA GPU")
-    torch.manual_seed(0)
-    bench = Bench(False, copy_bandwidth() / 1e9)
-    torch.cuda.empty_cache()
+    bench = Bench.on_gpu("bench.probe_int4_launch")
     rows = [int(r) for r in args.rows.split(",")]
     counters = int4_split_counters(LLAMA3_8B, torch.device("cuda"), max(rows))
     print(f"{torch.cuda.get_device_name()}, copy {bench.copy_gbs:.0f} GB/s; us per call")
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
                 expected = int4_linear(x, copies[0])
                 times = []
                 for pdl, merge in ((False, False), (True, False), (False, True), (True, True)):
-                    fn = functools.partial(_launch, pdl=pdl, counters=counters if merge else None)
+                    fn = functools.partial(launch, pdl=pdl, counters=counters if merge else None)
                     torch.testing.assert_close(fn(x, copies[0]), expected, atol=0, rtol=0)
                     times.append(bench.time_linear(fn, x, copies))
                 zp = fmt == "int4 zp"

@@ -15,34 +15,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 
 from bench.bench_quant_kernels import SHAPES, Bench
-from bench.floors import copy_bandwidth
+from bench.probe_int4_launch import launch
 from bench.shapes import LLAMA3_8B
-from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
+from sitsd.kernels.int4_matmul import choose_int4_config
 from sitsd.model.qlinear import QuantizedLinears, int4_pdl_pays, int4_split_counters
-from sitsd.quant.layout import Int4Weight
-
-
-def _launch(x: torch.Tensor, w: Int4Weight, *, config: Int4MatmulConfig, pdl: bool,
-            counters: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm, config=config,
-                       zeros=w.zeros, pdl=pdl, split_counters=counters,
-                       slice_major=w.slice_major)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="8,32,128")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("probe_int4_zeros needs a CUDA GPU")
-    torch.manual_seed(0)
-    bench = Bench(False, copy_bandwidth() / 1e9)
-    torch.cuda.empty_cache()
+    bench = Bench.on_gpu("bench.probe_int4_zeros")
     rows = [int(r) for r in args.rows.split(",")]
     served = QuantizedLinears(split_counters=int4_split_counters(LLAMA3_8B, torch.device("cuda")))
     print(f"{torch.cuda.get_device_name()}, copy {bench.copy_gbs:.0f} GB/s; us per call")
@@ -52,15 +39,15 @@ def main(argv: list[str] | None = None) -> None:
         sym, zp = bench.copies("int4", n, k), bench.copies("int4 zp", n, k)
         for num_rows in rows:
             x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
-            launch = functools.partial(_launch, pdl=int4_pdl_pays(num_rows),
-                                       counters=served.counters_for(num_rows, n))  # fmt: skip
+            as_served = functools.partial(launch, pdl=int4_pdl_pays(num_rows),
+                                          counters=served.counters_for(num_rows, n))  # fmt: skip
             default = choose_int4_config(num_rows, n, k, 128, has_offsets=True, has_zeros=True)
             sums_tile = choose_int4_config(num_rows, n, k, 128, has_offsets=True)
-            torch.testing.assert_close(launch(x, zp[0], config=sums_tile),
-                                       launch(x, zp[0], config=default), atol=2e-2,
+            torch.testing.assert_close(as_served(x, zp[0], config=sums_tile),
+                                       as_served(x, zp[0], config=default), atol=2e-2,
                                        rtol=2e-2)  # fmt: skip
             times = [
-                bench.time_linear(functools.partial(launch, config=c), x, copies)
+                bench.time_linear(functools.partial(as_served, config=c), x, copies)
                 for c, copies in ((choose_int4_config(num_rows, n, k, 128), sym),
                                   (default, zp), (sums_tile, zp))
             ]  # fmt: skip
