@@ -304,6 +304,10 @@ def int4_mma_kernel(
     # hides its latency (an H100, `bench.probe_int4_zeros`, session 32: gate_up at 8 rows
     # 36.7 us in the loop on 64 rows against 51.5 ahead; o 9.5 ahead on 128 against 10.1).
     Z_IN_LOOP: tl.constexpr = HAS_ZEROS and X_AHEAD and BLOCK_N < 128
+    # What `_group_inputs` loads for a group: with Z_IN_LOOP what symmetric codes take (z = 8,
+    # no remainder), the loop loading the zero points itself
+    INPUT_OFFSETS: tl.constexpr = HAS_OFFSETS and not Z_IN_LOOP
+    INPUT_ZEROS: tl.constexpr = HAS_ZEROS and not Z_IN_LOOP
     X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -317,14 +321,14 @@ def int4_mma_kernel(
     if X_AHEAD:  # a group's x, scale, zero point and remainder, one group ahead
         x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
                                             m_mask, offs_n, n_mask, first, True, N, stride_xm,
-                                            K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM, EVEN_K,
+                                            K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM, EVEN_K,
                                             X_ORDERED, KX)  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(first, end, GROUP):
         if not X_AHEAD:
             x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
                                                 m_mask, offs_n, n_mask, k0, True, N,
-                                                stride_xm, K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
+                                                stride_xm, K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM,
                                                 EVEN_K, X_ORDERED, KX)  # fmt: skip
         if Z_IN_LOOP:
             z = tl.load(z_ptr + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0).to(tl.float32)
@@ -362,7 +366,7 @@ def int4_mma_kernel(
             nxt = k0 + GROUP
             x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
                                                 m_mask, offs_n, n_mask, nxt, nxt < end, N,
-                                                stride_xm, K, HAS_OFFSETS, HAS_ZEROS, HAS_PERM,
+                                                stride_xm, K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM,
                                                 EVEN_K, X_ORDERED, KX)  # fmt: skip
     y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     offs = offs_m[:, None] * N + offs_n[None, :]  # into row-major [M, N]

@@ -258,10 +258,10 @@ def choose_int4_config(
     them where each group unpacks on 64-row tiles (`_int4_mma`, session 32): then, at 8 rows,
     qkv 12.9 us on 64 against 13.4 on 128, gate_up 36.7 against 43.2, down 22.7 against 23.2,
     but o 11.9 against 9.5; at 128 rows qkv 25.1 against 29.8 (`bench.probe_int4_zeros`, an
-    H100). Up to 32 rows all rows of x in one tile, K split into
-    parts of about 8 groups (4 for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against
-    26.5 split in 4), and further until the grid has a program per SM; from 33 rows tiles of 64
-    rows of x (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
+    H100). Up to 32 rows all rows of x in one tile, K split into parts of about 8 groups (4
+    for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against 26.5 split in 4), and
+    further until the grid has a program per SM; from 33 rows tiles of 64 rows of x (128 for a
+    large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
     cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
     takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
