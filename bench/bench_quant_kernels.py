@@ -301,8 +301,8 @@ class Bench:
 
     @classmethod
     def on_gpu(cls, tool: str) -> Bench:
-        """A GPU run's: the copy bandwidth measured, the seed set; without CUDA, exits saying
-        that `tool` needs it."""
+        """The Bench of a GPU run (copy bandwidth measured, torch's seed set); without CUDA it
+        exits, saying that `tool` needs a GPU."""
         if not torch.cuda.is_available():
             sys.exit(f"{tool} needs a CUDA GPU")
         torch.manual_seed(0)
