@@ -403,7 +403,7 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, offsets
 def test_zero_points_take_the_symmetric_tiles_but_on_a_layer_as_small_as_o(num_rows):
     # Integer zero points (AWQ, GPTQ, RTN) sum no x: they take the tiles of symmetric codes (64
     # weight rows), but on o (4096 x 4096), where 128 rows measured faster on an H100; offsets
-    # that need x's sums (GGUF's minima) keep 128 rows up to 32 rows of x with x ahead.
+    # that need x's sums (GGUF's minima) keep 128 rows wherever x is loaded ahead.
     for name, (n, k) in LLAMA3_8B_SHAPES.items():
         sym = choose_int4_config(num_rows, n, k, 128)
         zeros = choose_int4_config(num_rows, n, k, 128, has_offsets=True, has_zeros=True)
@@ -413,7 +413,7 @@ def test_zero_points_take_the_symmetric_tiles_but_on_a_layer_as_small_as_o(num_r
             assert zeros == sums
         else:
             assert (zeros.block_m, zeros.block_n) == (sym.block_m, sym.block_n), name
-        if num_rows != 32 and name != "gate_up":  # (x in the loop: 64 rows whatever the format)
+        if sums.x_ahead:  # (x in the loop: the tile is the same whatever the format)
             assert sums.block_n == 128, name
 
 
