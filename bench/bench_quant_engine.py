@@ -14,8 +14,9 @@ converted into.
    asynchronous scheduling; `bench.engine_setup.engine_config`): decode tokens/s at batch 1, 8,
    32 and 128 (`--batches`; 128-token prompts, `--new-tokens` greedy new tokens each) beside
    that format's memory floor: the bytes one step must read (every tensor the runner holds
-   but the embedding table, of which a step reads a row per sequence: codes, scales, offsets,
-   the bf16 lm_head and norms, + the KV of every context at the mean length) / copy bandwidth.
+   but the embedding table, of which a step reads a row per sequence, and the integer zero
+   points, a second form of the offsets: codes, scales, offsets, the bf16 lm_head and norms,
+   + the KV of every context at the mean length) / copy bandwidth.
 3. Prefill: 64 prompts of 512 tokens asking for one token each, submitted at once: TFLOP/s
    (`bench.floors.prefill_flops` / wall time, host work included) beside the bf16 matmul rate.
 
@@ -83,7 +84,10 @@ async def measure(
     freeze_startup_objects()  # as the daemon does: no full collection scans them mid-run
     weights = engine.core.runner.weights
     embed = weights.embed_tokens
-    read_whole = weights.nbytes - (0 if weights.lm_head is embed else embed.nbytes)
+    # A step reads either the offsets (one row: gemv) or the integer zero points found from them
+    # (mma), the same information: the floor counts the offsets only.
+    zeros = sum(t.nbytes for name, t in weights.named_tensors() if name.endswith(".zeros"))
+    read_whole = weights.nbytes - zeros - (0 if weights.lm_head is embed else embed.nbytes)
     out: dict = {"precision": weights.precision, "weight_bytes": weights.nbytes,
                  "step_weight_bytes": read_whole, "decode": {}}  # fmt: skip
     rng = torch.Generator().manual_seed(1)

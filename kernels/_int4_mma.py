@@ -22,7 +22,7 @@ take x as it is under X_ORDERED: column `16 i + w` is already at K index `16 i +
 rows are the MMA's M side.
 
 The zero point z of a row and group is 8 without offsets; the integer zero points found at load
-(`zeros`, uint8: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.
+(`zeros`, int32: AWQ, GPTQ, compressed-tensors, sitsd's own RTN); else `round(-offset / scale)`.
 The group's float32 partial `p = sum_k (q_k - z) x_k` takes its scale once per output element:
 
     y += scale * p + r * sum_k x_k,      r = offset + z * scale
@@ -31,9 +31,9 @@ r is 0 in the first two cases, which skip the sum of x; GGUF's Q4_1 and Q4_K min
 remainder, and the sum of x per group (a contiguous load, summed along its rows) carries it.
 
 The x, scales and offsets of a group are loaded one group ahead, so their latency hides behind
-the group before (the words' loads are pipelined by Triton itself); integer zero points too on
-tiles of 128 weight rows, and on smaller ones where the group unpacks (carried, z would be
-converted into the codes' layout each group: see Z_IN_LOOP). Without X_AHEAD they are
+the group before (the words' loads are pipelined by Triton itself). Integer zero points are
+loaded where the group unpacks, and pipelined as the words are: 32-bit, so that Triton copies
+them asynchronously (see the kernel's comment). Without X_AHEAD x and the scales are
 loaded in the group that uses them, and Triton's pipeliner copies x into shared memory
 asynchronously, `num_stages` groups deep, as it does the words: at 32 and more rows of x a
 group's x tile is larger than its codes (32 rows: 8 KB against 4 KB of words on 64 weight
@@ -126,6 +126,14 @@ def _bias(DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _bias_bits(DTYPE: tl.constexpr):
+    """BIAS's bits (`_bias`): an integer z added to them gives BIAS + z's, for z up to 127."""
+    if tl.bfloat16 == DTYPE:
+        return 0x4300
+    return 0x6400
+
+
+@triton.jit
 def _slices_ptx(words, bias_z, DTYPE: tl.constexpr):
     """`[BLOCK_N, WORDS]` int32 words and `[BLOCK_N, WORDS]` DTYPE `BIAS + z` -> eight DTYPE
     tiles `q - z`, nibbles 0..7 (the PTX)."""
@@ -183,15 +191,15 @@ def _slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m, m_mask, offs_n, n_mask,
-                  k0, live, N, stride_xm, K: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_ORDERED: tl.constexpr, KX: tl.constexpr):  # fmt: skip
+def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask, k0, live, N,
+                  stride_xm, K: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_PERM: tl.constexpr,
+                  EVEN_K: tl.constexpr, X_ORDERED: tl.constexpr, KX: tl.constexpr):  # fmt: skip
     """What one group multiplies besides its codes: x's columns in slice-major order,
     transposed (`[8 * WORDS, BLOCK_M]`, zero past M and K; loaded in order and permuted here,
     or with X_ORDERED in that order already), and per weight row (float32 `[BLOCK_N]`) the
-    scale, the zero point z and the remainder `offset + z * scale` (0 unless offsets come
-    without zeros). `live` False (a prefetch past the split's last group) loads nothing."""
+    scale, the zero point z (8 without offsets; integer zero points are the loop's) and the
+    remainder `offset + z * scale` (HAS_OFFSETS: offsets whose zero points are not integers).
+    `live` False (a prefetch past the split's last group) loads nothing."""
     cols, k_mask = _input_columns(perm_ptr, k0 + tl.arange(0, 8 * WORDS), live, KX,
                                   HAS_PERM and not X_ORDERED, EVEN_K and not X_ORDERED)  # fmt: skip
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
@@ -207,10 +215,7 @@ def _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m, m_mask, offs_n, 
     num_groups = (K + 8 * WORDS - 1) // (8 * WORDS)
     g_mask = n_mask & (live + 0 * offs_n > 0) & (g + 0 * offs_n < num_groups)
     scale = tl.load(s_ptr + g * N + offs_n, mask=g_mask, other=1.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + g * N + offs_n, mask=g_mask, other=0).to(tl.float32)
-        rest = tl.zeros_like(scale)
-    elif HAS_OFFSETS:
+    if HAS_OFFSETS:
         offset = tl.load(o_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
         # Any z is right (the remainder carries the rest); one in 0..15 keeps q - z exact in
         # 16 bits whatever the offset.
@@ -260,7 +265,7 @@ def int4_mma_kernel(
     qw_ptr,  # [N, K // 8] int32
     s_ptr,
     o_ptr,  # offsets, or any pointer without HAS_OFFSETS
-    z_ptr,  # integer zero points [G, N] uint8, or any pointer without HAS_ZEROS
+    z_ptr,  # integer zero points [G, N] int32 (0..127), or any pointer without HAS_ZEROS
     perm_ptr,  # act-order permutation, or any pointer without HAS_PERM
     out_ptr,  # [M, N] in x's dtype, or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]
     merged_ptr,  # MERGE: the [M, N] output in x's dtype (any pointer otherwise)
@@ -297,17 +302,17 @@ def int4_mma_kernel(
     pdl_enter(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     GROUP: tl.constexpr = 8 * WORDS
-    # Zero points loaded where the group unpacks, even with x ahead, on tiles of fewer than 128
-    # weight rows: there z carried from the group before comes back in a layout that the
-    # codes' is converted from each group (16 STS.64 at 16 x 64: the loop 259 instructions
-    # against 243, 96 registers against 80); on 128 rows it lines up and loading it ahead
-    # hides its latency (an H100, `bench.probe_int4_zeros`, session 32: gate_up at 8 rows
-    # 36.7 us in the loop on 64 rows against 51.5 ahead; o 9.5 ahead on 128 against 10.1).
-    Z_IN_LOOP: tl.constexpr = HAS_ZEROS and X_AHEAD and BLOCK_N < 128
-    # What `_group_inputs` loads for a group: with Z_IN_LOOP what symmetric codes take (z = 8,
-    # no remainder), the loop loading the zero points itself
-    INPUT_OFFSETS: tl.constexpr = HAS_OFFSETS and not Z_IN_LOOP
-    INPUT_ZEROS: tl.constexpr = HAS_ZEROS and not Z_IN_LOOP
+    # Integer zero points are loaded where each group unpacks, as int32: Triton's pipeliner
+    # copies them into shared memory `num_stages` groups ahead, as it does the codes, and reads
+    # them back in the codes' layout. As uint8 (a byte a row, too narrow for an asynchronous
+    # copy) they were not copied ahead on every tile (gate_up's 64 x 128 on 8 warps among
+    # them) and the unpacking waited on the load; carried a group ahead by hand, z came back in
+    # a layout converted into the codes' each group. The zero points' BIAS + z is built in
+    # integers: any arithmetic on z with a value that changes along the loop (a byte picked
+    # out of a word by the group's index) sent the codes through shared memory instead
+    # (`bench.sass_int4`). An H100, the four layers' kernels alone with zero points at 32 and
+    # 128 rows: 89.4 and 189.0 us as uint8, 79.2 and 169.9 as int32, symmetric 77.8 and 164.5
+    # (`kernels/NOTES.md`, session 33).
     X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -319,19 +324,22 @@ def int4_mma_kernel(
     first = split * K_SPLIT
     end = first + K_SPLIT
     if X_AHEAD:  # a group's x, scale, zero point and remainder, one group ahead
-        x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
-                                            m_mask, offs_n, n_mask, first, True, N, stride_xm,
-                                            K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM, EVEN_K,
-                                            X_ORDERED, KX)  # fmt: skip
+        x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, offs_m, m_mask,
+                                            offs_n, n_mask, first, True, N, stride_xm, K,
+                                            X_SUMS, HAS_PERM, EVEN_K, X_ORDERED, KX)  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(first, end, GROUP):
         if not X_AHEAD:
-            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
-                                                m_mask, offs_n, n_mask, k0, True, N,
-                                                stride_xm, K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM,
-                                                EVEN_K, X_ORDERED, KX)  # fmt: skip
-        if Z_IN_LOOP:
-            z = tl.load(z_ptr + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, offs_m, m_mask,
+                                                offs_n, n_mask, k0, True, N, stride_xm, K,
+                                                X_SUMS, HAS_PERM, EVEN_K, X_ORDERED,
+                                                KX)  # fmt: skip
+        if HAS_ZEROS:
+            z_at = z_ptr + (k0 // GROUP) * N + offs_n
+            if EVEN:
+                zq = tl.load(z_at)
+            else:  # a split's range may run past K's last group
+                zq = tl.load(z_at, mask=n_mask & (k0 + 0 * offs_n < K), other=0)
         word_cols = k0 // 8 + offs_w
         if EVEN:
             words = tl.load(rows + word_cols[None, :])
@@ -339,7 +347,11 @@ def int4_mma_kernel(
             w_mask = n_mask[:, None] & (word_cols < K // 8)[None, :]
             words = tl.load(rows + word_cols[None, :], mask=w_mask, other=0)
         if ASM:
-            bias_z = tl.broadcast_to((_bias(DTYPE) + z).to(DTYPE)[:, None], (BLOCK_N, WORDS))
+            if HAS_ZEROS:  # BIAS + z as bits: z sits in BIAS's last mantissa bits, exactly
+                bias_z = (zq + _bias_bits(DTYPE)).to(tl.int16).to(DTYPE, bitcast=True)
+            else:
+                bias_z = (_bias(DTYPE) + z).to(DTYPE)
+            bias_z = tl.broadcast_to(bias_z[:, None], (BLOCK_N, WORDS))
             if SCALED:
                 s16 = tl.broadcast_to(scale.to(DTYPE)[:, None], (BLOCK_N, WORDS))
                 c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_slices_ptx(words, bias_z, s16, DTYPE)
@@ -349,6 +361,8 @@ def int4_mma_kernel(
                 p = tl.dot(_slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N), x_t)
                 acc += scale[:, None] * p
         else:
+            if HAS_ZEROS:
+                z = zq.to(tl.float32)
             c0, c1, c2, c3, c4, c5, c6, c7 = _slices_float32(words, z[:, None])
             w = _slice_major(c0, c1, c2, c3, c4, c5, c6, c7, BLOCK_N)
             if SCALED:  # rounded as the PTX rounds: the scale, then each product, to DTYPE
@@ -364,10 +378,10 @@ def int4_mma_kernel(
             acc += rest[:, None] * x_sum[None, :]
         if X_AHEAD:
             nxt = k0 + GROUP
-            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, z_ptr, offs_m,
-                                                m_mask, offs_n, n_mask, nxt, nxt < end, N,
-                                                stride_xm, K, INPUT_OFFSETS, INPUT_ZEROS, HAS_PERM,
-                                                EVEN_K, X_ORDERED, KX)  # fmt: skip
+            x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, offs_m, m_mask,
+                                                offs_n, n_mask, nxt, nxt < end, N, stride_xm, K,
+                                                X_SUMS, HAS_PERM, EVEN_K, X_ORDERED,
+                                                KX)  # fmt: skip
     y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     offs = offs_m[:, None] * N + offs_n[None, :]  # into row-major [M, N]
     mask = m_mask[:, None] & n_mask[None, :]

@@ -260,8 +260,12 @@ def choose_int4_config(
     but o 11.9 against 9.5; at 128 rows qkv 25.1 against 29.8 (`bench.probe_int4_zeros`, an
     H100). Up to 32 rows all rows of x in one tile, K split into parts of about 8 groups (4
     for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against 26.5 split in 4), and
-    further until the grid has a program per SM; from 33 rows tiles of 64 rows of x (128 for a
-    large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
+    further until the grid has a program per SM; but a large N with x in the loop (gate_up
+    from 17 rows) is not split: its tiles fill the SMs, and a second kernel summing the parts
+    reads them back (gate_up at 32 rows 38.0 us against 44.9 split in four, with zero points
+    46.6 against 50.3; at 128 rows 82.3 against 93.5 split in two, 95.5 against 111.5 with zero
+    points: `bench.probe_int4_split`, an H100, session 33). From 33 rows tiles of 64 rows of x
+    (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
     cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
     takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
@@ -281,9 +285,9 @@ def choose_int4_config(
     until the grid has two programs per SM: at 32 rows qkv 12.5 us against 13.0, o 10.8
     against 11.7, gate_up 44.9 against 46.1, down 23.3 against 23.5; with zero points 14.5
     against 15.3, 12.0 against 11.7, 50.2 against 59.0, 26.2 against 27.3. From 33 rows a large
-    N (gate_up) takes 64 x 128 tiles on 8 warps, split in two, x in the loop: at 128 rows 92.8
-    against 106.9 us, with zero points 111.3 against 122.4. The other layers past 32 rows keep
-    x ahead: the sweep had no winner there that held across layers and formats (down with
+    N (gate_up) takes 64 x 128 tiles on 8 warps, x in the loop (both then split in two): at 128
+    rows 92.8 against 106.9 us, with zero points 111.3 against 122.4. The other layers past 32
+    rows keep x ahead: the sweep had no winner there that held across layers and formats (down with
     zero points 62.9 us in the loop against 51.2).
 
     Otherwise (other group sizes, float32 x), from 3 rows: up to 64 rows `dot_swapped` on 64
@@ -319,12 +323,14 @@ def choose_int4_config(
         x_ahead = num_rows <= MMA_X_AHEAD_ROWS or (num_rows > 32 and not large_n)
         if num_rows <= 32:
             block_m, split_k = max(16, next_power_of_2(num_rows)), 1
-            while 2 * split_k * 8 <= groups and split_k < MMA_MAX_SPLIT:
-                split_k *= 2  # parts of about 8 groups
+            # parts of about 8 groups; a large N with x in the loop fills the SMs unsplit
+            while ((x_ahead or not large_n) and 2 * split_k * 8 <= groups
+                   and split_k < MMA_MAX_SPLIT):  # fmt: skip
+                split_k *= 2
             if not x_ahead:
                 block_n = 64  # zero points too, with x in the loop
         elif large_n:
-            block_m, block_n, num_warps, split_k = 64, 128, 8, 2
+            block_m, block_n, num_warps, split_k = 64, 128, 8, 1
         elif num_rows > 64 and k >= 8192 and not sums:
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
@@ -405,7 +411,7 @@ def int4_matmul(
     config: Int4MatmulConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    zeros: torch.Tensor | None = None,  # [G, N] uint8
+    zeros: torch.Tensor | None = None,  # [G, N] int32
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
     slice_major: bool = False,
 ) -> torch.Tensor:  # [M, N]
@@ -424,10 +430,10 @@ def int4_matmul(
         config: Launch configuration; `choose_int4_config` by default.
         out: Optional preallocated contiguous output, `[M, N]` in x's dtype.
         pdl: Launch with programmatic dependent launch (`kernels/_pdl.py`; sm_90+).
-        zeros: The integer zero points, `[G, N]` uint8 with `offsets == -zeros * scales`
-            exactly (`sitsd.quant.layout.mark_integer_zeros` finds them), or None. Mode `mma`
-            then subtracts them from the codes as it unpacks them instead of summing x per
-            group; the other modes read the offsets. Values are not checked (a host sync).
+        zeros: The integer zero points, `[G, N]` int32 in 0..127 with `offsets == -zeros *
+            scales` exactly (`sitsd.quant.layout.mark_integer_zeros` finds them), or None.
+            Mode `mma` then subtracts them from the codes as it unpacks them instead of summing
+            x per group; the other modes read the offsets. Values are not checked (a host sync).
         split_counters: int32 zeros, contiguous, on x's device, at least one per output tile
             (`cdiv(N, block_n) * cdiv(M, block_m)`; `cdiv(N, 16) * cdiv(M, 16)` covers every
             default configuration): with split-K the last program of each tile sums the partials
@@ -447,7 +453,7 @@ def int4_matmul(
     """
     n, k = check_int4_layout(qweight, scales, offsets, group_size, perm)
     if zeros is not None:
-        check_dtype("zeros", zeros, (torch.uint8,))
+        check_dtype("zeros", zeros, (torch.int32,))
         check_shape("zeros", zeros, tuple(scales.shape), "[ceil(K / group_size), N]")
         if offsets is None or not zeros.is_contiguous() or zeros.device != qweight.device:
             raise ValueError("zeros must be contiguous, on the weight's device, beside offsets")

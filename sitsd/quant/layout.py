@@ -8,7 +8,7 @@ quantized W is held as one of three frozen dataclasses of tensors, on the device
   consecutive inputs), optional `offsets [G, N]` (the zero point folded into the float domain,
   `W = q * scale + offset`; without offsets `W = (q - 8) * scale`), and an optional act-order
   permutation `perm [K]` (layout column j multiplies input column perm[j]). The exact definition
-  is `sitsd.kernels.quant_layout`'s. `zeros [G, N]` uint8, derived from offsets and scales, holds
+  is `sitsd.kernels.quant_layout`'s. `zeros [G, N]` int32, derived from offsets and scales, holds
   the integer zero points z when every offset is `-z * scale` exactly (found from the values by
   `mark_integer_zeros` at load and staging: AWQ, GPTQ, compressed-tensors and RTN weights, not
   GGUF's Q4_1 and Q4_K minima); the INT4 kernel then subtracts z from each code as it unpacks
@@ -95,9 +95,11 @@ class Int4Weight:
     offsets: torch.Tensor | None = field(metadata=_rows(1))  # [G, N]; None: zero point 8
     group_size: int  # 32, 64 or 128 consecutive inputs per scale
     perm: torch.Tensor | None = field(default=None, metadata=_rows(None))  # [K] int32
-    # [G, N] uint8 zero points z with offsets == -z * scale exactly, or None (derived from the
-    # values by `mark_integer_zeros`; None is always correct). Part of the slot's structure:
-    # the kernel variant, and so the captured CUDA graphs, depend on it.
+    # [G, N] int32 zero points z in 0..127 with offsets == -z * scale exactly, or None (derived
+    # from the values by `mark_integer_zeros`; None is always correct). int32, not a byte: the
+    # INT4 kernel's loads of 32 bits are copied ahead asynchronously (`kernels/_int4_mma.py`).
+    # Part of the slot's structure: the kernel variant, and so the captured CUDA graphs, depend
+    # on it.
     zeros: torch.Tensor | None = field(default=None, metadata=_rows(1))
     # The codes are slice-major (`sitsd.kernels.quant_layout`: perm is `slice_major_perm(K)`),
     # so the INT4 kernels read x in order; set by `to_slice_major_weight`. Part of the slot's
@@ -127,9 +129,9 @@ class Int4Weight:
         if self.zeros is not None:
             _check(
                 self.offsets is not None
-                and self.zeros.dtype == torch.uint8
+                and self.zeros.dtype == torch.int32
                 and tuple(self.zeros.shape) == groups,
-                f"zeros must be [G, N] = {groups} uint8 beside offsets, got {self.zeros.dtype} "
+                f"zeros must be [G, N] = {groups} int32 beside offsets, got {self.zeros.dtype} "
                 f"{tuple(self.zeros.shape)}",
             )
         if self.perm is not None:
@@ -192,14 +194,16 @@ def to_slice_major_weight(weight: Int4Weight) -> Int4Weight:
 def mark_integer_zeros(weight: Int4Weight) -> Int4Weight:
     """`weight` with `zeros` found from its values: the z = `round(-offset / scale)` (float32,
     halves away from zero) when every one gives `offset + z * scale == 0` exactly and lies in
-    0..255, else None. Reads values: a host sync, for load and staging."""
+    0..127 (BIAS + z exact in bfloat16, as the kernel unpacks: `kernels/_int4_mma.py`; 4-bit
+    formats' zero points are 0..16), else None. Reads values: a host sync, for load and
+    staging."""
     if weight.offsets is None:
         return dataclasses.replace(weight, zeros=None)
     offsets, scales = weight.offsets.float(), weight.scales.float()
     z = -offsets / scales
     z = torch.where(z < 0, -torch.floor(0.5 - z), torch.floor(z + 0.5))
-    exact = bool(((offsets + z * scales == 0) & (z >= 0) & (z <= 255)).all())
-    return dataclasses.replace(weight, zeros=z.to(torch.uint8).contiguous() if exact else None)
+    exact = bool(((offsets + z * scales == 0) & (z >= 0) & (z <= 127)).all())
+    return dataclasses.replace(weight, zeros=z.to(torch.int32).contiguous() if exact else None)
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def random_int4_weight(s: Int4Structure, device: torch.device) -> Int4Weight:
     dtype = getattr(torch, s.scale_dtype)
     qweight = torch.randint(-(2**31), 2**31 - 1, (s.n, s.k // 8), dtype=torch.int32, device=device)
     scales = (torch.rand(groups, s.n, device=device) * 0.01 + 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (groups, s.n), dtype=torch.uint8, device=device)
+    zeros = torch.randint(0, 16, (groups, s.n), dtype=torch.int32, device=device)
     offsets = None
     if s.offset_dtype:
         offsets = (-zeros.float() * scales.float()).to(getattr(torch, s.offset_dtype))
