@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             del copies
             torch.cuda.empty_cache()
     for (fmt, num_rows), (default_us, best_us) in best.items():
-        print(f"{args.layers} {fmt:<7} {num_rows:>4}: default {default_us:8.2f}, best split per layer "
-              f"{best_us:8.2f} us")  # fmt: skip
+        print(f"{args.layers} {fmt:<7} {num_rows:>4}: default {default_us:8.2f}, best split "
+              f"per layer {best_us:8.2f} us")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -261,11 +261,14 @@ def choose_int4_config(
     H100). Up to 32 rows all rows of x in one tile, K split into parts of about 8 groups (4
     for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against 26.5 split in 4), and
     further until the grid has a program per SM; but a large N with x in the loop (gate_up
-    from 17 rows) is not split: its tiles fill the SMs, and a second kernel summing the parts
-    reads them back (gate_up at 32 rows 38.0 us against 44.9 split in four, with zero points
-    46.6 against 50.3; at 128 rows 82.3 against 93.5 split in two, 95.5 against 111.5 with zero
-    points: `bench.probe_int4_split`, an H100, session 33). From 33 rows tiles of 64 rows of x
-    (128 for a large N without offsets), split in two (at 128 rows qkv 26.8, o 20.8,
+    from 17 rows) is not split, but in two with offsets past 32 rows: its tiles fill the SMs,
+    and a second kernel summing the parts reads them back (gate_up at 32 rows 38.0 us against
+    44.9 split in four, with uint8 zero points 46.6 against 50.3; at 128 rows 82.3 against 93.5
+    split in two, `bench.probe_int4_split`, an H100, session 33). With the int32 zero points
+    of the same session, gate_up unsplit at 128 rows took 121.3 us as served, where the kernel
+    split in two took 85.5 alone (plus about 11 for the sum); not understood, so offsets keep
+    the split there. From 33 rows tiles of 64 rows of x (128 for a large N without offsets),
+    split in two (at 128 rows qkv 26.8, o 20.8,
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
     cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
     takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
@@ -330,7 +333,10 @@ def choose_int4_config(
             if not x_ahead:
                 block_n = 64  # zero points too, with x in the loop
         elif large_n:
-            block_m, block_n, num_warps, split_k = 64, 128, 8, 1
+            # symmetric codes unsplit; with offsets split in two (zero points unsplit at 128
+            # rows: 121.3 us as served against 82.4 symmetric, session 33)
+            block_m, block_n, num_warps = 64, 128, 8
+            split_k = 2 if has_offsets else 1
         elif num_rows > 64 and k >= 8192 and not sums:
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
