@@ -127,7 +127,8 @@ def _bias(DTYPE: tl.constexpr):
 
 @triton.jit
 def _bias_bits(DTYPE: tl.constexpr):
-    """BIAS's bits (`_bias`): an integer z added to them gives BIAS + z's, for z up to 127."""
+    """BIAS's bits (`_bias`): an integer z added to them gives BIAS + z's, for z up to 127
+    (bfloat16; 1023 in float16)."""
     if tl.bfloat16 == DTYPE:
         return 0x4300
     return 0x6400
@@ -311,8 +312,8 @@ def int4_mma_kernel(
     # integers: any arithmetic on z with a value that changes along the loop (a byte picked
     # out of a word by the group's index) sent the codes through shared memory instead
     # (`bench.sass_int4`). An H100, the four layers' kernels alone with zero points at 32 and
-    # 128 rows: 89.4 and 189.0 us as uint8, 79.2 and 169.9 as int32, symmetric 77.8 and 164.5
-    # (`kernels/NOTES.md`, session 33).
+    # 128 rows: 89.4 and 189.0 us as uint8, 79.2 and 169.9 as int32 (a copy of this kernel
+    # that loaded BIAS + z's bits), symmetric 77.8 and 164.5 (`kernels/NOTES.md`, session 33).
     X_SUMS: tl.constexpr = HAS_OFFSETS and not HAS_ZEROS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -323,7 +324,7 @@ def int4_mma_kernel(
     rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)  # [BLOCK_N, 1]
     first = split * K_SPLIT
     end = first + K_SPLIT
-    if X_AHEAD:  # a group's x, scale, zero point and remainder, one group ahead
+    if X_AHEAD:  # a group's x and scale, one group ahead (and offsets' z and remainder)
         x_t, scale, z, rest = _group_inputs(x_ptr, perm_ptr, s_ptr, o_ptr, offs_m, m_mask,
                                             offs_n, n_mask, first, True, N, stride_xm, K,
                                             X_SUMS, HAS_PERM, EVEN_K, X_ORDERED, KX)  # fmt: skip

@@ -261,8 +261,8 @@ def choose_int4_config(
     H100). Up to 32 rows all rows of x in one tile, K split into parts of about 8 groups (4
     for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against 26.5 split in 4), and
     further until the grid has a program per SM; but a large N with x in the loop (gate_up
-    from 17 rows) is not split, but in two with offsets past 32 rows: its tiles fill the SMs,
-    and a second kernel summing the parts reads them back (gate_up at 32 rows 38.0 us against
+    from 17 rows) is not split (with offsets past 32 rows it is, in two): its tiles fill the
+    SMs, and a second kernel summing the parts reads them back (gate_up at 32 rows 38.0 us against
     44.9 split in four, with uint8 zero points 46.6 against 50.3; at 128 rows 82.3 against 93.5
     split in two, `bench.probe_int4_split`, an H100, session 33). With the int32 zero points
     of the same session, gate_up unsplit at 128 rows took 121.3 us as served, where the kernel

@@ -156,6 +156,9 @@ def test_integer_zero_points_are_found_from_the_values_and_only_when_exact():
     for shift in (125, 300):  # z up to 140, and past a byte
         shifted = Int4Weight(w.qweight, w.scales, w.offsets - shift * w.scales.float(), 64)
         assert mark_integer_zeros(shifted).zeros is None
+    top = 127 - int(marked.zeros.max())  # the largest z then 127: kept
+    shifted = Int4Weight(w.qweight, w.scales, w.offsets - top * w.scales.float(), 64)
+    assert torch.equal(mark_integer_zeros(shifted).zeros, marked.zeros + top)
 
 
 def test_zero_points_are_part_of_a_weight_s_structure_and_fusing_drops_them():
