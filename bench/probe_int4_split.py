@@ -5,7 +5,7 @@ N]` written by the layer and read back, then the output in 16 bits (gate_up at 1
 in two: 29 MB read, 7 MB written). Split less and that traffic and a launch go; the grid has
 fewer programs, each a longer loop. Per Llama-3-8B layer, row count and INT4 format (symmetric
 codes, and zero points: the engine's RTN), the default configuration's tile at each split from
-1 to 8 (those that leave every part a whole group), launched as `QuantizedLinears` launches it
+1 to 8 (no more parts than groups), launched as `QuantizedLinears` launches it
 (PDL up to `INT4_PDL_MAX_ROWS` rows) and graph-timed over rotating weight copies as
 `bench.bench_quant_kernels` does; `*` marks the default's split.
 
