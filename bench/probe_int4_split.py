@@ -5,9 +5,10 @@ N]` written by the layer and read back, then the output in 16 bits (gate_up at 1
 in two: 29 MB read, 7 MB written). Split less and that traffic and a launch go; the grid has
 fewer programs, each a longer loop. Per Llama-3-8B layer, row count and INT4 format (symmetric
 codes, and zero points: the engine's RTN), the default configuration's tile at each split from
-1 to 8 (no more parts than groups), launched as `QuantizedLinears` launches it
-(PDL up to `INT4_PDL_MAX_ROWS` rows) and graph-timed over rotating weight copies as
-`bench.bench_quant_kernels` does; `*` marks the default's split.
+1 to 8 (no more parts than groups), launched as `QuantizedLinears` launches it (PDL up to
+`INT4_PDL_MAX_ROWS` rows, the splits merged in the kernel up to `INT4_MERGE_ROWS`) and
+graph-timed over rotating weight copies as `bench.bench_quant_kernels` does; `*` marks the
+default's split.
 
     python3 -m bench.probe_int4_split [--rows 32,64,128] [--layers qkv,o,gate_up,down]
 """
@@ -22,8 +23,9 @@ import torch
 
 from bench.bench_quant_kernels import SHAPES, Bench, int4_linear
 from bench.probe_int4_launch import launch
+from bench.shapes import LLAMA3_8B
 from sitsd.kernels.int4_matmul import choose_int4_config
-from sitsd.model.qlinear import int4_pdl_pays
+from sitsd.model.qlinear import QuantizedLinears, int4_pdl_pays, int4_split_counters
 
 SPLITS = (1, 2, 4, 8)
 
@@ -35,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     bench = Bench.on_gpu("bench.probe_int4_split")
     rows = [int(r) for r in args.rows.split(",")]
-    where = "the CPU interpreter" if bench.smoke else torch.cuda.get_device_name()
-    print(f"{where}, copy {bench.copy_gbs:.0f} GB/s; us per call")
+    served = QuantizedLinears(split_counters=int4_split_counters(LLAMA3_8B, torch.device("cuda")))
+    print(f"{torch.cuda.get_device_name()}, copy {bench.copy_gbs:.0f} GB/s; us per call")
     heads = " ".join(f"{'split ' + str(s):>9}" for s in SPLITS)
     print(f"{'layer':<8} {'fmt':<7} {'M':>4} {heads}  default tile")
     best: dict[tuple[str, int], list[float]] = {}
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             zp = fmt == "int4 zp"
             copies = bench.copies(fmt, n, k)
             for num_rows in rows:
-                x = torch.randn(num_rows, k, device=bench.device, dtype=torch.bfloat16)
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
                 expected = int4_linear(x, copies[0])
                 default = choose_int4_config(num_rows, n, k, 128, has_offsets=zp, has_zeros=zp)
                 cells, times = [], {}
@@ -55,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
                         cells.append(f"{'-':>9}")
                         continue
                     config = dataclasses.replace(default, split_k=split)
-                    fn = functools.partial(launch, pdl=int4_pdl_pays(num_rows) and not bench.smoke,
-                                           counters=None, config=config)  # fmt: skip
+                    fn = functools.partial(launch, pdl=int4_pdl_pays(num_rows),
+                                           counters=served.counters_for(num_rows, n),
+                                           config=config)  # fmt: skip
                     torch.testing.assert_close(fn(x, copies[0]), expected, atol=2e-2, rtol=2e-2)
                     times[split] = bench.time_linear(fn, x, copies)
                     mark = "*" if split == default.split_k else " "
