@@ -8,9 +8,11 @@ codes, and zero points: the engine's RTN), the default configuration's tile at e
 1 to 8 (no more parts than groups), launched as `QuantizedLinears` launches it (PDL up to
 `INT4_PDL_MAX_ROWS` rows, the splits merged in the kernel up to `INT4_MERGE_ROWS`) and
 graph-timed over rotating weight copies as `bench.bench_quant_kernels` does; `*` marks the
-default's split.
+default's split. `--max-registers` replaces the defaults' register cap (0: none, the
+compiler's choice).
 
     python3 -m bench.probe_int4_split [--rows 32,64,128] [--layers qkv,o,gate_up,down]
+        [--max-registers N]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="32,64,128")
     parser.add_argument("--layers", default=",".join(SHAPES))
+    parser.add_argument("--max-registers", type=int, default=None)
     args = parser.parse_args(argv)
     bench = Bench.on_gpu("bench.probe_int4_split")
     rows = [int(r) for r in args.rows.split(",")]
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
                 expected = int4_linear(x, copies[0])
                 default = choose_int4_config(num_rows, n, k, 128, has_offsets=zp, has_zeros=zp)
+                if args.max_registers is not None:
+                    default = dataclasses.replace(default, max_registers=args.max_registers or None)
                 cells, times = [], {}
                 for split in SPLITS:
                     if split > k // 128:
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                 row[1] += min(times.values())
                 tile = f"m{default.block_m} n{default.block_n} w{default.num_warps}"
                 tile += "" if default.x_ahead else " x in loop"
+                tile += f" cap {default.max_registers}" if default.max_registers else ""
                 print(f"{name:<8} {fmt:<7} {num_rows:>4} {' '.join(cells)}  {tile}", flush=True)
             del copies
             torch.cuda.empty_cache()

@@ -91,6 +91,10 @@ MMA_ORDER_X_ROWS = 64  # mode "mma" tiles of this many rows of x take it in slic
 # `choose_int4_config`'s mode "mma" loads x one group ahead (`Int4MatmulConfig.x_ahead`) up to
 # this many rows; its 32-row tiles past them take x in the loop, and so does a large N from 33
 MMA_X_AHEAD_ROWS = 16
+# Registers per thread of an 8-warp `mma` tile that lets two programs share an SM's 64K: gate_up's
+# 64 x 128 tile with zero points took 135 at split 1 (one program an SM, 12.5% occupancy: 122 us
+# at 128 rows, ncu, an H100, session 34) and 128 capped, with no spills and 3 more instructions
+MMA_WIDE_REGISTERS = 128
 GEMV_MAX_ROWS = 2  # `choose_int4_config` picks mode "gemv" up to this many rows
 _MODE_IDS = {mode: i for i, mode in enumerate(MODES)}
 _SUM_BLOCK = 1024  # elements per program of the split-sum kernel
@@ -121,6 +125,9 @@ class Int4MatmulConfig:
     # kernel (True), or where the group uses them, x copied into shared memory asynchronously by
     # Triton's pipeliner, `num_stages` deep (False)
     x_ahead: bool = True
+    # registers a thread may hold (ptxas's maxnreg), or None for the compiler's choice: a cap
+    # where a few registers more would halve the programs an SM holds (`MMA_WIDE_REGISTERS`)
+    max_registers: int | None = None
 
 
 @triton.jit
@@ -333,10 +340,10 @@ def choose_int4_config(
             if not x_ahead:
                 block_n = 64  # zero points too, with x in the loop
         elif large_n:
-            # symmetric codes unsplit; with offsets split in two (zero points unsplit at 128
-            # rows: 121.3 us as served against 82.4 symmetric, session 33)
+            # unsplit, two programs an SM (`MMA_WIDE_REGISTERS`); offsets with x's sums take
+            # 173 registers, spill under that cap, and split in two
             block_m, block_n, num_warps = 64, 128, 8
-            split_k = 2 if has_offsets else 1
+            split_k = 2 if sums else 1
         elif num_rows > 64 and k >= 8192 and not sums:
             block_m, split_k = 128, 4  # a long K (down's): 128-row tiles in four parts
         else:
@@ -348,8 +355,9 @@ def choose_int4_config(
             split_k *= 2
         while split_k > 1 and split_k > groups:
             split_k //= 2
+        cap = MMA_WIDE_REGISTERS if num_warps == 8 and not sums else None
         return Int4MatmulConfig("mma", block_m, block_n, MMA_GROUP_SIZE, split_k, num_warps,
-                                x_ahead=x_ahead)  # fmt: skip
+                                x_ahead=x_ahead, max_registers=cap)  # fmt: skip
     if num_rows <= 64:
         config = Int4MatmulConfig("dot_swapped", max(16, next_power_of_2(num_rows)), 64,
                                   max(16, min(128, k_pow2)))  # fmt: skip
@@ -404,6 +412,8 @@ def _check_config(config: Int4MatmulConfig) -> None:
         raise ValueError(f"order_x applies to mode 'mma' only, got mode {config.mode!r}")
     if not config.x_ahead and config.mode != "mma":
         raise ValueError(f"x_ahead applies to mode 'mma' only, got mode {config.mode!r}")
+    if config.max_registers is not None and not 32 <= config.max_registers <= 255:
+        raise ValueError(f"max_registers must be 32 to 255 (or None), got {config.max_registers}")
 
 
 def int4_matmul(
@@ -532,6 +542,7 @@ def int4_matmul(
             KX=xk.shape[1], MERGE=merge, SCALED=config.scaled, X_AHEAD=config.x_ahead,
             PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            maxnreg=config.max_registers,
         )  # fmt: skip
     elif config.mode == "gemv":
         # Slice-major codes in chunks of whole blocks: x's slices are runs of columns.
@@ -546,7 +557,7 @@ def int4_matmul(
             SLICED=sliced, EVEN=even,
             EVEN_K=even_k, PREFETCH=config.num_stages > 1, MERGE=merge, PDL=pdl,
             num_warps=config.num_warps,
-            num_stages=config.num_stages, launch_pdl=pdl,
+            num_stages=config.num_stages, launch_pdl=pdl, maxnreg=config.max_registers,
         )  # fmt: skip
     else:
         _int4_matmul_kernel[grid](
@@ -557,6 +568,7 @@ def int4_matmul(
             MODE=_MODE_IDS[config.mode], HAS_OFFSETS=offsets is not None,
             HAS_PERM=perm is not None, EVEN=even, EVEN_K=even_k, UPCAST=upcast, MERGE=merge,
             PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            maxnreg=config.max_registers,
         )  # fmt: skip
     if config.split_k > 1 and not merge:
         size = num_rows * n

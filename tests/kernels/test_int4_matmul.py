@@ -11,7 +11,12 @@ import torch
 import triton  # make test installs it: no kernel test may skip for want of it
 
 from sitsd.kernels import quant_layout
-from sitsd.kernels.int4_matmul import Int4MatmulConfig, choose_int4_config, int4_matmul
+from sitsd.kernels.int4_matmul import (
+    MMA_WIDE_REGISTERS,
+    Int4MatmulConfig,
+    choose_int4_config,
+    int4_matmul,
+)
 from sitsd.kernels.quant_layout import slice_major_perm, to_slice_major, unpack_int4
 from sitsd.kernels.quant_reference import dequantize_int4_ref, int4_matmul_ref
 from tests.kernels.helpers import assert_close
@@ -21,7 +26,8 @@ from tests.kernels.int4_inputs import LLAMA3_8B_SHAPES, SMOLLM2_SHAPES, random_i
 CONFIGS = {
     "fma": Int4MatmulConfig("fma", block_m=2, block_n=8, block_k=64),
     "dot_swapped": Int4MatmulConfig("dot_swapped", block_m=16, block_n=16, block_k=32),
-    "dot": Int4MatmulConfig("dot", block_m=16, block_n=32, block_k=128),
+    # capped registers (ptxas's maxnreg on the GPU; the interpreter takes and ignores it)
+    "dot": Int4MatmulConfig("dot", block_m=16, block_n=32, block_k=128, max_registers=128),
     "gemv": Int4MatmulConfig("gemv", block_m=4, block_n=16, block_k=64),  # 2 or 1/2 groups
 }
 
@@ -375,6 +381,8 @@ def test_rejects_bad_arguments_with_messages(device):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("dot", 16, 16, 64, order_x=False))
     with pytest.raises(ValueError, match="x_ahead applies to mode 'mma' only, got mode 'gemv'"):
         int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 64, x_ahead=False))
+    with pytest.raises(ValueError, match="max_registers must be 32 to 255 \\(or None\\), got 256"):
+        int4_matmul(x, *w.args, config=Int4MatmulConfig("gemv", 1, 16, 64, max_registers=256))
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
@@ -395,9 +403,16 @@ def test_default_config_fits_the_shape_and_fills_an_h200(name, num_rows, offsets
         # x in the loop on 32-row tiles and for gate_up past them, one group ahead otherwise
         assert config.x_ahead == (num_rows < 17 or (num_rows > 32 and name != "gate_up"))
         # gate_up with x in the loop fills the SMs unsplit (no partials for a second kernel),
-        # but with offsets past 32 rows (zero points measured slower unsplit at 128)
-        unsplit = name == "gate_up" and not config.x_ahead and (num_rows <= 32 or not offsets)
+        # but with offsets that need x's sums past 32 rows (173 registers: one program an SM)
+        unsplit = (name == "gate_up" and not config.x_ahead
+                   and (num_rows <= 32 or offsets != "sums"))  # fmt: skip
         assert (config.split_k == 1) == unsplit
+        # 8-warp tiles capped so that two programs share an SM's 64K registers (but those
+        # of offsets with sums, which would spill)
+        capped = config.num_warps == 8 and offsets != "sums"
+        assert config.max_registers == (MMA_WIDE_REGISTERS if capped else None)
+        if capped:
+            assert 2 * config.num_warps * 32 * MMA_WIDE_REGISTERS <= 65536
     else:
         assert programs * config.split_k >= 2 * 132 or config.split_k == 8
 
@@ -558,3 +573,27 @@ def test_gpu_mma_with_x_in_the_loop_on_llama_layers(offsets, device):
                                           x_ahead=False)  # fmt: skip
                 out = int4_matmul(x, *sliced, slice_major=True, config=config, zeros=z)
                 assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_gpu_gate_up_unsplit_under_the_register_cap(zero_points, device):
+    # gate_up past 32 rows as served: one 64 x 128 tile of 8 warps over the whole K, capped at
+    # MMA_WIDE_REGISTERS (with zero points it took 135 registers uncapped), slice-major codes.
+    from sitsd.quant.layout import Int4Weight, mark_integer_zeros
+
+    n, k = LLAMA3_8B_SHAPES["gate_up"]
+    case = random_int4(n, k, 128, offsets=zero_points, device=device)
+    zeros = None
+    if zero_points:
+        zeros = mark_integer_zeros(Int4Weight(*case.args[:4])).zeros
+        assert zeros is not None
+    sliced = _slice_major(case)
+    for num_rows in (33, 64, 128, 256):
+        config = choose_int4_config(num_rows, n, k, 128, has_offsets=zero_points,
+                                    has_zeros=zero_points)  # fmt: skip
+        assert (config.split_k, config.num_warps) == (1, 8)
+        assert config.max_registers == MMA_WIDE_REGISTERS
+        x = _x(num_rows, k, torch.bfloat16, device)
+        out = int4_matmul(x, *sliced, slice_major=True, zeros=zeros)
+        assert_close(out, int4_matmul_ref(x, *case.args), torch.bfloat16)
