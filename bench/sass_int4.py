@@ -50,15 +50,19 @@ class LoopCount:
     opcodes: list[tuple[str, int]]  # the most frequent, with their counts
 
 
-def compile_sass(fn: triton.JITFunction, constants: dict[str, object], num_warps: int) -> str:
-    """`fn` compiled for sm_90 with `constants`, disassembled."""
+def compile_sass(fn: triton.JITFunction, constants: dict[str, object], num_warps: int,
+                 max_registers: int | None = None) -> str:  # fmt: skip
+    """`fn` compiled for sm_90 with `constants` (and ptxas's register cap), disassembled."""
     names = list(fn.arg_names)
     constants = {c: v for c, v in constants.items() if c in names}  # what this version takes
-    signature = {n: "constexpr" if n in constants else _TYPES.get(n, "i32") for n in names}
+    # Unsplit, the kernel stores the output in x's dtype, split the float32 partials: the two
+    # stores take different registers (gate_up's zero-point tile: 135 against 128)
+    types = dict(_TYPES, out_ptr="*bf16" if constants.get("SPLIT_K", 1) == 1 else "*fp32")
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in _ALIGNED}
     fixed = {(names.index(c),): v for c, v in constants.items()}
     kernel = triton.compile(ASTSource(fn, signature, fixed, attrs), target=_TARGET,
-                            options={"num_warps": num_warps})  # fmt: skip
+                            options={"num_warps": num_warps, "maxnreg": max_registers})  # fmt: skip
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"

@@ -268,14 +268,16 @@ def choose_int4_config(
     H100). Up to 32 rows all rows of x in one tile, K split into parts of about 8 groups (4
     for K = 4096, 8 for down's 14336: down at 8 rows 21.4 us against 26.5 split in 4), and
     further until the grid has a program per SM; but a large N with x in the loop (gate_up
-    from 17 rows) is not split (with offsets past 32 rows it is, in two): its tiles fill the
-    SMs, and a second kernel summing the parts reads them back (gate_up at 32 rows 38.0 us against
-    44.9 split in four, with uint8 zero points 46.6 against 50.3; at 128 rows 82.3 against 93.5
-    split in two, `bench.probe_int4_split`, an H100, session 33). With the int32 zero points
-    of the same session, gate_up unsplit at 128 rows took 121.3 us as served, where the kernel
-    split in two took 85.5 alone (plus about 11 for the sum); not understood, so offsets keep
-    the split there. From 33 rows tiles of 64 rows of x (128 for a large N without offsets),
-    split in two (at 128 rows qkv 26.8, o 20.8,
+    from 17 rows) is not split (with offsets that need x's sums past 32 rows it is, in two):
+    its tiles fill the SMs, and a second kernel summing the parts reads them back (gate_up at
+    32 rows 38.0 us against 44.9 split in four, with uint8 zero points 46.6 against 50.3; at 128
+    rows 82.3 against 93.5 split in two, `bench.probe_int4_split`, an H100, session 33). Its
+    8-warp tile is capped at `MMA_WIDE_REGISTERS`, so that two programs share an SM: with
+    zero points, unsplit, it took 135 registers, one program an SM, and 121.0 us at 128 rows
+    (split in two 106.0); capped 80.1 (symmetric 82.8; at 64 rows 44.1 against 57.9 split,
+    session 34). Offsets with sums take 173 registers and would spill under the cap. From 33
+    rows tiles of 64 rows of x (128 for a large N without offsets), split in two (at 128 rows
+    qkv 26.8, o 20.8,
     gate_up 108, down 60.2 us, against `dot`'s 54.2, 35.1, 193 and 94.8 and dequantize +
     cuBLAS's 45.8, 28.5, 210 and 112); from 65 rows a long K without offsets (down's 14336)
     takes 128-row tiles split in four (down at 128 rows 51.2 us against 61.3, the sweep of
@@ -430,7 +432,8 @@ def int4_matmul(
     zeros: torch.Tensor | None = None,  # [G, N] int32
     split_counters: torch.Tensor | None = None,  # [>= tiles] int32 zeros
     slice_major: bool = False,
-) -> torch.Tensor:  # [M, N]
+    unsummed: bool = False,
+) -> torch.Tensor:  # [M, N], or unsummed [split_k, M, N] float32
     """`x @ W.T` for an INT4 weight in `sitsd.kernels.quant_layout` (see `int4_matmul_ref`).
 
     Host-sync free and shape-deterministic (split-K partials come from torch's caching
@@ -459,9 +462,13 @@ def int4_matmul(
             `slice_major_perm(K)` (not checked: a host sync); groups of 128. Modes `mma` and
             `gemv` (on chunks of whole groups) then read x in order; the others gather it
             through `perm` as for any act-order.
+        unsummed: With split-K not merged in the kernel, return the float32 partials `[split_k,
+            M, N]` and leave their sum (in split order, then rounded to x's dtype) to the
+            consumer (`rmsnorm.fused_add_rms_norm` takes them), instead of a second kernel.
+            Not with `out`.
 
     Returns:
-        `[M, N]` in x's dtype (`out` when given).
+        `[M, N]` in x's dtype (`out` when given), or with `unsummed` and split partials those.
 
     Raises:
         ValueError: Shapes, strides, devices or configurations that do not fit.
@@ -481,6 +488,8 @@ def int4_matmul(
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device}, the weight on {qweight.device}")
     num_rows = x.shape[0]
+    if unsummed and out is not None:
+        raise ValueError("out and unsummed exclude each other (unsummed partials are new)")
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     check_out("out", out, (num_rows, n), x.dtype, x.device)
@@ -570,6 +579,8 @@ def int4_matmul(
             PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
             maxnreg=config.max_registers,
         )  # fmt: skip
+    if config.split_k > 1 and not merge and unsummed:
+        return target
     if config.split_k > 1 and not merge:
         size = num_rows * n
         _split_sum_kernel[(cdiv(size, _SUM_BLOCK),)](

@@ -5,8 +5,11 @@ writes the normed row; the fused variant first adds the residual and also writes
 residual, so the pre-norm residual stream costs one read of each input and one write of each
 output. Rounding follows `reference.rms_norm_ref` (Hugging Face's LlamaRMSNorm): the normed row is
 cast to the input dtype before the weight multiplies it, and the output dtype is
-`torch.promote_types(x.dtype, weight.dtype)`. Where the norm sits in the model is the model's
-business.
+`torch.promote_types(x.dtype, weight.dtype)`. The fused variant also takes x as a split-K
+layer's float32 partials (`int4_matmul(unsummed=True)`): it sums them in split order and rounds
+the sum to the residual's dtype, the bits a separate sum kernel would have written, without
+that kernel's launch and its 16-bit round trip. Where the norm sits in the model is the
+model's business.
 """
 
 from __future__ import annotations
@@ -46,16 +49,25 @@ def _rms_norm_kernel(
     stride_r,
     stride_o,
     stride_ro,
+    parts_stride,  # PARTS: elements between two partials of x
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,  # x is this many float32 partials summed here (0: x itself)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK]
+    if PARTS > 0:  # in split order, rounded to the residual's dtype, as `_split_sum_kernel`
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            acc += tl.load(x_ptr + part * parts_stride + row * stride_x + offs, mask=mask,
+                           other=0.0)  # fmt: skip
+        x = acc.to(residual_out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK]
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         # Round the sum to the activation dtype, as `x + residual` does in PyTorch.
@@ -92,7 +104,9 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {x.shape[-1]} exceeds {_MAX_HIDDEN}")
 
 
-def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float, pdl: bool) -> None:
+def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float, pdl: bool,
+            parts: torch.Tensor | None = None) -> None:  # fmt: skip
+    """`parts` ([P, rows, hidden] float32, contiguous): x is their sum (x2d is parts[0])."""
     num_rows, hidden = x2d.shape
     if num_rows == 0:
         return
@@ -100,10 +114,12 @@ def _launch(x2d, residual2d, weight, out2d, residual_out2d, eps: float, pdl: boo
     add_residual = residual2d is not None
     if not add_residual:
         residual2d = residual_out2d = x2d  # unused by the kernel
+    num_parts = 0 if parts is None else parts.shape[0]
     _rms_norm_kernel[(num_rows,)](
         x2d, residual2d, weight, out2d, residual_out2d, eps,
         x2d.stride(0), residual2d.stride(0), out2d.stride(0), residual_out2d.stride(0),
-        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add_residual, PDL=pdl,
+        x2d.numel(), HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add_residual, PARTS=num_parts,
+        PDL=pdl,
         num_warps=min(max(block // 256, 1), 16), launch_pdl=pdl,
     )  # fmt: skip
 
@@ -150,6 +166,10 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [num_tokens, hidden], residual
     """`residual = x + residual; return rms_norm(residual), residual`, in one pass, in place.
 
+    x may also be a split-K layer's float32 partials, `[parts, *residual's shape]`
+    (`int4_matmul(unsummed=True)`): x is then their sum in split order, rounded to the
+    residual's dtype, and the normed rows get a new tensor.
+
     Writes the new residual into `residual` and, when the normed output has `x`'s dtype (the
     weight's dtype does not promote it), the normed rows into `x`; both are returned (see
     `fused_add_rms_norm_ref`). A promoting weight (fp32 weight, 16-bit `x`) gets a new output.
@@ -164,17 +184,24 @@ def fused_add_rms_norm(
     Returns:
         `(normed, residual)`.
     """
+    parts = None
+    if x.dim() == residual.dim() + 1:  # a split-K layer's partials, summed here
+        check_dtype("x", x, (torch.float32,))
+        check_contiguous("x", x)
+        check_shape("x", x, (x.shape[0], *residual.shape), "[parts, *residual's shape]")
+        parts, x = x, x[0]
     _check_norm_args(x, weight)
     check_shape("residual", residual, tuple(x.shape), "x's shape")
-    if residual.dtype != x.dtype:
+    if residual.dtype != x.dtype and parts is None:
         raise TypeError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
     check_same_device(x=x, residual=residual)
     x2d = _as_rows("x", x)
     residual2d = _as_rows("residual", residual)
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = torch.promote_types(residual.dtype, weight.dtype)
     # Rows are read before they are written within one program, so normed may alias x.
-    out = x if out_dtype == x.dtype else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out = x if out_dtype == x.dtype and parts is None else torch.empty(
+        x.shape, dtype=out_dtype, device=x.device)  # fmt: skip
     out2d = _as_rows("out", out)
     check_pdl(pdl, x)
-    _launch(x2d, residual2d, weight, out2d, residual2d, eps, pdl)
+    _launch(x2d, residual2d, weight, out2d, residual2d, eps, pdl, parts)
     return out, residual

@@ -75,6 +75,41 @@ def test_fused_add_rms_norm_with_a_promoting_weight_returns_a_new_output(device)
     assert_close(out, ref_out, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_fused_add_rms_norm_sums_split_partials_to_the_bits_of_the_summed_layer(
+    dtype, split_k, device
+):
+    # An INT4 layer split along K, its float32 partials left unsummed: the norm sums them in
+    # split order and rounds the sum to the residual's dtype, what the layer's own sum kernel
+    # writes, then adds and norms: the same bits as the summed layer followed by the norm.
+    from sitsd.kernels.int4_matmul import Int4MatmulConfig, int4_matmul
+    from tests.kernels.int4_inputs import random_int4
+
+    w = random_int4(576, 512, 128, offsets=True, device=device)
+    x = torch.randn(5, 512, device=device).to(dtype)
+    config = Int4MatmulConfig("dot", block_m=16, block_n=64, block_k=128, split_k=split_k)
+    parts = int4_matmul(x, *w.args, config=config, unsummed=True)
+    assert parts.shape == (split_k, 5, 576)
+    assert parts.dtype == torch.float32
+    residual = _rand(5, 576, dtype=dtype, device=device, scale=4.0)
+    weight = _rand(576, dtype=dtype, device=device)
+    summed = int4_matmul(x, *w.args, config=config)
+    expected, expected_residual = fused_add_rms_norm(summed, residual.clone(), weight, 1e-5)
+    out, new_residual = fused_add_rms_norm(parts, residual, weight, 1e-5)
+    assert new_residual is residual
+    assert out.dtype == dtype
+    assert out.shape == (5, 576)
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(out, expected)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        fused_add_rms_norm(parts.to(dtype), residual, weight, 1e-5)
+    with pytest.raises(ValueError, match=r"x must have shape \[parts, \*residual's shape\]"):
+        fused_add_rms_norm(parts[:, :4].contiguous(), residual, weight, 1e-5)
+    with pytest.raises(ValueError, match="out and unsummed exclude each other"):
+        int4_matmul(x, *w.args, config=config, unsummed=True, out=summed)
+
+
 def test_wrappers_reject_bad_arguments_with_clear_errors(device):
     x = _rand(3, 64, dtype=torch.float16, device=device)
     weight = _rand(64, dtype=torch.float16, device=device)
