@@ -6,9 +6,11 @@ import pytest
 import torch
 import triton  # noqa: F401  (make test installs it: no kernel test may skip for want of it)
 
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, int4_matmul
 from sitsd.kernels.reference import fused_add_rms_norm_ref, rms_norm_ref
 from sitsd.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from tests.kernels.helpers import assert_close
+from tests.kernels.int4_inputs import random_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -83,9 +85,6 @@ def test_fused_add_rms_norm_sums_split_partials_to_the_bits_of_the_summed_layer(
     # An INT4 layer split along K, its float32 partials left unsummed: the norm sums them in
     # split order and rounds the sum to the residual's dtype, what the layer's own sum kernel
     # writes, then adds and norms: the same bits as the summed layer followed by the norm.
-    from sitsd.kernels.int4_matmul import Int4MatmulConfig, int4_matmul
-    from tests.kernels.int4_inputs import random_int4
-
     w = random_int4(576, 512, 128, offsets=True, device=device)
     x = torch.randn(5, 512, device=device).to(dtype)
     config = Int4MatmulConfig("dot", block_m=16, block_n=64, block_k=128, split_k=split_k)
