@@ -35,7 +35,7 @@ _TARGET = GPUTarget("cuda", 90, 32)
 _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "o_ptr", "z_ptr", "perm_ptr", "out_ptr", "N",
             "stride_xm"}  # fmt: skip
 _TYPES = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp32", "z_ptr": "*i32",
-          "perm_ptr": "*i32", "out_ptr": "*fp32", "merged_ptr": "*bf16",
+          "perm_ptr": "*i32", "merged_ptr": "*bf16",  # out_ptr's: by the split (`compile_sass`)
           "counters_ptr": "*i32"}  # fmt: skip
 
 

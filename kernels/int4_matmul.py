@@ -490,9 +490,8 @@ def int4_matmul(
     num_rows = x.shape[0]
     if unsummed and out is not None:
         raise ValueError("out and unsummed exclude each other (unsummed partials are new)")
-    if out is None:
-        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    check_out("out", out, (num_rows, n), x.dtype, x.device)
+    if out is not None:
+        check_out("out", out, (num_rows, n), x.dtype, x.device)
     check_pdl(pdl, x)
     if slice_major:
         check_slice_major(perm, group_size)
@@ -519,15 +518,20 @@ def int4_matmul(
         if merge and split_counters.numel() < grid[0] * grid[1]:
             raise ValueError(f"split_counters holds {split_counters.numel()} counters; "
                              f"{grid[0]} x {grid[1]} tiles need {grid[0] * grid[1]}")  # fmt: skip
+    parts = None  # the float32 split partials, when K is split
+    if config.split_k > 1:
+        parts = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
+    if unsummed and parts is not None and not merge:
+        out = parts  # the result: no [M, N] output (below, only an unused pointer)
+    elif out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
     counters = split_counters if merge else out  # any pointer without MERGE
     k_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
     even_k = k % (config.split_k * config.block_k) == 0
     even = even_k and n % config.block_n == 0
-    target = out
-    if config.split_k > 1:
-        target = torch.empty((config.split_k, num_rows, n), dtype=torch.float32, device=x.device)
+    target = out if parts is None else parts
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
     upcast = runs_in_interpreter(x) and x.dtype == torch.bfloat16
     if config.mode == "mma":
@@ -579,9 +583,7 @@ def int4_matmul(
             PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
             maxnreg=config.max_registers,
         )  # fmt: skip
-    if config.split_k > 1 and not merge and unsummed:
-        return target
-    if config.split_k > 1 and not merge:
+    if config.split_k > 1 and not merge and not unsummed:
         size = num_rows * n
         _split_sum_kernel[(cdiv(size, _SUM_BLOCK),)](
             target, out, size, SPLIT_K=config.split_k, BLOCK=_SUM_BLOCK, PDL=pdl, num_warps=4,

@@ -198,9 +198,12 @@ def fused_add_rms_norm(
     x2d = _as_rows("x", x)
     residual2d = _as_rows("residual", residual)
     out_dtype = torch.promote_types(residual.dtype, weight.dtype)
-    # Rows are read before they are written within one program, so normed may alias x.
-    out = x if out_dtype == x.dtype and parts is None else torch.empty(
-        x.shape, dtype=out_dtype, device=x.device)  # fmt: skip
+    # Rows are read before they are written within one program, so normed may alias x (but
+    # not float32 partials: another dtype)
+    if parts is None and out_dtype == x.dtype:
+        out = x
+    else:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out2d = _as_rows("out", out)
     check_pdl(pdl, x)
     _launch(x2d, residual2d, weight, out2d, residual2d, eps, pdl, parts)
