@@ -82,7 +82,9 @@ class LlamaModel:
             gate_up, residual = k.norm_linear(
                 hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj
             )  # [T, 2 * intermediate]
-            hidden = k.swiglu_linear(gate_up, layer.down_proj)  # [T, hidden]
+            # o's and down's outputs go into an add + RMSNorm, which sums a split-K layer's
+            # partials itself (`qlinear.split_partials`): one launch fewer each
+            hidden = k.swiglu_linear(gate_up, layer.down_proj, unsummed=True)  # [T, hidden]
         assert residual is not None, "a model has at least one layer"
         hidden, _ = k.fused_add_rms_norm(hidden, residual, weights.norm, arch.rms_norm_eps)
         return hidden
@@ -106,7 +108,8 @@ class LlamaModel:
             positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, meta.slot_mapping
         )
         out = paged_attention(self.kernels, q, kv_cache, meta, self.scale)
-        return self.kernels.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj)
+        return self.kernels.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj,
+                                   unsummed=True)  # fmt: skip
 
     def compute_logits(
         self,

@@ -33,12 +33,15 @@ class KernelSet:
     decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
+    # (x, residual, weight, eps) -> (normed, residual); on CUDA x may also be a split layer's
+    # float32 partials (`qlinear.split_partials`), which the Triton kernel sums
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`): one Triton
     # launch; the CPU runs the two halves (`cpu_kernels.rotary_embedding`, `.reshape_and_cache`)
     rotary_and_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
-    # The linears take a dense or quantized weight (`sitsd.quant.linear.LinearWeight`):
+    # The linears take a dense or quantized weight (`sitsd.quant.linear.LinearWeight`), and
+    # `unsummed=True` where an add + RMSNorm follows (`qlinear.any_linear`):
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
     # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
@@ -106,6 +109,18 @@ def with_pdl(
     and it measured faster for the call's first dimension (tokens, or sequences for decode
     attention: `pdl_pays`)."""
     return kernel(rows, *args, pdl=pdl and pdl_pays(rows.shape[0]), **kwargs)
+
+
+def add_norm_with_pdl(
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    pdl: bool,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    *args: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`with_pdl` for the add + RMSNorm, by the residual's rows: x may be split partials
+    `[parts, tokens, hidden]`, whose first dimension is not the tokens."""
+    return kernel(x, residual, *args, pdl=pdl and pdl_pays(residual.shape[0]))
 
 
 def reference_kernels() -> KernelSet:
@@ -189,7 +204,7 @@ def triton_kernels(
 
     pdl = supports_pdl() if pdl is None else pdl
     norm = partial(with_pdl, rms_norm, pdl)
-    add_norm = partial(with_pdl, fused_add_rms_norm, pdl)
+    add_norm = partial(add_norm_with_pdl, fused_add_rms_norm, pdl)
     swiglu = partial(with_pdl, silu_and_mul, pdl)
     tuned = TunedLinear(
         measured_device() if use_gemv is None else use_gemv,

@@ -82,7 +82,11 @@ class QuantizedLinears:
     # kernel when they cover the call's tiles; None, or too few: a second kernel sums them
     split_counters: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, weight: ServingWeight) -> torch.Tensor:  # [M, N]
+    def __call__(
+        self, x: torch.Tensor, weight: ServingWeight, *, unsummed: bool = False
+    ) -> torch.Tensor:  # [M, N], or with `unsummed` maybe [split_k, M, N] float32
+        """`x @ W.T`; `unsummed`: an INT4 layer split along K and not merged in the kernel
+        returns its float32 partials for the consumer to sum (`fused_add_rms_norm` takes them)."""
         if not isinstance(weight, Int4Weight) or x.device.type != "cuda":
             return quantized_linear(x, weight)
         n, k = weight.shape
@@ -105,7 +109,7 @@ class QuantizedLinears:
         return int4_matmul(x, w.qweight, w.scales, w.offsets, w.group_size, w.perm,
                            zeros=w.zeros, pdl=self.pdl and int4_pdl_pays(rows),
                            split_counters=self.counters_for(rows, n),
-                           slice_major=w.slice_major)  # fmt: skip
+                           slice_major=w.slice_major, unsummed=unsummed)  # fmt: skip
 
     def counters_for(self, rows: int, n: int) -> torch.Tensor | None:
         """The split counters an `int4_matmul` call over `rows` rows of x and `n` outputs
@@ -140,15 +144,26 @@ def any_linear(
     x: torch.Tensor,
     weight: LinearWeight,
     bias: torch.Tensor | None = None,
+    *,
+    unsummed: bool = False,
 ) -> torch.Tensor:
-    """`F.linear(x, W, bias)` for a weight in any form, in x's dtype."""
+    """`F.linear(x, W, bias)` for a weight in any form, in x's dtype; `unsummed` (no bias):
+    a quantized layer split along K may return its float32 partials `[parts, M, N]` instead
+    (`split_partials`), for an add + RMSNorm to sum."""
     if isinstance(weight, torch.Tensor):
         if weight.dtype == x.dtype:
             return dense(x, weight, bias)
         b = None if bias is None else bias.to(weight.dtype)
         return dense(x.to(weight.dtype), weight, b).to(x.dtype)
-    out = quantized(x, weight)
-    return out if bias is None else out + bias
+    if bias is not None:
+        return quantized(x, weight) + bias
+    return quantized(x, weight, unsummed=unsummed)
+
+
+def split_partials(hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether `hidden`, on its way into an add + RMSNorm with `residual`, is a split layer's
+    float32 partials (`any_linear(unsummed=True)`) rather than the layer's output."""
+    return residual is not None and hidden.dim() == residual.dim() + 1
 
 
 def any_swiglu_linear(
@@ -157,12 +172,15 @@ def any_swiglu_linear(
     linear: Callable[..., torch.Tensor],
     gate_up: torch.Tensor,
     weight: LinearWeight,
+    *,
+    unsummed: bool = False,
 ) -> torch.Tensor:
     """The down projection of SwiGLU(gate_up): the kernel set's (maybe fused) path for a dense
-    weight in gate_up's dtype, else the activation and then `linear` (`any_linear`)."""
+    weight in gate_up's dtype, else the activation and then `linear` (`any_linear`, which
+    takes `unsummed`)."""
     if isinstance(weight, torch.Tensor) and weight.dtype == gate_up.dtype:
         return dense_swiglu(gate_up, weight)
-    return linear(silu_and_mul(gate_up), weight)
+    return linear(silu_and_mul(gate_up), weight, unsummed=unsummed)
 
 
 def any_norm_linear(
@@ -176,7 +194,9 @@ def any_norm_linear(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm projection: the kernel set's (maybe fused) path for a dense weight in
-    hidden's dtype, else `unfused_norm_linear` (its linear is `any_linear`)."""
-    if isinstance(weight, torch.Tensor) and weight.dtype == hidden.dtype:
+    hidden's dtype, else `unfused_norm_linear` (its linear is `any_linear`), which also takes
+    split partials for `hidden` (`split_partials`: its add + RMSNorm sums them)."""
+    dense = isinstance(weight, torch.Tensor) and weight.dtype == hidden.dtype
+    if dense and not split_partials(hidden, residual):
         return dense_norm_linear(hidden, residual, norm_weight, eps, weight, bias)
     return unfused_norm_linear(hidden, residual, norm_weight, eps, weight, bias)
