@@ -74,11 +74,14 @@ class LlamaModel:
         eps = arch.rms_norm_eps
         for layer, kv_cache in zip(weights.layers, kv_caches):
             # Pre-norm: (residual add +) RMSNorm, then the projection; the first layer has no
-            # residual to add yet.
+            # residual to add yet. qkv may come as a split-K layer's float32 partials [parts,
+            # T, q + 2 * kv], which the rotary kernel sums into the normed input's dtype.
             qkv, residual = k.norm_linear(
-                hidden, residual, layer.input_norm, eps, layer.qkv_proj, layer.qkv_bias
-            )  # [T, q + 2 * kv]
-            hidden = self._attention(layer, qkv, positions, meta, kv_cache)
+                hidden, residual, layer.input_norm, eps, layer.qkv_proj, layer.qkv_bias,
+                unsummed=True,
+            )  # fmt: skip
+            qkv_dtype = torch.promote_types(residual.dtype, layer.input_norm.dtype)
+            hidden = self._attention(layer, qkv, positions, meta, kv_cache, qkv_dtype)
             gate_up, residual = k.norm_linear(
                 hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj
             )  # [T, 2 * intermediate]
@@ -92,21 +95,24 @@ class LlamaModel:
     def _attention(
         self,
         layer: LayerWeights,
-        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size], the normed input's projection
+        qkv: torch.Tensor,  # [(parts,) T, q_size + 2 * kv_size], the normed input's projection
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        dtype: torch.dtype,  # the activations' (qkv's, once summed)
     ) -> torch.Tensor:  # [T, hidden]
         arch = self.arch
-        num_tokens = qkv.shape[0]
+        num_tokens = positions.shape[0]
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
-        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
-        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        q = q.unflatten(-1, (arch.num_heads, arch.head_dim))  # [(parts,) T, heads, head_dim]
+        k = k.unflatten(-1, (arch.num_kv_heads, arch.head_dim))
+        v = v.unflatten(-1, (arch.num_kv_heads, arch.head_dim))
         key_cache, value_cache = kv_cache
-        q, k = self.kernels.rotary_and_cache(
-            positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, meta.slot_mapping
-        )
+        args = (positions, q, k, v, self.cos_sin_cache, key_cache, value_cache, meta.slot_mapping)
+        if qkv.dim() == 3:  # a split layer's partials, summed and rounded to `dtype` there
+            q, k = self.kernels.rotary_and_cache(*args, dtype=dtype)
+        else:
+            q, k = self.kernels.rotary_and_cache(*args)
         out = paged_attention(self.kernels, q, kv_cache, meta, self.scale)
         return self.kernels.linear(out.reshape(num_tokens, arch.q_size), layer.o_proj,
                                    unsummed=True)  # fmt: skip

@@ -92,13 +92,18 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    unsummed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm projection, unfused: `residual = hidden + residual` (no add without a
-    residual: `hidden` becomes it), RMSNorm, then `linear`; returns `(out, residual)`."""
+    residual: `hidden` becomes it), RMSNorm, then `linear`; returns `(out, residual)`.
+    `unsummed` goes to a linear that takes it (`qlinear.any_linear`), and only when set."""
     if residual is None:
         x, residual = rms_norm(hidden, norm_weight, eps), hidden
     else:
         x, residual = fused_add_rms_norm(hidden, residual, norm_weight, eps)
+    if unsummed:
+        return linear(x, weight, bias, unsummed=True), residual
     return linear(x, weight, bias), residual
 
 

@@ -192,11 +192,15 @@ def any_norm_linear(
     eps: float,
     weight: LinearWeight,
     bias: torch.Tensor | None = None,
+    *,
+    unsummed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm projection: the kernel set's (maybe fused) path for a dense weight in
-    hidden's dtype, else `unfused_norm_linear` (its linear is `any_linear`), which also takes
-    split partials for `hidden` (`split_partials`: its add + RMSNorm sums them)."""
+    hidden's dtype, else `unfused_norm_linear` (its linear is `any_linear`, given `unsummed`),
+    which also takes split partials for `hidden` (`split_partials`: its add + RMSNorm sums
+    them)."""
     dense = isinstance(weight, torch.Tensor) and weight.dtype == hidden.dtype
     if dense and not split_partials(hidden, residual):
         return dense_norm_linear(hidden, residual, norm_weight, eps, weight, bias)
-    return unfused_norm_linear(hidden, residual, norm_weight, eps, weight, bias)
+    return unfused_norm_linear(hidden, residual, norm_weight, eps, weight, bias,
+                               unsummed=unsummed)  # fmt: skip

@@ -7,9 +7,11 @@ import pytest
 import torch
 import triton  # noqa: F401  (make test installs it: no kernel test may skip for want of it)
 
+from sitsd.kernels.int4_matmul import Int4MatmulConfig, int4_matmul
 from sitsd.kernels.reference import compute_cos_sin_cache, rotary_and_cache_ref
 from sitsd.kernels.rotary_cache import rotary_and_cache
 from tests.kernels.helpers import assert_close
+from tests.kernels.int4_inputs import random_int4
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -165,3 +167,42 @@ def test_gpu_grid_matches_reference(dtype, num_heads, num_kv_heads, head_dim, de
     # fp32 activations into a 16-bit cache: rounded to nearest even, exactly as torch casts
     _check(*_inputs(257, num_heads, num_kv_heads, head_dim, torch.float32, device,
                     num_blocks=40, cache_dtype=dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_partials_give_the_bits_of_the_summed_projection(split_k, device):
+    # A QKV projection in INT4 split along K, its float32 partials left unsummed: the kernel
+    # sums each token's parts in split order and rounds them to bf16 (the layer's own sum),
+    # then rotates and writes the cache: the same bits as the summed layer rotated in place.
+    heads, kv_heads, head_dim, tokens = 4, 2, 64, 7
+    w = random_int4((heads + 2 * kv_heads) * head_dim, 256, 128, offsets=True, device=device)
+    x = torch.randn(tokens, 256, device=device).to(torch.bfloat16)
+    config = Int4MatmulConfig("dot", block_m=16, block_n=64, block_k=128, split_k=split_k)
+    positions, *_, cos_sin, key_cache, value_cache, slots = _inputs(
+        tokens, heads, kv_heads, head_dim, torch.bfloat16, device
+    )
+
+    def views(qkv: torch.Tensor) -> list[torch.Tensor]:  # as `LlamaModel._attention` splits
+        heads_last = qkv.unflatten(-1, (heads + 2 * kv_heads, head_dim))
+        return list(heads_last.split([heads, kv_heads, kv_heads], dim=-2))
+
+    summed = int4_matmul(x, *w.args, config=config)
+    kc, vc = key_cache.clone(), value_cache.clone()
+    want_q, want_k = rotary_and_cache(positions, *views(summed), cos_sin, kc, vc, slots)
+    parts = int4_matmul(x, *w.args, config=config, unsummed=True)
+    q, k, v = views(parts)
+    got_q, got_k = rotary_and_cache(positions, q, k, v, cos_sin, key_cache, value_cache, slots,
+                                    dtype=torch.bfloat16)  # fmt: skip
+    assert got_q.dtype == got_k.dtype == torch.bfloat16
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+    # (NaN where no slot was written, in both)
+    assert torch.equal(key_cache.nan_to_num(7.0), kc.nan_to_num(7.0))
+    assert torch.equal(value_cache.nan_to_num(7.0), vc.nan_to_num(7.0))
+    with pytest.raises(TypeError, match="partials need the dtype"):
+        rotary_and_cache(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
+    with pytest.raises(ValueError, match="value partials"):
+        rotary_and_cache(positions, q, k, v[:1], cos_sin, key_cache, value_cache, slots,
+                         dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="dtype applies to partials only"):
+        rotary_and_cache(positions, *views(summed), cos_sin, kc, vc, slots, dtype=torch.float16)
