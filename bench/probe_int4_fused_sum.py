@@ -7,9 +7,10 @@ itself (`int4_matmul(unsummed=True)`): the same bits, one launch and one 16-bit 
 fewer. Per Llama-3-8B layer (o, down), row count and INT4 format (symmetric codes, zero points),
 the default configuration's layer followed by the add + norm, launched as the engine launches
 them (PDL where `int4_pdl_pays` and `pdl_pays`), graph-timed over rotating weight copies as
-`bench.bench_quant_kernels` does: summed by the layer's kernel, and by the norm.
+`bench.bench_quant_kernels` does: summed by the layer's kernels (up to `INT4_MERGE_ROWS` rows
+merged in its tiles, as served), and by the norm (never merged).
 
-    python3 -m bench.probe_int4_fused_sum [--rows 32,64,128]
+    python3 -m bench.probe_int4_fused_sum [--rows 1,8,16,32,64,128]
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def main(argv: list[str] | None = None) -> None:
                 times = []
                 outs = []
                 for unsummed in (False, True):
+                    # by the norm: never merged in the layer (up to INT4_MERGE_ROWS the
+                    # served layer merges its tiles' parts, which leaves no partials)
                     fn = functools.partial(layer_and_norm, residual=residual, norm=norm,
-                                           counters=counters, unsummed=unsummed)  # fmt: skip
+                                           counters=None if unsummed else counters,
+                                           unsummed=unsummed)  # fmt: skip
                     start = residual.clone()
                     outs.append(fn(x, copies[0]).clone())
                     residual.copy_(start)
