@@ -9,10 +9,10 @@ codes, and zero points: the engine's RTN), the default configuration's tile at e
 `INT4_PDL_MAX_ROWS` rows, the splits merged in the kernel up to `INT4_MERGE_ROWS`) and
 graph-timed over rotating weight copies as `bench.bench_quant_kernels` does; `*` marks the
 default's split. `--max-registers` replaces the defaults' register cap (0: none, the
-compiler's choice).
+compiler's choice); `--tile M,N,WARPS` their tile (block_m, block_n, num_warps).
 
     python3 -m bench.probe_int4_split [--rows 32,64,128] [--layers qkv,o,gate_up,down]
-        [--max-registers N]
+        [--max-registers N] [--tile 64,128,8]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="32,64,128")
     parser.add_argument("--layers", default=",".join(SHAPES))
     parser.add_argument("--max-registers", type=int, default=None)
+    parser.add_argument("--tile", default=None, help="block_m,block_n,num_warps for every call")
     args = parser.parse_args(argv)
     bench = Bench.on_gpu("bench.probe_int4_split")
     rows = [int(r) for r in args.rows.split(",")]
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
                 default = choose_int4_config(num_rows, n, k, 128, has_offsets=zp, has_zeros=zp)
                 if args.max_registers is not None:
                     default = dataclasses.replace(default, max_registers=args.max_registers or None)
+                if args.tile:
+                    block_m, block_n, warps = (int(v) for v in args.tile.split(","))
+                    default = dataclasses.replace(default, block_m=block_m, block_n=block_n,
+                                                  num_warps=warps)  # fmt: skip
                 cells, times = [], {}
                 for split in SPLITS:
                     if split > k // 128:
