@@ -37,15 +37,17 @@ class KernelSet:
     # float32 partials (`qlinear.split_partials`), which the Triton kernel sums
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # RoPE on Q and K, then the K/V cache write (`reference.rotary_and_cache_ref`): one Triton
-    # launch; the CPU runs the two halves (`cpu_kernels.rotary_embedding`, `.reshape_and_cache`)
+    # launch, which on CUDA also takes a split QKV layer's float32 partials and the `dtype` to
+    # sum them into; the CPU runs the two halves (`cpu_kernels.rotary_embedding`,
+    # `.reshape_and_cache`)
     rotary_and_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
     # The linears take a dense or quantized weight (`sitsd.quant.linear.LinearWeight`), and
-    # `unsummed=True` where an add + RMSNorm follows (`qlinear.any_linear`):
+    # `unsummed=True` where the next kernel sums split partials (`qlinear.any_linear`):
     linear: Callable[..., torch.Tensor]  # F.linear(x, weight, bias=None)
     swiglu_linear: Callable[..., torch.Tensor]  # F.linear(silu_and_mul(gate_up), weight)
-    # (hidden, residual | None, norm_weight, eps, weight, bias=None) -> (out, residual):
-    # the pre-norm projection, `norm_linear` below or a fused kernel
+    # (hidden, residual | None, norm_weight, eps, weight, bias=None, *, unsummed=False) ->
+    # (out, residual): the pre-norm projection, `norm_linear` below or a fused kernel
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # What the kernels keep between launches (split counters they leave zero, the INT4
     # dequantize workspace): two sets whose forwards run at the same time, on two streams,

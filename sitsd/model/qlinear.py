@@ -17,7 +17,9 @@ cuBLAS' tensor-core tiles beat the Triton ones); every other layout and device t
 decode kernels do: with programmatic dependent launch at the row counts where it pays
 (`int4_pdl_pays`: `routing.pdl_pays`, up to `INT4_PDL_MAX_ROWS`), and up to `INT4_MERGE_ROWS`
 with split-K merged by each tile's last program in the runner's counters (one launch fewer per
-layer) where they hold enough for the call's tiles.
+layer) where they hold enough for the call's tiles. Past that a layer called with `unsummed`
+returns its float32 partials for the next kernel to sum (the add + RMSNorm after o and down,
+the rotary + cache kernel after qkv); otherwise a second kernel sums them.
 """
 
 from __future__ import annotations
