@@ -7,14 +7,14 @@ so fusing them saves a launch and a gap between kernels per layer, and the rotat
 written from registers instead of being read back. Slot -1 (padding, or a token whose K/V is
 already cached) writes nothing to the cache; its query and key are still rotated. Values are
 `reference.rotary_and_cache_ref`'s: `rotary_embedding_ref`'s arithmetic (fp32, cast back to the
-input dtype), then `reshape_and_cache_ref`'s write.
+input dtype), then `reshape_and_cache_ref`'s write. The cos/sin table (Llama-3 frequency scaling
+included) is `reference.compute_cos_sin_cache`'s; which slot a token gets, the KV cache manager's.
 
 Q, K and V may also come as the float32 partials of a QKV projection split along K
 (`int4_matmul(unsummed=True)`): each program then sums its token's parts in split order and
 rounds them to the activation dtype, as `int4_matmul`'s own sum does, before the rotation; the
 rotated query and key go to new tensors. That saves the projection's summing launch and its
-16-bit round trip. The cos/sin table (Llama-3 frequency scaling
-included) is `reference.compute_cos_sin_cache`'s; which slot a token gets, the KV cache manager's.
+16-bit round trip.
 """
 
 from __future__ import annotations

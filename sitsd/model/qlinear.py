@@ -88,7 +88,8 @@ class QuantizedLinears:
         self, x: torch.Tensor, weight: ServingWeight, *, unsummed: bool = False
     ) -> torch.Tensor:  # [M, N], or with `unsummed` maybe [split_k, M, N] float32
         """`x @ W.T`; `unsummed`: an INT4 layer split along K and not merged in the kernel
-        returns its float32 partials for the consumer to sum (`fused_add_rms_norm` takes them)."""
+        returns its float32 partials for the consumer to sum (`fused_add_rms_norm` and
+        `rotary_and_cache` take them)."""
         if not isinstance(weight, Int4Weight) or x.device.type != "cuda":
             return quantized_linear(x, weight)
         n, k = weight.shape
