@@ -10,7 +10,7 @@ them (PDL where `int4_pdl_pays` and `pdl_pays`), graph-timed over rotating weigh
 `bench.bench_quant_kernels` does: summed by the layer's kernels (up to `INT4_MERGE_ROWS` rows
 merged in its tiles, as served), and by the norm (never merged).
 
-    python3 -m bench.probe_int4_fused_sum [--rows 1,8,16,32,64,128]
+    python3 -m bench.probe_int4_fused_sum [--rows 32,64,128]   (1-16 rows: against the merge)
 """
 
 from __future__ import annotations
