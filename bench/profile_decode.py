@@ -1,9 +1,10 @@
 """Where a decode step's GPU time goes: kernel breakdown of graph replays, GEMM efficiency.
 
 Runs on the device machine: python3 -m bench.profile_decode [--precision int4-g128]
-[--batches 1,32,128]. Llama-3-8B shapes, random bf16 weights, served as they are or quantized
-at load by the precision's map (`bench.bench_quant_engine.PRECISIONS`, as `sitsd serve
---quantize` does).
+[--batches 1,32,128] [--without linears,others]. Llama-3-8B shapes, random bf16 weights, served
+as they are or quantized at load by the precision's map (`bench.bench_quant_engine.PRECISIONS`,
+as `sitsd serve --quantize` does). `--without` then recaptures the graphs without each family
+of kernels named (`bench.decode_ablation`) and prints each replay beside the full step's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_quant_engine import PRECISIONS
+from bench.decode_ablation import FAMILIES, without
 from bench.engine_setup import (
     engine_config,
     fill_decode_inputs,
@@ -34,7 +36,11 @@ def main() -> None:
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
     parser.add_argument("--batches", default="1,32,128",
                         type=lambda t: [int(b) for b in t.split(",") if b])  # fmt: skip
+    parser.add_argument("--without", default="", help=f"families to leave out: {FAMILIES}",
+                        type=lambda t: [f for f in t.split(",") if f])  # fmt: skip
     args = parser.parse_args()
+    if unknown := set(args.without) - set(FAMILIES):
+        parser.error(f"--without takes {FAMILIES}, got {sorted(unknown)}")
     if not torch.cuda.is_available():
         sys.exit("bench.profile_decode needs a CUDA GPU")
     bw = copy_bandwidth()
@@ -63,6 +69,19 @@ def main() -> None:
                 sort_by="cuda_time_total", row_limit=24, max_name_column_width=70
             )
         )
+    full = {b: median_ms(functools.partial(runner.graphs.replay, runner.graphs.bucket_for(b)))
+            for b in args.batches}  # fmt: skip
+    served = runner.model.kernels
+    for family in args.without:
+        runner.model.kernels = without(served, family, runner.weights.lm_head)
+        runner.capture_graphs(args.batches)
+        for b in args.batches:
+            ms = median_ms(functools.partial(runner.graphs.replay, runner.graphs.bucket_for(b)))
+            print(f"batch {b}: graph replay {full[b]:.3f} ms, without {family} {ms:.3f} ms "
+                  f"({full[b] - ms:.3f} ms theirs)")  # fmt: skip
+    runner.model.kernels = served
+    if args.without:
+        runner.capture_graphs(args.batches)
     if body is not None:
         return  # cuBLAS per shape: for 16-bit weights
     w = runner.weights.layers[0]

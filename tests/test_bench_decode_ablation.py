@@ -1,0 +1,59 @@
+"""`bench.decode_ablation`: a decode step through the kernel set without one family calls none
+of that family's kernels and every kernel of the other, and still gives logits of its shape."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+
+from bench.decode_ablation import without
+from sitsd.model.ops import cpu_kernels
+from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
+from sitsd.runtime.kv_cache import allocate_kv_caches
+from sitsd.types import SamplingParams
+from tests.model.test_llama_parity import BLOCK, NUM_BLOCKS, build_pair
+
+COUNTED = ("linear", "swiglu_linear", "norm_linear", "rms_norm", "fused_add_rms_norm",
+           "rotary_and_cache", "decode_attention", "silu_and_mul")  # fmt: skip
+
+
+def _count(calls: Counter[str], name: str, fn: Callable[..., object], *args, **kwargs):
+    calls[name] += 1
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["linears", "others"])
+def test_a_decode_step_without_a_family_runs_none_of_its_kernels(family):
+    _, arch, weights, model = build_pair("llama-gqa2", cpu_kernels)
+    kv = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    state = CachedRequestState("a", [5, 9, 2, 7, 11], 5, SamplingParams(), 0, [3, 1, 4], 0)
+    with torch.inference_mode():  # the prompt, through the served kernels
+        inputs = build_step_inputs([state], {"a": 5}, BLOCK, "cpu")
+        model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, kv)
+        state.num_computed_tokens = 5
+        state.token_ids.append(13)
+        calls: Counter[str] = Counter()
+        served = model.kernels
+        counted = {n: partial(_count, calls, n, getattr(served, n)) for n in COUNTED}
+        model.kernels = without(dataclasses.replace(served, **counted), family, weights.lm_head)
+        inputs = build_step_inputs([state], {"a": 1}, BLOCK, "cpu")
+        hidden = model.forward(weights, inputs.input_ids, inputs.positions, inputs.meta, kv)
+        logits = model.compute_logits(weights, hidden)
+    assert logits.shape == (1, arch.vocab_size)
+    layers = arch.num_layers
+    if family == "linears":  # the norms (two a layer, the final one; the first adds no
+        # residual), rotary and attention run; of the linears only the lm_head
+        assert calls == Counter(linear=1, rms_norm=1, fused_add_rms_norm=2 * layers,
+                                rotary_and_cache=layers, decode_attention=layers)  # fmt: skip
+    else:  # four projections a layer and the lm_head, each through the set's linear
+        assert calls == Counter(linear=4 * layers + 1)
+
+
+def test_an_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="family must be one of"):
+        without(cpu_kernels(), "norms", torch.empty(0))
