@@ -7,11 +7,11 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench.decode_ablation import without
 from sitsd.model.ops import cpu_kernels
 from sitsd.runtime.input_batch import CachedRequestState, build_step_inputs
 from sitsd.runtime.kv_cache import allocate_kv_caches
@@ -22,13 +22,22 @@ COUNTED = ("linear", "swiglu_linear", "norm_linear", "rms_norm", "fused_add_rms_
            "rotary_and_cache", "decode_attention", "silu_and_mul")  # fmt: skip
 
 
+@pytest.fixture
+def without(monkeypatch):
+    """`bench.decode_ablation.without`, with the repository's root on the import path."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from bench.decode_ablation import without
+
+    return without
+
+
 def _count(calls: Counter[str], name: str, fn: Callable[..., object], *args, **kwargs):
     calls[name] += 1
     return fn(*args, **kwargs)
 
 
 @pytest.mark.parametrize("family", ["linears", "others"])
-def test_a_decode_step_without_a_family_runs_none_of_its_kernels(family):
+def test_a_decode_step_without_a_family_runs_none_of_its_kernels(family, without):
     _, arch, weights, model = build_pair("llama-gqa2", cpu_kernels)
     kv = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
     state = CachedRequestState("a", [5, 9, 2, 7, 11], 5, SamplingParams(), 0, [3, 1, 4], 0)
@@ -54,6 +63,6 @@ def test_a_decode_step_without_a_family_runs_none_of_its_kernels(family):
         assert calls == Counter(linear=4 * layers + 1)
 
 
-def test_an_unknown_family_is_refused():
+def test_an_unknown_family_is_refused(without):
     with pytest.raises(ValueError, match="family must be one of"):
         without(cpu_kernels(), "norms", torch.empty(0))
