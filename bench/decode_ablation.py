@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from sitsd.model.ops import KernelSet
+from sitsd.model.ops import KernelSet, norm_linear
 from sitsd.quant.linear import LinearWeight
 
 FAMILIES = ("linears", "others")
@@ -32,11 +32,12 @@ FAMILIES = ("linears", "others")
 def without(kernels: KernelSet, family: str, lm_head: LinearWeight) -> KernelSet:
     """`kernels` with `family` ("linears" or "others") left out (see the module docstring)."""
     if family == "linears":
+        linear = partial(_no_linear, kernels, lm_head)
         return dataclasses.replace(
             kernels,
-            linear=partial(_no_linear, kernels, lm_head),
+            linear=linear,
             swiglu_linear=partial(_no_swiglu_linear, kernels),
-            norm_linear=partial(_norm_only, kernels),
+            norm_linear=partial(norm_linear, kernels.rms_norm, kernels.fused_add_rms_norm, linear),
         )
     if family == "others":
         return dataclasses.replace(
@@ -47,7 +48,7 @@ def without(kernels: KernelSet, family: str, lm_head: LinearWeight) -> KernelSet
             decode_attention=_no_attention,
             silu_and_mul=_no_silu,
             swiglu_linear=partial(_linear_only_swiglu, kernels),
-            norm_linear=partial(_linear_only, kernels),
+            norm_linear=partial(norm_linear, _first, _no_add_norm, kernels.linear),
         )
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
@@ -78,37 +79,15 @@ def _no_swiglu_linear(
     return _output(kernels.silu_and_mul(gate_up), weight)
 
 
-def _norm_only(
-    kernels: KernelSet,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: LinearWeight,
-    bias: torch.Tensor | None = None,
-    *,
-    unsummed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is None:
-        normed, residual = kernels.rms_norm(hidden, norm_weight, eps), hidden
-    else:
-        normed, residual = kernels.fused_add_rms_norm(hidden, residual, norm_weight, eps)
-    return _output(normed, weight), residual
-
-
 def _first(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return x
-
-
-def _summed(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`hidden`, or for a split layer's float32 partials `[parts, T, N]` a `[T, N]` stand-in."""
-    return torch.empty_like(residual) if hidden.dim() == residual.dim() + 1 else hidden
 
 
 def _no_add_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _summed(x, residual), residual
+    """`(x, residual)`; for a split layer's float32 partials `[parts, T, N]` a `[T, N]` stand-in."""
+    return (torch.empty_like(residual) if x.dim() == residual.dim() + 1 else x), residual
 
 
 def _no_rotary(
@@ -136,19 +115,3 @@ def _linear_only_swiglu(
     kernels: KernelSet, gate_up: torch.Tensor, weight: LinearWeight, *, unsummed: bool = False
 ) -> torch.Tensor:
     return kernels.linear(_no_silu(gate_up), weight, unsummed=unsummed)
-
-
-def _linear_only(
-    kernels: KernelSet,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: LinearWeight,
-    bias: torch.Tensor | None = None,
-    *,
-    unsummed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is None:
-        return kernels.linear(hidden, weight, bias, unsummed=unsummed), hidden
-    return kernels.linear(_summed(hidden, residual), weight, bias, unsummed=unsummed), residual
