@@ -11,6 +11,9 @@ under PDL (a kernel's time there includes its wait for the one before).
 - "others": the norms, the rotary + cache write, attention and the SwiGLU activation pass
   their input on (or an uninitialised tensor of their output's shape); the projections and the
   lm_head run on whatever arrives.
+- "norms", "rotary", "attention", "swiglu": one of those four alone (the RMSNorms with their
+  residual adds; the rotary + cache write; attention; the SwiGLU activation), so that what a
+  fusion of it into a neighbour could save at most is measured before the fusion is written.
 
 The values are garbage either way: timing only. A dense 16-bit model at one row runs its SwiGLU
 inside the down projection's kernel (`swiglu_linear`), so "linears" leaves it out with down.
@@ -26,11 +29,13 @@ import torch
 from sitsd.model.ops import KernelSet, norm_linear
 from sitsd.quant.linear import LinearWeight
 
-FAMILIES = ("linears", "others")
+# The small kernels, each family alone; "others" is all four.
+_SMALL = ("norms", "rotary", "attention", "swiglu")
+FAMILIES = ("linears", "others", *_SMALL)
 
 
 def without(kernels: KernelSet, family: str, lm_head: LinearWeight) -> KernelSet:
-    """`kernels` with `family` ("linears" or "others") left out (see the module docstring)."""
+    """`kernels` with `family` (one of `FAMILIES`) left out (see the module docstring)."""
     if family == "linears":
         linear = partial(_no_linear, kernels, lm_head)
         return dataclasses.replace(
@@ -39,18 +44,23 @@ def without(kernels: KernelSet, family: str, lm_head: LinearWeight) -> KernelSet
             swiglu_linear=partial(_no_swiglu_linear, kernels),
             norm_linear=partial(norm_linear, kernels.rms_norm, kernels.fused_add_rms_norm, linear),
         )
-    if family == "others":
-        return dataclasses.replace(
-            kernels,
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    left_out = _SMALL if family == "others" else (family,)
+    changes: dict[str, object] = {}
+    if "norms" in left_out:
+        changes.update(
             rms_norm=_first,
             fused_add_rms_norm=_no_add_norm,
-            rotary_and_cache=_no_rotary,
-            decode_attention=_no_attention,
-            silu_and_mul=_no_silu,
-            swiglu_linear=partial(_linear_only_swiglu, kernels),
             norm_linear=partial(norm_linear, _first, _no_add_norm, kernels.linear),
         )
-    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if "rotary" in left_out:
+        changes.update(rotary_and_cache=_no_rotary)
+    if "attention" in left_out:
+        changes.update(decode_attention=_no_attention)
+    if "swiglu" in left_out:
+        changes.update(silu_and_mul=_no_silu, swiglu_linear=partial(_linear_only_swiglu, kernels))
+    return dataclasses.replace(kernels, **changes)  # type: ignore[arg-type]
 
 
 def _output(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:  # [T, N]

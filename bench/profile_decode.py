@@ -1,10 +1,11 @@
 """Where a decode step's GPU time goes: kernel breakdown of graph replays, GEMM efficiency.
 
 Runs on the device machine: python3 -m bench.profile_decode [--precision int4-g128]
-[--batches 1,32,128] [--without linears,others]. Llama-3-8B shapes, random bf16 weights, served
-as they are or quantized at load by the precision's map (`bench.bench_quant_engine.PRECISIONS`,
-as `sitsd serve --quantize` does). `--without` then recaptures the graphs without each family
-of kernels named (`bench.decode_ablation`) and prints each replay beside the full step's.
+[--batches 1,32,128] [--without linears,others,norms,rotary,attention,swiglu]. Llama-3-8B
+shapes, random bf16 weights, served as they are or quantized at load by the precision's map
+(`bench.bench_quant_engine.PRECISIONS`, as `sitsd serve --quantize` does). `--without` then
+recaptures the graphs without each family of kernels named (`bench.decode_ablation`) and prints
+each replay beside the full step's.
 """
 
 from __future__ import annotations
