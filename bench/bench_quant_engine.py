@@ -25,7 +25,12 @@ Table last, then the targets, each marked met or not: for each INT4 format (RTN 
 points, as AWQ stores them; symmetric, as GPTQ's `sym` does) batch 1 >= 0.65 of its floor and
 >= 2.3x bf16 batch 1, batch 32 >= 1.8x bf16, never slower than bf16; FP8 prefill >= 1.3x bf16.
 
+For an A/B of kernel changes on scarce device time, `--precisions int4-g128 --no-prefill`
+measures one format's decode alone (no ratios to bf16 and no targets without a bf16 run; no
+prefill table without prefill).
+
     python3 -m bench.bench_quant_engine [--batches 1,8,32,128] [--new-tokens 128] [--repeats 5]
+                                        [--precisions bf16,int4-g128,...] [--no-prefill]
                                         [--json PATH]
 """
 
@@ -82,9 +87,10 @@ async def measure(
     new_tokens: int,
     repeats: int,
     tmp: Path,
+    prefill: bool = True,
 ) -> dict:
     """One engine on `ckpt` (quantized at load by the map `map_body`, written into `tmp`):
-    decode per batch (the median of `repeats` runs), then prefill."""
+    decode per batch (the median of `repeats` runs), then with `prefill` the prefill."""
     config = quantized_at_load(engine_config(max(*batches, PREFILL_REQUESTS)), map_body, tmp)
     engine = build_engine(config, checkpoint=ckpt)
     await engine.start()
@@ -111,15 +117,17 @@ async def measure(
         print(f"  {out['precision']}: batch {b}: {out['decode'][b]['decode_tok_s']:.0f} "
               f"decode tok/s (median of {repeats}: {rates[0]:.0f}-{rates[-1]:.0f})",
               flush=True)  # fmt: skip
-    await run_batch(engine, prompts(8, PREFILL_PROMPT), 1)  # the prefill shapes, once
-    out["prefill"] = await run_batch(engine, prompts(PREFILL_REQUESTS, PREFILL_PROMPT), 1)
+    if prefill:
+        await run_batch(engine, prompts(8, PREFILL_PROMPT), 1)  # the prefill shapes, once
+        out["prefill"] = await run_batch(engine, prompts(PREFILL_REQUESTS, PREFILL_PROMPT), 1)
     await engine.shutdown(5.0)
     gc.unfreeze()
     return out
 
 
 def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tuple[str, bool]]:
-    """The table; returns (target, met) for each of the issue's targets."""
+    """The table; returns (target, met) for each of the issue's targets that the runs measured
+    (the ratios need a bf16 run; FP8's prefill target, both prefill runs)."""
     arch, bw, mm, mm8 = LLAMA3_8B, results["copy_bw"], results["matmul_rate"], results["fp8_rate"]
     runs = results["runs"]
     ctx = PROMPT + new_tokens / 2
@@ -134,16 +142,21 @@ def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tupl
         for b in batches:
             floor_s = step_bytes(r["step_weight_bytes"], arch, b, ctx) / bw
             fraction[(name, b)] = rate[name][b] * floor_s / b
+            ratio = f"{rate[name][b] / rate['bf16'][b]:>8.2f}" if "bf16" in rate else f"{'-':>8}"
             print(f"{name:<14}{r['weight_bytes'] / 1e9:>11.2f}{b:>7}{rate[name][b]:>9.0f}"
-                  f"{b / floor_s:>13.0f}{fraction[(name, b)]:>10.2f}"
-                  f"{rate[name][b] / rate['bf16'][b]:>8.2f}")  # fmt: skip
+                  f"{b / floor_s:>13.0f}{fraction[(name, b)]:>10.2f}{ratio}")  # fmt: skip
     flops = prefill_flops(arch, PREFILL_REQUESTS, PREFILL_PROMPT)
-    tflops = {name: flops / r["prefill"]["wall_s"] / 1e12 for name, r in runs.items()}
-    print(f"\nprefill, {PREFILL_REQUESTS} x {PREFILL_PROMPT} tokens at once (host work included)")
-    print(f"{'precision':<14}{'TFLOP/s':>9}{'of bf16 matmul':>16}{'x bf16':>8}")
-    for name in runs:
-        print(f"{name:<14}{tflops[name]:>9.0f}{tflops[name] * 1e12 / mm:>16.2f}"
-              f"{tflops[name] / tflops['bf16']:>8.2f}")  # fmt: skip
+    tflops = {name: flops / r["prefill"]["wall_s"] / 1e12 for name, r in runs.items()
+              if "prefill" in r}  # fmt: skip
+    if tflops:
+        print(f"\nprefill, {PREFILL_REQUESTS} x {PREFILL_PROMPT} tokens at once (host work "
+              "included)")  # fmt: skip
+        print(f"{'precision':<14}{'TFLOP/s':>9}{'of bf16 matmul':>16}{'x bf16':>8}")
+        for name, t in tflops.items():
+            ratio = f"{t / tflops['bf16']:>8.2f}" if "bf16" in tflops else f"{'-':>8}"
+            print(f"{name:<14}{t:>9.0f}{t * 1e12 / mm:>16.2f}{ratio}")
+    if "bf16" not in rate:
+        return []  # every target is a ratio to bf16
     bf16, checks = rate["bf16"], []
     for name in (n for n in runs if n.startswith("int4")):  # each INT4 format on its own
         int4 = rate[name]
@@ -161,7 +174,7 @@ def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tupl
         worst = int4[slowest] / bf16[slowest]
         checks.append((f"{name} never slower than bf16: worst {worst:.2f}x at batch {slowest}",
                        all(int4[b] >= bf16[b] for b in batches)))  # fmt: skip
-    if "fp8" in tflops:  # --precisions may leave it out
+    if "fp8" in tflops and "bf16" in tflops:  # --precisions and --no-prefill may leave them out
         checks.append((f"FP8 prefill >= 1.3x bf16: {tflops['fp8'] / tflops['bf16']:.2f}x",
                        tflops["fp8"] >= 1.3 * tflops["bf16"]))  # fmt: skip
     print("\ntargets")
@@ -179,6 +192,8 @@ def main() -> int:
                         type=lambda t: [p for p in t.split(",") if p])  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5,
                         help="decode runs per batch; the median is kept")  # fmt: skip
+    parser.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure prefill too (--no-prefill: decode only)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -186,8 +201,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("bench.bench_quant_engine needs a CUDA GPU")
     unknown = set(args.precisions) - set(PRECISIONS)
-    if unknown or "bf16" not in args.precisions:
-        parser.error(f"--precisions: bf16 and any of {sorted(PRECISIONS)} (got {args.precisions})")
+    if unknown or not args.precisions:
+        parser.error(f"--precisions: any of {sorted(PRECISIONS)} (got {args.precisions})")
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB, "
           f"{props.multi_processor_count} SMs, torch {torch.__version__}", flush=True)  # fmt: skip
@@ -197,11 +212,9 @@ def main() -> int:
     ckpt = random_checkpoint(LLAMA3_8B, "llama-3-8b-random")
     with tempfile.TemporaryDirectory(prefix="sitsd-quant-bench-") as tmp:
         for name in args.precisions:
-            results["runs"][name] = asyncio.run(
-                measure(
-                    ckpt, PRECISIONS[name], args.batches, args.new_tokens, args.repeats, Path(tmp)
-                )
-            )
+            run = measure(ckpt, PRECISIONS[name], args.batches, args.new_tokens, args.repeats,
+                          Path(tmp), args.prefill)  # fmt: skip
+            results["runs"][name] = asyncio.run(run)
             gc.collect()
             torch.cuda.empty_cache()
             if args.json:
