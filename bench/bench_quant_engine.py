@@ -142,9 +142,10 @@ def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tupl
         for b in batches:
             floor_s = step_bytes(r["step_weight_bytes"], arch, b, ctx) / bw
             fraction[(name, b)] = rate[name][b] * floor_s / b
-            ratio = f"{rate[name][b] / rate['bf16'][b]:>8.2f}" if "bf16" in rate else f"{'-':>8}"
+            bf16_b = rate["bf16"][b] if "bf16" in rate else None
             print(f"{name:<14}{r['weight_bytes'] / 1e9:>11.2f}{b:>7}{rate[name][b]:>9.0f}"
-                  f"{b / floor_s:>13.0f}{fraction[(name, b)]:>10.2f}{ratio}")  # fmt: skip
+                  f"{b / floor_s:>13.0f}{fraction[(name, b)]:>10.2f}"
+                  f"{_times(rate[name][b], bf16_b)}")  # fmt: skip
     flops = prefill_flops(arch, PREFILL_REQUESTS, PREFILL_PROMPT)
     tflops = {name: flops / r["prefill"]["wall_s"] / 1e12 for name, r in runs.items()
               if "prefill" in r}  # fmt: skip
@@ -153,8 +154,7 @@ def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tupl
               "included)")  # fmt: skip
         print(f"{'precision':<14}{'TFLOP/s':>9}{'of bf16 matmul':>16}{'x bf16':>8}")
         for name, t in tflops.items():
-            ratio = f"{t / tflops['bf16']:>8.2f}" if "bf16" in tflops else f"{'-':>8}"
-            print(f"{name:<14}{t:>9.0f}{t * 1e12 / mm:>16.2f}{ratio}")
+            print(f"{name:<14}{t:>9.0f}{t * 1e12 / mm:>16.2f}{_times(t, tflops.get('bf16'))}")
     if "bf16" not in rate:
         return []  # every target is a ratio to bf16
     bf16, checks = rate["bf16"], []
@@ -181,6 +181,11 @@ def print_table(results: dict, batches: list[int], new_tokens: int) -> list[tupl
     for text, met in checks:
         print(f"  {'met    ' if met else 'NOT MET'}  {text}")
     return checks
+
+
+def _times(value: float, bf16: float | None) -> str:
+    """The "x bf16" column: `value / bf16`, or "-" without a bf16 run."""
+    return f"{'-':>8}" if bf16 is None else f"{value / bf16:>8.2f}"
 
 
 def main() -> int:
